@@ -1,0 +1,30 @@
+"""eqx_gpt: a small, typed decoder-only GPT in JAX + Equinox.
+
+Every module is an `eqx.Module` acting on one example (callers `jax.vmap` over a batch), with
+jaxtyping shape annotations checked by beartype when JAX traces the call.
+"""
+
+from eqx_gpt.attention import KVCache, MultiHeadAttention, attention_weights, causal_mask
+from eqx_gpt.block import Block
+from eqx_gpt.config import GPTConfig
+from eqx_gpt.dropout import dropout
+from eqx_gpt.gpt import GPT
+from eqx_gpt.mlp import MLP
+from eqx_gpt.norm import RMSNorm
+from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.vocab import pad_vocab
+
+__all__ = [
+    "GPT",
+    "MLP",
+    "Block",
+    "GPTConfig",
+    "KVCache",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "attention_weights",
+    "causal_mask",
+    "dropout",
+    "pad_vocab",
+    "sinusoidal_positions",
+]

@@ -1,0 +1,19 @@
+"""Runtime shape checking shared by every public module.
+
+`typechecked` wraps a function so that its jaxtyping annotations are checked by beartype. The
+check runs when JAX traces the function, so inside `jit` it costs nothing at run time.
+"""
+
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+typechecked = jaxtyped(typechecker=beartype)
+
+
+def check_last_dim(x, expected: int, what: str, field: str) -> None:
+    """Raise a one-line error when the feature axis of `x` does not match the module's size."""
+    if x.shape[-1] != expected:
+        raise ValueError(
+            f"{what} expects a last axis of size {field}={expected}, got shape {tuple(x.shape)}; "
+            f"call it on one example of shape (seq, {expected}) and jax.vmap over a batch."
+        )

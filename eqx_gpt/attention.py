@@ -1,0 +1,159 @@
+"""Scaled dot-product and multi-head attention (Vaswani et al. 2017, sections 3.2.1-3.2.2)."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt.dropout import dropout
+
+
+@typechecked
+def causal_mask(seq_len: int) -> Bool[Array, "{seq_len} {seq_len}"]:
+    """Lower-triangular boolean mask: `mask[i, j]` is True when query `i` may attend to key `j <= i`."""
+    return jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+
+
+@typechecked
+def attention_weights(
+    q: Float[Array, "q_seq d_head"],
+    k: Float[Array, "kv_seq d_head"],
+    mask: Bool[Array, "q_seq kv_seq"] | None = None,
+) -> Float[Array, "q_seq kv_seq"]:
+    """`softmax(q k^T / sqrt(d_head))` for one head, hidden keys given zero weight.
+
+    Scores and softmax are computed in float32 whatever the input dtype. A hidden position gets
+    the most negative finite score rather than -inf, so a fully hidden row is uniform, not NaN.
+    """
+    scores = (q @ k.T).astype(jnp.float32) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+class KVCache(eqx.Module):
+    """Keys and values of the positions seen so far, in a buffer of fixed `capacity`.
+
+    Shapes are `(capacity, n_heads, d_head)` for one attention layer, with a leading
+    `n_layers` axis for a whole `GPT`. Slots past the current position hold stale values that
+    the decoding mask hides, so the buffer never changes shape and `jit` compiles once.
+    """
+
+    k: Float[Array, "*layers capacity heads d_head"]
+    v: Float[Array, "*layers capacity heads d_head"]
+
+
+class MultiHeadAttention(eqx.Module):
+    """Multi-head self-attention on one sequence.
+
+    A fused projection computes queries, keys and values for all heads in one matrix multiply;
+    `jax.vmap` over the head axis runs scaled dot-product attention per head; the concatenated
+    heads are projected back to `d_model`. Without a `mask` every position attends everywhere
+    (as in an encoder); pass `causal_mask(seq)` for a decoder. When `key` is given and
+    `dropout > 0`, attention weights are dropped out (training); without a key it is deterministic.
+    """
+
+    w_qkv: Float[Array, "d_model 3*d_model"]
+    w_out: Float[Array, "d_model d_model"]
+    d_model: int = eqx.field(static=True)
+    n_heads: int = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        key: PRNGKeyArray,
+        dropout: float = 0.0,
+        init_std: float = 0.02,
+    ):
+        if n_heads < 1 or d_model < 1 or d_model % n_heads:
+            raise ValueError(
+                f"MultiHeadAttention needs d_model divisible by n_heads, got d_model={d_model}, "
+                f"n_heads={n_heads}; pick n_heads that divides d_model."
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        k_qkv, k_out = jax.random.split(key)
+        self.d_model, self.n_heads, self.dropout = d_model, n_heads, dropout
+        self.w_qkv = init_std * jax.random.normal(k_qkv, (d_model, 3 * d_model), jnp.float32)
+        self.w_out = init_std * jax.random.normal(k_out, (d_model, d_model), jnp.float32)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @typechecked
+    def project_qkv(
+        self, x: Float[Array, "seq d_model"]
+    ) -> tuple[
+        Float[Array, "seq heads d_head"], Float[Array, "seq heads d_head"], Float[Array, "seq heads d_head"]
+    ]:
+        """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
+        check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
+        qkv = (x @ self.w_qkv.astype(x.dtype)).reshape(x.shape[0], 3, self.n_heads, self.d_head)
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+
+    def _attend(self, q, k, v, mask, key):
+        """Per-head attention via `jax.vmap` over heads; returns `(output, weights)`."""
+
+        def one_head(q, k, v, key):
+            w = dropout(attention_weights(q, k, mask), self.dropout, key)
+            return w.astype(v.dtype) @ v, w
+
+        keys = None if key is None else jax.random.split(key, self.n_heads)
+        out, weights = jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
+        out = out.reshape(q.shape[0], self.d_model) @ self.w_out.astype(v.dtype)
+        return out, weights
+
+    @typechecked
+    def __call__(
+        self,
+        x: Float[Array, "seq d_model"],
+        *,
+        mask: Bool[Array, "seq seq"] | None = None,
+        key: PRNGKeyArray | None = None,
+    ) -> Float[Array, "seq d_model"]:
+        """Self-attention over `x` of shape `(seq, d_model)`; `mask[i, j]` True lets `i` see `j`."""
+        q, k, v = self.project_qkv(x)
+        return self._attend(q, k, v, mask, key)[0]
+
+    @typechecked
+    def weights(
+        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, "seq seq"] | None = None
+    ) -> Float[Array, "heads seq seq"]:
+        """The attention weights `(n_heads, seq, seq)` that `__call__` uses (no dropout)."""
+        q, k, v = self.project_qkv(x)
+        return self._attend(q, k, v, mask, None)[1]
+
+    def empty_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
+        """A zeroed `KVCache` holding up to `capacity` positions."""
+        shape = (capacity, self.n_heads, self.d_head)
+        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    @typechecked
+    def decode(
+        self,
+        x: Float[Array, "new d_model"],
+        cache: KVCache,
+        start: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "new d_model"], KVCache]:
+        """Causal attention for `new` positions `start, ..., start + new - 1`, using a cache.
+
+        Writes the keys and values of `x` into `cache` at `start`, then lets each new position
+        attend to every cached position up to and including itself. Prefill a prompt with
+        `start=0` and the whole prompt; then decode one token at a time. The caller keeps
+        `start + new <= capacity` (`jax.lax.dynamic_update_slice` would otherwise clamp).
+        """
+        q, k, v = self.project_qkv(x)
+        capacity = cache.k.shape[0]
+        k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (start, 0, 0))
+        v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (start, 0, 0))
+        q_pos = start + jnp.arange(x.shape[0])
+        mask = jnp.arange(capacity)[None, :] <= q_pos[:, None]
+        out, _ = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None)
+        return out, KVCache(k=k_all, v=v_all)

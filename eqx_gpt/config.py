@@ -1,0 +1,79 @@
+"""The model's hyperparameters in one frozen dataclass."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from eqx_gpt.vocab import pad_vocab
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of a decoder-only GPT. Impossible combinations raise `ValueError` on construction.
+
+    vocab_size: number of real token ids; the embedding table is padded to `padded_vocab_size`.
+    context_length: the longest sequence the model sees (positions 0 .. context_length - 1).
+    d_model: width of the residual stream; must be even (sin/cos position pairs).
+    n_heads: attention heads; must divide d_model.
+    n_layers: decoder blocks, stacked and run with `jax.lax.scan`.
+    d_hidden: width of the MLP; None means 4 * d_model, as in the paper.
+    dropout: rate on attention weights, sub-layer outputs and embeddings while training.
+    norm_eps: epsilon of every RMSNorm.
+    scan_unroll: how many layers each iteration of the layer scan runs (speed vs compile time).
+    compute_dtype: dtype of activations and matmuls; parameters stay float32 ("mixed precision").
+    """
+
+    vocab_size: int
+    context_length: int = 256
+    d_model: int = 384
+    n_heads: int = 6
+    n_layers: int = 6
+    d_hidden: int | None = None
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    scan_unroll: int = 1
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.d_hidden is None:
+            object.__setattr__(self, "d_hidden", 4 * self.d_model)
+        positive = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "d_hidden")
+        for name in (*positive, "scan_unroll"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"choose n_heads among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
+            )
+        if self.d_model % 2:
+            raise ValueError(f"GPTConfig: d_model must be even for sinusoidal positions, got {self.d_model}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if not self.norm_eps > 0:
+            raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"GPTConfig.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
+            )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return pad_vocab(self.vocab_size)
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        """Inverse of `to_dict`; unknown keys are an error rather than silently dropped."""
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"GPTConfig has no field(s) {sorted(unknown)}")
+        return cls(**d)
