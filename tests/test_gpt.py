@@ -1,0 +1,162 @@
+"""The assembled GPT: causality, padded vocabulary, shape checks, config validation, scan."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxtyping import TypeCheckError
+
+from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
+
+CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return GPT(CFG, key=jax.random.key(0))
+
+
+def test_changing_token_t_never_changes_earlier_logits(model):
+    tokens = jax.random.randint(jax.random.key(1), (CFG.context_length,), 0, CFG.vocab_size)
+    base = np.asarray(model(tokens))
+    for t in (0, 5, CFG.context_length - 1):
+        changed = tokens.at[t].set((tokens[t] + 7) % CFG.vocab_size)
+        out = np.asarray(model(changed))
+        np.testing.assert_array_equal(out[:t], base[:t])
+        assert not np.allclose(out[t:], base[t:])
+
+
+def test_logits_cover_exactly_the_real_vocabulary(model):
+    assert CFG.padded_vocab_size == 128
+    assert model.embed.shape == (128, CFG.d_model)
+    assert model.head.shape == (CFG.d_model, 128)
+    assert model(jnp.arange(8)).shape == (8, CFG.vocab_size)
+
+
+def test_padded_ids_never_win_even_with_huge_head_weights(model):
+    # Make every padding column of the head dominate: they must still not be predictable.
+    rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
+    logits = rigged(jnp.arange(8))
+    assert logits.shape[-1] == CFG.vocab_size
+    assert int(jnp.argmax(logits, -1).max()) < CFG.vocab_size
+    assert bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_layers_start_different(model):
+    w = model.blocks.attn.w_qkv
+    assert w.shape[0] == CFG.n_layers
+    assert not np.allclose(w[0], w[1])
+
+
+def test_dropout_needs_a_key():
+    m = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
+    tokens = jnp.arange(10)
+    np.testing.assert_array_equal(m(tokens), m(tokens))
+    assert not np.allclose(m(tokens, key=jax.random.key(1)), m(tokens))
+
+
+def test_batched_and_jitted_call(model):
+    batch = jax.random.randint(jax.random.key(2), (3, 12), 0, CFG.vocab_size)
+    out = eqx.filter_jit(lambda m, b: jax.vmap(m)(b))(model, batch)
+    assert out.shape == (3, 12, CFG.vocab_size)
+    np.testing.assert_allclose(out[1], model(batch[1]), atol=1e-5)
+
+
+def test_kv_cached_decode_matches_full_forward(model):
+    tokens = jax.random.randint(jax.random.key(3), (12,), 0, CFG.vocab_size)
+    full = model(tokens)
+    cache = model.init_cache()
+    prefix, cache = model.decode(tokens[:8], cache, 0)
+    steps = []
+    for t in range(8, 12):
+        logits, cache = model.decode(tokens[t : t + 1], cache, t)
+        steps.append(logits[0])
+    np.testing.assert_allclose(prefix, full[:8], atol=1e-5)
+    np.testing.assert_allclose(jnp.stack(steps), full[8:], atol=1e-5)
+
+
+def test_attention_weights_of_every_layer(model):
+    w = model.attention_weights(jnp.arange(6))
+    assert w.shape == (CFG.n_layers, CFG.n_heads, 6, 6)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+
+
+def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
+    def n_equations(n_layers):
+        m = GPT(dataclasses.replace(CFG, n_layers=n_layers), key=jax.random.key(0))
+        jaxpr = jax.make_jaxpr(lambda m, t: m(t))(m, jnp.arange(8))
+        return len(jaxpr.jaxpr.eqns)
+
+    assert n_equations(2) == n_equations(12)
+
+
+# --- wrong shapes raise readable errors at trace time, under jit too ---
+
+
+def test_gpt_rejects_a_batch_without_vmap(model):
+    with pytest.raises(TypeCheckError):
+        model(jnp.zeros((2, 8), jnp.int32))
+
+
+def test_gpt_rejects_float_tokens_under_jit(model):
+    with pytest.raises(TypeCheckError):
+        eqx.filter_jit(lambda m, t: m(t))(model, jnp.zeros((8,), jnp.float32))
+
+
+def test_gpt_rejects_sequences_longer_than_the_context(model):
+    with pytest.raises(ValueError, match="context_length=16"):
+        model(jnp.zeros((17,), jnp.int32))
+
+
+def test_attention_rejects_a_mask_of_the_wrong_size_under_jit():
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(0))
+    with pytest.raises(TypeCheckError):
+        jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 8)), causal_mask(6))
+
+
+def test_modules_reject_a_wrong_feature_size():
+    x = jnp.zeros((4, 9))
+    with pytest.raises(ValueError, match="d_model=8"):
+        MultiHeadAttention(8, 2, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="d_model=8"):
+        MLP(8, 16, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="dim=8"):
+        RMSNorm(8)(x)
+
+
+def test_modules_reject_a_missing_sequence_axis():
+    with pytest.raises(TypeCheckError):
+        MLP(8, 16, key=jax.random.key(0))(jnp.zeros((8,)))
+
+
+# --- configuration ---
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"d_model": 30, "n_heads": 4}, "not divisible by n_heads"),
+        ({"d_model": 33, "n_heads": 3}, "even"),
+        ({"n_layers": 0}, "n_layers must be a positive integer"),
+        ({"vocab_size": -1}, "vocab_size must be a positive integer"),
+        ({"context_length": 2.5}, "context_length must be a positive integer"),
+        ({"dropout": 1.0}, "dropout"),
+        ({"compute_dtype": "int8"}, "compute_dtype"),
+    ],
+)
+def test_config_rejects_impossible_values(changes, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(CFG, **changes)
+
+
+def test_config_defaults_and_round_trip():
+    assert CFG.d_hidden == 4 * CFG.d_model
+    assert CFG.d_head == 8
+    assert GPTConfig.from_dict(CFG.to_dict()) == CFG
+    with pytest.raises(ValueError, match="no field"):
+        GPTConfig.from_dict({**CFG.to_dict(), "bogus": 1})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CFG.d_model = 64  # type: ignore[misc]

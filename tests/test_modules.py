@@ -1,0 +1,132 @@
+"""Each module's math against an independent NumPy reference written here."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt import MLP, MultiHeadAttention, RMSNorm, causal_mask, pad_vocab, sinusoidal_positions
+
+
+def np_softmax(x, axis=-1):
+    x = x - x.max(axis=axis, keepdims=True)
+    e = np.exp(x)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def np_gelu_tanh(x):
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def np_multi_head_attention(x, w_qkv, w_out, n_heads, mask=None):
+    """Textbook multi-head attention with explicit loops over heads."""
+    seq, d_model = x.shape
+    d_head = d_model // n_heads
+    qkv = x @ w_qkv
+    q, k, v = qkv[:, :d_model], qkv[:, d_model : 2 * d_model], qkv[:, 2 * d_model :]
+    heads = []
+    for h in range(n_heads):
+        sl = slice(h * d_head, (h + 1) * d_head)
+        scores = q[:, sl] @ k[:, sl].T / math.sqrt(d_head)
+        if mask is not None:
+            scores = np.where(mask, scores, -np.inf)
+        heads.append(np_softmax(scores) @ v[:, sl])
+    return np.concatenate(heads, axis=-1) @ w_out
+
+
+@pytest.mark.parametrize(("n", "expected"), [(1, 64), (64, 64), (65, 128), (50257, 50304)])
+def test_pad_vocab(n, expected):
+    assert pad_vocab(n) == expected
+
+
+def test_pad_vocab_other_multiple_and_bad_input():
+    assert pad_vocab(10, multiple=8) == 16
+    with pytest.raises(ValueError, match="n >= 1"):
+        pad_vocab(0)
+
+
+def test_sinusoidal_positions_match_paper_formula():
+    seq, d = 50, 16
+    table = np.asarray(sinusoidal_positions(seq, d))
+    ref = np.zeros((seq, d))
+    for pos in range(seq):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            ref[pos, 2 * i] = math.sin(angle)
+            ref[pos, 2 * i + 1] = math.cos(angle)
+    np.testing.assert_allclose(table, ref, atol=2e-5)
+
+
+def test_sinusoidal_positions_rejects_odd_d_model():
+    with pytest.raises(ValueError, match="even d_model"):
+        sinusoidal_positions(8, 7)
+
+
+def test_rmsnorm_matches_reference_and_learns_a_scale():
+    norm = RMSNorm(12, eps=1e-6)
+    assert norm.scale.shape == (12,)
+    x = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32) * 3
+    scale = np.linspace(0.5, 2.0, 12).astype(np.float32)
+    norm = jax.tree_util.tree_map(lambda _: jnp.asarray(scale), norm)
+    ref = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * scale
+    np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_mlp_matches_reference():
+    mlp = MLP(8, 32, key=jax.random.key(0))
+    x = np.random.default_rng(1).normal(size=(6, 8)).astype(np.float32)
+    w_in, w_out = np.asarray(mlp.w_in), np.asarray(mlp.w_out)
+    ref = np_gelu_tanh(x @ w_in) @ w_out
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_causal_mask_is_lower_triangular():
+    mask = np.asarray(causal_mask(4))
+    assert mask.dtype == bool
+    np.testing.assert_array_equal(mask, np.tril(np.ones((4, 4), bool)))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_multi_head_attention_matches_reference(masked):
+    d_model, n_heads, seq = 16, 4, 7
+    attn = MultiHeadAttention(d_model, n_heads, key=jax.random.key(2), init_std=0.3)
+    x = np.random.default_rng(3).normal(size=(seq, d_model)).astype(np.float32)
+    mask = np.asarray(causal_mask(seq)) if masked else None
+    out = attn(jnp.asarray(x), mask=None if mask is None else jnp.asarray(mask))
+    ref = np_multi_head_attention(x, np.asarray(attn.w_qkv), np.asarray(attn.w_out), n_heads, mask)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attention_without_mask_sees_the_future_and_with_causal_mask_does_not():
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (5, 8))
+    x2 = x.at[4].set(x[4] + 1.0)
+    full, full2 = attn(x), attn(x2)
+    causal, causal2 = attn(x, mask=causal_mask(5)), attn(x2, mask=causal_mask(5))
+    assert not np.allclose(full[:4], full2[:4])
+    np.testing.assert_allclose(causal[:4], causal2[:4], atol=1e-6)
+
+
+def test_attention_weights_are_distributions_and_respect_the_mask():
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    w = np.asarray(attn.weights(x, mask=causal_mask(6)))
+    assert w.shape == (2, 6, 6)
+    np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
+    assert np.all(w[:, np.triu_indices(6, 1)[0], np.triu_indices(6, 1)[1]] == 0)
+
+
+def test_attention_dropout_only_with_a_key():
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (6, 8))
+    np.testing.assert_array_equal(attn(x), attn(x))
+    a, b = attn(x, key=jax.random.key(3)), attn(x, key=jax.random.key(4))
+    assert not np.allclose(a, b)
+    assert not np.allclose(a, attn(x))
+
+
+def test_attention_rejects_heads_that_do_not_divide_d_model():
+    with pytest.raises(ValueError, match="divisible by n_heads"):
+        MultiHeadAttention(10, 3, key=jax.random.key(0))
