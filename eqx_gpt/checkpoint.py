@@ -1,0 +1,230 @@
+"""Checkpoints: weights and optimiser state in Equinox's serialisation, the rest in JSON.
+
+A checkpoint named `latest` (or `best`) in a run directory is a pair of files:
+
+    latest.json             metadata, written LAST: step, configs, tokenizer, losses, and the
+                            name and sha256 of the weights file below
+    latest-<sha256[:16]>.eqx  `eqx.tree_serialise_leaves` of the model, then the optimiser state
+
+Every file is written to a temporary file in the same directory, fsynced and `os.replace`d into
+place, so a crash at any moment leaves either the old or the new JSON, and the JSON always names a
+complete weights file whose hash it records. Weights files no longer named by a JSON are deleted
+after the JSON is replaced. Nothing is pickled: the weights are `.npy` arrays read with
+`allow_pickle=False` into templates built by `eqx.filter_eval_shape`, and the rest is JSON, so
+loading a checkpoint cannot run code.
+"""
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from eqx_gpt.config import GPTConfig
+from eqx_gpt.gpt import GPT
+from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
+
+FORMAT = "eqx_gpt-checkpoint"
+VERSION = 1
+NAMES = ("best", "latest")  # what `find_checkpoint` looks for in a run directory, in this order
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, corrupt or inconsistent (one-line message)."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. platforms where directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Replace `path` by `data` so that readers see the old file or the new one, never a mix."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _serialise(*trees: Any) -> bytes:
+    buffer = io.BytesIO()
+    for tree in trees:
+        eqx.tree_serialise_leaves(buffer, tree)
+    return buffer.getvalue()
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    name: str,
+    model: GPT,
+    opt_state: Any,
+    *,
+    step: int,
+    tokenizer: Tokenizer,
+    train_config: dict,
+    **metadata: Any,
+) -> Path:
+    """Write checkpoint `name` ("latest", "best") of a run into `out_dir`; return its JSON path.
+
+    `metadata` holds any further JSON-ready values (losses, the schedule length, ...). The model's
+    `GPTConfig` is taken from the model itself.
+    """
+    out_dir = Path(out_dir)
+    weights = _serialise(model, opt_state)
+    digest = hashlib.sha256(weights).hexdigest()
+    weights_name = f"{name}-{digest[:16]}.eqx"
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(step),
+        "weights": weights_name,
+        "sha256": digest,
+        "model_config": model.config.to_dict(),
+        "train_config": train_config,
+        "tokenizer": tokenizer.to_dict(),
+        **metadata,
+    }
+    atomic_write_bytes(out_dir / weights_name, weights)
+    json_path = out_dir / f"{name}.json"
+    atomic_write_bytes(json_path, (json.dumps(meta, indent=1) + "\n").encode())
+    for stale in out_dir.glob(f"{name}-*.eqx"):
+        if stale.name != weights_name:
+            stale.unlink(missing_ok=True)
+    return json_path
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The metadata (`.json`) path of a checkpoint.
+
+    `path` is a run directory (its best checkpoint, else its latest) or a checkpoint's `.json` or
+    `.eqx` file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        for name in NAMES:
+            if (path / f"{name}.json").is_file():
+                return path / f"{name}.json"
+        raise CheckpointError(f"no checkpoint in {path}/: run `uv run train.py` first")
+    if path.suffix == ".eqx":  # a weights file: its JSON is `<name>.json` beside it
+        path = path.with_name(path.name.rsplit("-", 1)[0] + ".json")
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}: run `uv run train.py` first")
+    return path
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The metadata of the checkpoint at `path` (see `find_checkpoint`), checked for consistency."""
+    path = find_checkpoint(path)
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an eqx_gpt checkpoint")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {meta.get('version')}, expected {VERSION}"
+        )
+    for key in ("step", "weights", "sha256", "model_config", "train_config", "tokenizer"):
+        if key not in meta:
+            raise CheckpointError(f"checkpoint {path} lacks {key!r}; it is corrupt")
+    if Path(meta["weights"]).name != meta["weights"]:
+        raise CheckpointError(f"checkpoint {path} names a weights file outside its directory")
+    meta["path"] = str(path)
+    return meta
+
+
+def _read_weights(meta: dict) -> io.BytesIO:
+    path = Path(meta["path"]).with_name(meta["weights"])
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint weights {path} cannot be read ({e.strerror or e})") from None
+    if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        raise CheckpointError(
+            f"checkpoint weights {path} do not match their recorded sha256; the file is corrupt"
+        )
+    return io.BytesIO(data)
+
+
+def model_template(config: GPTConfig) -> GPT:
+    """A `GPT` of `config` whose arrays are shapes only (no memory, no compute)."""
+    return eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
+
+
+def _model_config(meta: dict) -> GPTConfig:
+    try:
+        return GPTConfig.from_dict(meta["model_config"])
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {meta['path']} has an invalid model config: {e}") from None
+
+
+def _tokenizer(meta: dict, config: GPTConfig) -> Tokenizer:
+    try:
+        tokenizer = tokenizer_from_dict(meta["tokenizer"])
+    except TokenizerError as e:
+        raise CheckpointError(f"checkpoint {meta['path']}: {e}") from None
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(
+            f"checkpoint {meta['path']}: tokenizer has {tokenizer.vocab_size} ids but the model "
+            f"config says vocab_size={config.vocab_size}"
+        )
+    return tokenizer
+
+
+def _deserialise(f: io.BytesIO, like: Any, meta: dict) -> Any:
+    try:
+        return eqx.tree_deserialise_leaves(f, like)
+    except Exception as e:  # truncated/garbled .npy data raises several exception types
+        raise CheckpointError(
+            f"checkpoint weights for {meta['path']} do not fit its config ({type(e).__name__}); "
+            f"the file is corrupt or from another version"
+        ) from None
+
+
+def load_model(path: str | Path) -> tuple[GPT, Tokenizer, dict]:
+    """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped)."""
+    meta = read_metadata(path)
+    config = _model_config(meta)
+    tokenizer = _tokenizer(meta, config)
+    model = _deserialise(_read_weights(meta), model_template(config), meta)
+    return model, tokenizer, meta
+
+
+def load_checkpoint(path: str | Path, opt_state_like: Any) -> tuple[GPT, Any, Tokenizer, dict]:
+    """`(model, opt_state, tokenizer, metadata)` to resume training.
+
+    `opt_state_like` is a template of the optimiser state (e.g. from `eqx.filter_eval_shape`).
+    """
+    meta = read_metadata(path)
+    config = _model_config(meta)
+    tokenizer = _tokenizer(meta, config)
+    f = _read_weights(meta)
+    model = _deserialise(f, model_template(config), meta)
+    opt_state = _deserialise(f, opt_state_like, meta)
+    if f.read(1):
+        raise CheckpointError(
+            f"checkpoint weights for {meta['path']} have trailing data; the file is corrupt"
+        )
+    return model, opt_state, tokenizer, meta

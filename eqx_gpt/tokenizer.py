@@ -1,0 +1,127 @@
+"""Tokenizers: text <-> integer ids. A character vocabulary (the default) or GPT-2's BPE.
+
+Both kinds share one small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
+`vocab_size`, `name`, and `to_dict()`, whose JSON-ready output `tokenizer_from_dict` turns back
+into the same tokenizer (checkpoints store it beside the weights).
+"""
+
+from collections.abc import Iterable
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be built or cannot encode/decode its input (one-line message)."""
+
+
+class CharTokenizer:
+    """One id per character: id `i` is `chars[i]`.
+
+    Built from a corpus with `CharTokenizer.from_text(text)` (its sorted distinct characters, 65
+    for Tiny Shakespeare); saved with the checkpoint, because another corpus gives other ids.
+    """
+
+    name = "char"
+
+    def __init__(self, chars: str):
+        if not chars:
+            raise TokenizerError("CharTokenizer needs at least one character")
+        if len(set(chars)) != len(chars):
+            raise TokenizerError("CharTokenizer characters must be distinct")
+        self.chars = chars
+        self._ids = {c: i for i, c in enumerate(chars)}
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        """The tokenizer whose vocabulary is the sorted distinct characters of `text`."""
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids
+        try:
+            return [ids[c] for c in text]
+        except KeyError:
+            unknown = sorted({c for c in text if c not in ids})
+            raise TokenizerError(
+                "prompt has characters the tokenizer does not know: " + ", ".join(map(repr, unknown))
+            ) from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        chars, n = self.chars, len(self.chars)
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < n:
+                raise TokenizerError(f"token id {i} is outside the character vocabulary [0, {n})")
+            out.append(chars[i])
+        return "".join(out)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.name, "chars": self.chars}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CharTokenizer) and other.chars == self.chars
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class GPT2Tokenizer:
+    """GPT-2's byte-pair encoding via tiktoken: 50257 ids (the model pads its table to 50304).
+
+    tiktoken downloads its two BPE files once and caches them; set `TIKTOKEN_CACHE_DIR` to a
+    folder holding them to work offline.
+    """
+
+    name = "gpt2"
+
+    def __init__(self):
+        import tiktoken
+
+        try:
+            self._encoding = tiktoken.get_encoding("gpt2")
+        except Exception as e:  # network or cache failures come in many exception types
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(
+                f"tiktoken could not load the GPT-2 BPE files ({reason}); connect to the network once "
+                f"or set TIKTOKEN_CACHE_DIR to a folder that holds them"
+            ) from None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        # Special tokens such as "<|endoftext|>" are encoded as plain text, never as control ids.
+        return self._encoding.encode_ordinary(text)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise TokenizerError(f"token id {bad[0]} is outside the GPT-2 vocabulary [0, {self.vocab_size})")
+        return self._encoding.decode(ids)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.name}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, GPT2Tokenizer)
+
+    def __repr__(self) -> str:
+        return "GPT2Tokenizer(vocab_size=50257)"
+
+
+Tokenizer = CharTokenizer | GPT2Tokenizer
+
+
+def tokenizer_from_dict(d: dict) -> Tokenizer:
+    """Inverse of `to_dict` for either tokenizer kind."""
+    kind = d.get("kind") if isinstance(d, dict) else None
+    if kind == CharTokenizer.name and isinstance(d.get("chars"), str):
+        return CharTokenizer(d["chars"])
+    if kind == GPT2Tokenizer.name:
+        return GPT2Tokenizer()
+    raise TokenizerError(f"unknown tokenizer description {d!r}; expected kind 'char' (with chars) or 'gpt2'")
