@@ -6,18 +6,29 @@ jaxtyping shape annotations checked by beartype when JAX traces the call.
 
 from eqx_gpt.attention import KVCache, MultiHeadAttention, attention_weights, causal_mask
 from eqx_gpt.block import Block
+from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.dropout import dropout
 from eqx_gpt.gpt import GPT
 from eqx_gpt.mlp import MLP
 from eqx_gpt.norm import RMSNorm
 from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.vocab import pad_vocab
 
 __all__ = [
     "GPT",
     "MLP",
     "Block",
+    "CharTokenizer",
+    "CheckpointError",
+    "GPT2Tokenizer",
+    "TokenizerError",
+    "find_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "save_checkpoint",
+    "tokenizer_from_dict",
     "GPTConfig",
     "KVCache",
     "MultiHeadAttention",
