@@ -9,10 +9,12 @@ from eqx_gpt.block import Block
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.dropout import dropout
+from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_batch
 from eqx_gpt.gpt import GPT
 from eqx_gpt.mlp import MLP
 from eqx_gpt.norm import RMSNorm
 from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.sampling import sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.vocab import pad_vocab
 
@@ -38,4 +40,11 @@ __all__ = [
     "dropout",
     "pad_vocab",
     "sinusoidal_positions",
+    "generate",
+    "generate_batch",
+    "naive_generate",
+    "stream_batch",
+    "sample_next_token",
+    "top_k_filter",
+    "top_p_filter",
 ]

@@ -1,0 +1,349 @@
+"""Autoregressive generation with a key/value cache, and the naive reference it must match.
+
+How the cached loop works:
+
+1. **Prefill.** The prompt (cropped to its last `context_length` tokens) is padded to a
+   power-of-two *bucket* (at least 16, at most `context_length`) and run once through
+   `GPT.decode` at position 0, filling a fixed-size per-layer `KVCache` of `context_length`
+   slots. Padded slots hold junk that the causal mask hides and that later tokens overwrite, so
+   only a handful of prompt shapes (log2 of the context) are ever compiled.
+2. **Decode.** Each step samples a token from the latest logits and runs `GPT.decode` on that one
+   token at the next position: one position of work per token, not a whole window. Steps run
+   inside a jitted `jax.lax.scan` of `chunk_size` tokens that carries the cache, so one compiled
+   program serves every prompt length, temperature, top-k and top-p value.
+3. **Sliding past the context.** The model has absolute (sinusoidal) positions, so cached keys
+   belong to the positions they were computed at and a ring buffer would not be exact. Instead,
+   when the window already holds `context_length` tokens and one more arrives, the window is cut
+   to its most recent `keep` tokens (default `context_length // 2`, the new token included),
+   these are re-prefilled at positions `0 .. keep - 1` in one pass, and decoding continues one
+   token at a time. That costs one `keep`-token prefill every `context_length - keep + 1`
+   tokens. `keep = context_length` gives nanoGPT's true sliding window (every token then pays a
+   full-window pass). The same policy, stated on token lists, is `naive_generate`'s: predict from
+   the window `W`; append the new token; if `len(W) > context_length`, `W = W[-keep:]`.
+
+Randomness: token `i` of sample (row) `r` is drawn with `fold_in(fold_in(key, r), i)`, so the
+same key gives the same tokens whatever the chunk size, and sample 0 of a batch equals `generate`.
+"""
+
+from collections import Counter
+from collections.abc import Iterator
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqx_gpt.attention import KVCache
+from eqx_gpt.gpt import GPT
+from eqx_gpt.sampling import check_sampling_args, sample_next_token
+
+# How many times each jitted function has been traced (compiled), so tests can prove the loop
+# does not recompile per token, prompt length or sampling setting.
+trace_counts: Counter = Counter()
+
+
+class GenerationState(eqx.Module):
+    """What the decode loop carries between tokens, for a batch of rows sharing one length.
+
+    cache: per-row `KVCache`, shapes `(batch, n_layers, context_length, n_heads, d_head)`.
+    window: `(batch, context_length)` token ids at the cache positions (valid up to `length`).
+    length: number of positions in the window (the same for every row).
+    logits: `(batch, vocab)` next-token logits.
+    produced: how many tokens have been generated so far (the index of the next one).
+    """
+
+    cache: KVCache
+    window: Int[Array, "batch context"]
+    length: Int[Array, ""]
+    logits: Float[Array, "batch vocab"]
+    produced: Int[Array, ""]
+
+
+def prompt_bucket(length: int, context_length: int) -> int:
+    """The padded size a prompt of `length` tokens is run at: a power of two in [16, context]."""
+    return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
+
+
+def _decode_rows(model: GPT, tokens, cache, start):
+    """`GPT.decode` on every row of a batch; rows share `start`."""
+    return jax.vmap(model.decode, in_axes=(0, 0, None))(tokens, cache, start)
+
+
+@eqx.filter_jit
+def _prefill(model: GPT, padded: Int[Array, "batch bucket"], length: Int[Array, ""]) -> GenerationState:
+    trace_counts["prefill"] += 1
+    batch, bucket = padded.shape
+    context = model.config.context_length
+    empty = model.init_cache()
+    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), empty)
+    logits, cache = _decode_rows(model, padded, cache, 0)
+    window = jnp.zeros((batch, context), jnp.int32).at[:, :bucket].set(padded)
+    return GenerationState(cache, window, length, logits[:, length - 1], jnp.zeros((), jnp.int32))
+
+
+def _row_keys(key, batch, index):
+    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(jnp.arange(batch))
+
+
+@eqx.filter_jit
+def _decode_steps(
+    model: GPT,
+    state: GenerationState,
+    key: PRNGKeyArray,
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""] | None,
+    top_p: Float[Array, ""] | None,
+    n_steps: int,
+    keep: int,
+) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
+    """`n_steps` tokens per row: sample from `state.logits`, then feed the token back in."""
+    trace_counts["decode_steps"] += 1
+    context = model.config.context_length
+    batch = state.window.shape[0]
+    sample = jax.vmap(
+        lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
+    )
+
+    def append(state, token):
+        logits, cache = _decode_rows(model, token[:, None], state.cache, state.length)
+        window = jax.lax.dynamic_update_slice(state.window, token[:, None], (0, state.length))
+        return GenerationState(cache, window, state.length + 1, logits[:, 0], state.produced + 1)
+
+    def slide(state, token):
+        kept = jnp.concatenate([state.window[:, context - keep + 1 :], token[:, None]], axis=1)
+        logits, cache = _decode_rows(model, kept, state.cache, 0)
+        window = jnp.zeros_like(state.window).at[:, :keep].set(kept)
+        return GenerationState(cache, window, jnp.array(keep, jnp.int32), logits[:, -1], state.produced + 1)
+
+    def step(state, _):
+        token = sample(state.logits, _row_keys(key, batch, state.produced))
+        state = jax.lax.cond(state.length < context, append, slide, state, token)
+        return state, token
+
+    state, tokens = jax.lax.scan(step, state, length=n_steps)
+    return state, tokens.T
+
+
+def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
+    """Validate arguments; return `(prompts (batch, seq) int32 cropped to the context, keep)`."""
+    check_sampling_args(temperature, top_k, top_p)
+    context = model.config.context_length
+    keep = context // 2 if keep is None else keep
+    if not 1 <= keep <= context:
+        raise ValueError(f"keep must be in [1, context_length={context}], got {keep}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    prompts = np.asarray(prompts)
+    if prompts.ndim != 2 or prompts.shape[1] == 0:
+        raise ValueError(
+            f"the prompt must hold at least one token, got shape {prompts.shape}; "
+            "start from e.g. the id of a newline"
+        )
+    if not np.issubdtype(prompts.dtype, np.integer):
+        raise ValueError(f"prompt tokens must be integers, got dtype {prompts.dtype}")
+    if prompts.min() < 0 or prompts.max() >= model.config.vocab_size:
+        raise ValueError(
+            f"prompt token ids must be in [0, vocab_size={model.config.vocab_size}), "
+            f"got ids from {prompts.min()} to {prompts.max()}"
+        )
+    return prompts[:, -context:].astype(np.int32), keep
+
+
+def stream_batch(
+    model: GPT,
+    prompts: Int[Array, "batch seq"] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: int | None = None,
+    chunk_size: int = 32,
+) -> Iterator[np.ndarray]:
+    """Generate from each row of `prompts` (equal lengths), yielding `(batch, <= chunk_size)`
+    NumPy arrays of new token ids as each chunk finishes; `max_new_tokens` in total.
+
+    The next chunk is dispatched before the current one is handed over, so the device keeps
+    working while the caller prints. See the module docstring for the cache and sliding policy.
+    """
+    prompts, keep = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep)
+    if max_new_tokens == 0:
+        return
+    length = prompts.shape[1]
+    bucket = prompt_bucket(length, model.config.context_length)
+    padded = np.zeros((prompts.shape[0], bucket), np.int32)
+    padded[:, :length] = prompts
+    state = _prefill(model, jnp.asarray(padded), jnp.asarray(length, jnp.int32))
+    greedy = temperature == 0
+    sampling = dict(
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
+        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
+    )
+    pending = []
+    for produced in range(0, max_new_tokens, chunk_size):
+        state, tokens = _decode_steps(model, state, key, n_steps=chunk_size, keep=keep, **sampling)
+        pending.append((tokens, min(chunk_size, max_new_tokens - produced)))
+        if len(pending) == 2:
+            tokens, n = pending.pop(0)
+            yield np.asarray(tokens)[:, :n]
+    for tokens, n in pending:
+        yield np.asarray(tokens)[:, :n]
+
+
+def generate_batch(
+    model: GPT,
+    prompts: Int[Array, "batch seq"] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: int | None = None,
+    chunk_size: int = 32,
+) -> np.ndarray:
+    """`(batch, max_new_tokens)` new token ids, one row per prompt row (all rows equally long).
+
+    For several samples of one prompt, repeat it: `np.tile(prompt, (n, 1))`; each row draws
+    its own randomness. `temperature=0` is greedy; `top_k`/`top_p` restrict sampling (see
+    `eqx_gpt.sampling.sample_next_token`). Only real vocabulary ids are produced.
+    """
+    chunks = list(
+        stream_batch(
+            model,
+            prompts,
+            max_new_tokens,
+            key=key,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            keep=keep,
+            chunk_size=chunk_size,
+        )
+    )
+    batch = np.asarray(prompts).shape[0]
+    return np.concatenate(chunks, axis=1) if chunks else np.zeros((batch, 0), np.int32)
+
+
+def generate(
+    model: GPT,
+    prompt_tokens: Int[Array, " seq"] | np.ndarray | list[int],
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: int | None = None,
+    chunk_size: int = 32,
+) -> np.ndarray:
+    """`max_new_tokens` new token ids `(max_new_tokens,)` continuing `prompt_tokens` `(seq,)`.
+
+    KV-cached: the prompt is prefilled once, then each token costs one position. Past
+    `context_length` the window slides as described in the module docstring (cut to the last
+    `keep` tokens, default `context_length // 2`, and re-prefilled). `temperature=0` is greedy.
+    """
+    prompts = np.asarray(prompt_tokens)[None]
+    return generate_batch(
+        model,
+        prompts,
+        max_new_tokens,
+        key=key,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        keep=keep,
+        chunk_size=chunk_size,
+    )[0]
+
+
+@eqx.filter_jit
+def _naive_step(model, window, length, key, index, temperature, top_k, top_p):
+    trace_counts["naive_step"] += 1
+    logits = model(window)[length - 1]
+    key = jax.random.fold_in(jax.random.fold_in(key, 0), index)
+    return sample_next_token(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def naive_generate(
+    model: GPT,
+    prompt_tokens: Int[Array, " seq"] | np.ndarray | list[int],
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: int | None = None,
+) -> np.ndarray:
+    """The reference: rerun the model on the whole window for every token (as nanoGPT does).
+
+    Same sliding policy and per-token randomness as `generate`, so within float rounding the two
+    give the same tokens. The window is padded to a power-of-two bucket (causal attention makes
+    the padding invisible), so the cost tracks the window length with a few compiled shapes.
+    """
+    prompts, keep = _prepare(
+        model, np.asarray(prompt_tokens)[None], max_new_tokens, temperature, top_k, top_p, keep
+    )
+    context = model.config.context_length
+    window = list(prompts[0])
+    greedy = temperature == 0
+    sampling = dict(
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
+        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
+    )
+    out = []
+    for i in range(max_new_tokens):
+        padded = np.zeros(prompt_bucket(len(window), context), np.int32)
+        padded[: len(window)] = window
+        length = jnp.asarray(len(window), jnp.int32)
+        token = int(_naive_step(model, jnp.asarray(padded), length, key, jnp.asarray(i), **sampling))
+        out.append(token)
+        window.append(token)
+        if len(window) > context:
+            window = window[-keep:]
+    return np.asarray(out, np.int32)
+
+
+def stream_text(
+    model: GPT,
+    tokenizer,
+    prompt_tokens: list[int],
+    max_new_tokens: int,
+    *,
+    key: PRNGKeyArray,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    keep: int | None = None,
+    chunk_size: int = 32,
+) -> Iterator[str]:
+    """`generate`, yielding the continuation as text, a chunk of tokens at a time.
+
+    A byte-level tokenizer (GPT-2 BPE) can split one UTF-8 character across tokens; text that ends
+    in an incomplete character (decoded as U+FFFD) is held back until the next chunk completes it.
+    """
+    pending: list[int] = []
+    chunks = stream_batch(
+        model,
+        np.asarray(prompt_tokens)[None],
+        max_new_tokens,
+        key=key,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        keep=keep,
+        chunk_size=chunk_size,
+    )
+    for chunk in chunks:
+        pending.extend(int(t) for t in chunk[0])
+        text = tokenizer.decode(pending)
+        if not text.endswith("\ufffd"):
+            pending.clear()
+            yield text
+    if pending:
+        yield tokenizer.decode(pending)

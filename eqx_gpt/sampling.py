@@ -1,0 +1,76 @@
+"""Choosing the next token from logits: temperature, top-k and nucleus (top-p) sampling.
+
+Every function here acts on the logits of ONE position, shape `(vocab,)`, and works under `jit`
+with traced `temperature`, `top_k` and `top_p` values (only whether a filter is used at all is a
+Python-level choice), so changing a setting does not recompile.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from eqx_gpt._checks import typechecked
+
+
+def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise a one-line `ValueError` naming a bad sampling setting and its valid range."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 (or None to keep every token), got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
+
+
+def _rank(logits):
+    """`rank[i]` = position of token `i` in descending order of logit; ties keep the lower id first
+    (the order `argmax` uses, so `top_k=1` picks exactly the greedy token)."""
+    order = jnp.argsort(-logits, stable=True)
+    return order, jnp.zeros_like(order).at[order].set(jnp.arange(logits.shape[0]))
+
+
+@typechecked
+def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
+    """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id)."""
+    _, rank = _rank(logits)
+    return jnp.where(rank < k, logits, -jnp.inf)
+
+
+@typechecked
+def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) -> Float[Array, " vocab"]:
+    """Nucleus filter: keep the smallest set of most probable tokens whose total probability
+    reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p >= 1` keeps all.
+    """
+    order, rank = _rank(logits)
+    probs = jax.nn.softmax(logits)[order]
+    # A token stays when the tokens ranked above it have not yet reached p.
+    mass_above = jnp.cumsum(probs) - probs
+    keep_sorted = (mass_above < p) | (p >= 1)
+    return jnp.where(keep_sorted[rank], logits, -jnp.inf)
+
+
+@typechecked
+def sample_next_token(
+    logits: Float[Array, " vocab"],
+    key: PRNGKeyArray,
+    *,
+    temperature: Float[Array, ""] | float = 1.0,
+    top_k: Int[Array, ""] | int | None = None,
+    top_p: Float[Array, ""] | float | None = None,
+) -> Int[Array, ""]:
+    """One token id drawn from `softmax(logits / temperature)` restricted by top-k then top-p.
+
+    `temperature == 0` means greedy (`argmax`, no randomness). `top_k=None` / `top_p=None` skip
+    that filter. The filters are applied in the order temperature, top-k, top-p (top-p measures
+    mass on the distribution that top-k left). Only ids `< len(logits)` can come out, so passing
+    the model's (padding-free) logits never yields a padded vocabulary id.
+    """
+    greedy = jnp.argmax(logits)
+    # Any positive stand-in avoids 0/0 on the greedy path; `where` below discards that branch.
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    if top_k is not None:
+        scaled = top_k_filter(scaled, top_k)
+    if top_p is not None:
+        scaled = top_p_filter(scaled, top_p)
+    drawn = jax.random.categorical(key, scaled)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)

@@ -1,0 +1,99 @@
+"""Pictures of what a model computes: attention heatmaps and the sinusoidal position table.
+
+Figures are drawn with matplotlib's object API (`Figure`, no `pyplot`), which renders PNGs with
+the Agg backend and needs no display.
+"""
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from eqx_gpt.gpt import GPT
+from eqx_gpt.positions import sinusoidal_positions
+
+# Characters that would be invisible or break a tick label get a visible stand-in.
+_VISIBLE = {"\n": "\\n", " ": "␣", "\t": "\\t", "\r": "\\r", "$": r"\$"}
+
+
+def token_labels(pieces: list[str]) -> list[str]:
+    """Tick labels for token strings: whitespace made visible, long pieces shortened."""
+    labels = []
+    for piece in pieces:
+        text = "".join(_VISIBLE.get(ch, ch) for ch in piece)
+        labels.append(text if len(text) <= 8 else text[:7] + "…")
+    return labels
+
+
+def plot_attention(weights: np.ndarray, labels: list[str], path: str | Path, *, title: str = "") -> Path:
+    """Write a grid of heatmaps, one per (layer, head), of `weights` `(layers, heads, seq, seq)`.
+
+    Row `l`, column `h` shows `weights[l, h, query, key]`: queries down the side, keys along the
+    top, each labelled with its token. Returns the path written.
+    """
+    weights = np.asarray(weights)
+    n_layers, n_heads, seq, _ = weights.shape
+    if len(labels) != seq:
+        raise ValueError(f"plot_attention got {len(labels)} labels for {seq} positions")
+    cell = max(1.6, 0.14 * seq)
+    fig = Figure(figsize=(cell * n_heads + 0.8, cell * n_layers + 0.6), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    show_ticks = seq <= 48
+    font = max(4, min(8, 220 // max(seq, 1)))
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            ax = axes[layer, head]
+            image = ax.imshow(
+                weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest"
+            )
+            ax.set_title(f"layer {layer} head {head}", fontsize=8)
+            if show_ticks:
+                ax.set_xticks(range(seq), labels, fontsize=font, rotation=90)
+                ax.set_yticks(range(seq), labels, fontsize=font)
+                ax.tick_params(length=0, labeltop=True, labelbottom=False)
+            else:
+                ax.set_xticks([])
+                ax.set_yticks([])
+    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    if title:
+        fig.suptitle(title)
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_model_attention(model: GPT, tokens: list[int], pieces: list[str], path: str | Path) -> Path:
+    """Draw `model`'s attention for `tokens` (their decoded `pieces` label the axes).
+
+    Uses `GPT.attention_weights`, i.e. the very attention code the model runs. Only the last
+    `context_length` tokens are drawn, as the model cannot see further back.
+    """
+    if not tokens:
+        raise ValueError("plot_model_attention needs at least one token")
+    context = model.config.context_length
+    tokens, pieces = tokens[-context:], pieces[-context:]
+    weights = model.attention_weights(np.asarray(tokens, np.int32))
+    return plot_attention(
+        np.asarray(weights), token_labels(pieces), path, title="attention weights (query ↓, key →)"
+    )
+
+
+def plot_positions(context_length: int, d_model: int, path: str | Path) -> Path:
+    """Write a heatmap of the sinusoidal position table `(context_length, d_model)` and a few of
+    its columns as curves: low features oscillate fast, high features slowly."""
+    table = np.asarray(sinusoidal_positions(context_length, d_model))
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
+    heat, curves = fig.subplots(1, 2, width_ratios=[1.3, 1])
+    image = heat.imshow(table, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest")
+    heat.set_xlabel("feature (even: sin, odd: cos)")
+    heat.set_ylabel("position")
+    heat.set_title(f"sinusoidal positions ({context_length} x {d_model})")
+    fig.colorbar(image, ax=heat)
+    for feature in sorted({0, 2, d_model // 8 * 2, d_model // 4 * 2, d_model - 2}):
+        curves.plot(table[:, feature], label=f"feature {feature}")
+    curves.set_xlabel("position")
+    curves.set_title("sin features: wavelength grows with the feature index")
+    curves.legend(fontsize=7, loc="lower left")
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,140 @@
+"""Sample text from a trained eqx_gpt model, streaming it to stdout as it is generated.
+
+    uv run sample.py --prompt "ROMEO:"
+    uv run sample.py --checkpoint out/ --prompt-file opening.txt --max-new-tokens 300 --top-p 0.9
+    uv run sample.py --prompt "ROMEO:" --max-new-tokens 0 --attention-png attention.png
+
+Without --prompt/--prompt-file generation starts from a newline (as nanoGPT does); an explicitly
+empty prompt is an error. Bad input prints one line to stderr and exits with code 2.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = _Parser(prog="sample.py", description="Generate text from a trained eqx_gpt checkpoint.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="text to continue (default: a newline)")
+    source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
+    p.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=Path("out"),
+        help="run directory (its best checkpoint, else latest) or checkpoint file (default: out/)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with mass >= p")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1337, help="same seed, same text")
+    p.add_argument("--attention-png", type=Path, help="draw every layer's and head's attention on the prompt")
+    p.add_argument("--positions-png", type=Path, help="draw the model's sinusoidal position table")
+    return p.parse_args(argv)
+
+
+def _enable_compile_cache() -> None:
+    """Keep compiled programs on disk so that the second run starts generating sooner."""
+    import jax
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    jax.config.update("jax_compilation_cache_dir", str(base / "eqx_gpt" / "jax"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file is not None:
+        try:
+            text = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(
+                f"cannot read --prompt-file {args.prompt_file}: {getattr(e, 'strerror', None) or e}"
+            ) from None
+    else:
+        text = "\n" if args.prompt is None else args.prompt
+    if not text:
+        raise ValueError("the prompt is empty; pass some text, or leave out --prompt to start from a newline")
+    return text
+
+
+def _check_numbers(args) -> None:
+    from eqx_gpt.sampling import check_sampling_args
+
+    check_sampling_args(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    _enable_compile_cache()
+    import jax
+
+    from eqx_gpt.checkpoint import find_checkpoint, load_model
+    from eqx_gpt.generate import stream_text
+
+    try:
+        _check_numbers(args)
+        prompt = _read_prompt(args)
+        model, tokenizer, _ = load_model(find_checkpoint(args.checkpoint))
+        tokens = tokenizer.encode(prompt)
+        if not tokens:
+            raise ValueError(f"the prompt {prompt!r} encodes to no tokens; pass some text")
+    except ValueError as e:  # CheckpointError and TokenizerError are ValueErrors
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 2
+
+    if args.attention_png or args.positions_png:
+        from eqx_gpt.visualize import plot_model_attention, plot_positions
+
+        if args.attention_png:
+            pieces = [tokenizer.decode([t]) for t in tokens]
+            plot_model_attention(model, tokens, pieces, args.attention_png)
+            print(f"wrote {args.attention_png}", file=sys.stderr)
+        if args.positions_png:
+            plot_positions(model.config.context_length, model.config.d_model, args.positions_png)
+            print(f"wrote {args.positions_png}", file=sys.stderr)
+    if args.max_new_tokens == 0:
+        return 0
+
+    seed_key = jax.random.key(args.seed)
+    for i in range(args.num_samples):
+        if i:
+            sys.stdout.write("\n" + "-" * 40 + "\n")
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        pieces = stream_text(
+            model,
+            tokenizer,
+            tokens,
+            args.max_new_tokens,
+            key=jax.random.fold_in(seed_key, i),
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+        )
+        for text in pieces:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:  # e.g. `| head`: the reader left, nothing more to say
+        sys.stderr.close()
+        sys.exit(0)
