@@ -26,7 +26,7 @@ same key gives the same tokens whatever the chunk size, and sample 0 of a batch 
 """
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import equinox as eqx
 import jax
@@ -324,10 +324,9 @@ def stream_text(
 ) -> Iterator[str]:
     """`generate`, yielding the continuation as text, a chunk of tokens at a time.
 
-    A byte-level tokenizer (GPT-2 BPE) can split one UTF-8 character across tokens; text that ends
-    in an incomplete character (decoded as U+FFFD) is held back until the next chunk completes it.
+    A byte-level tokenizer (GPT-2 BPE) can split one UTF-8 character across tokens, so text is
+    released only when it ends on a complete character (see `decode_incrementally`).
     """
-    pending: list[int] = []
     chunks = stream_batch(
         model,
         np.asarray(prompt_tokens)[None],
@@ -339,8 +338,18 @@ def stream_text(
         keep=keep,
         chunk_size=chunk_size,
     )
+    yield from decode_incrementally(tokenizer, (chunk[0] for chunk in chunks))
+
+
+def decode_incrementally(tokenizer, chunks: Iterable[Iterable[int]]) -> Iterator[str]:
+    """Text of successive chunks of token ids, never ending inside a multi-byte character.
+
+    Text that ends in an incomplete character (decoded as U+FFFD) is held back until a later chunk
+    completes it; whatever is left is decoded at the end.
+    """
+    pending: list[int] = []
     for chunk in chunks:
-        pending.extend(int(t) for t in chunk[0])
+        pending.extend(int(t) for t in chunk)
         text = tokenizer.decode(pending)
         if not text.endswith("\ufffd"):
             pending.clear()

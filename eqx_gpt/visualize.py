@@ -6,6 +6,8 @@ the Agg backend and needs no display.
 
 from pathlib import Path
 
+import equinox as eqx
+import jax.numpy as jnp
 import numpy as np
 from matplotlib.figure import Figure
 
@@ -72,7 +74,7 @@ def plot_model_attention(model: GPT, tokens: list[int], pieces: list[str], path:
         raise ValueError("plot_model_attention needs at least one token")
     context = model.config.context_length
     tokens, pieces = tokens[-context:], pieces[-context:]
-    weights = model.attention_weights(np.asarray(tokens, np.int32))
+    weights = eqx.filter_jit(GPT.attention_weights)(model, jnp.asarray(tokens, jnp.int32))
     return plot_attention(
         np.asarray(weights), token_labels(pieces), path, title="attention weights (query ↓, key →)"
     )

@@ -1,0 +1,187 @@
+"""KV-cached generation against the naive rerun-the-window reference, sliding, determinism."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.generate import (
+    decode_incrementally,
+    generate,
+    generate_batch,
+    naive_generate,
+    prompt_bucket,
+    stream_batch,
+    trace_counts,
+)
+
+CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
+
+
+def make_model(seed):
+    model = GPT(CFG, key=jax.random.key(seed))
+    # Random init gives near-uniform logits; a larger head makes choices clear-cut (and argmax
+    # ties from float rounding implausible) so the comparison tests something.
+    return eqx.tree_at(lambda m: m.head, model, model.head * 50)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model(0)
+
+
+def random_prompt(seed, length):
+    return np.asarray(jax.random.randint(jax.random.key(seed), (length,), 0, CFG.vocab_size))
+
+
+@pytest.mark.parametrize("seed, prompt_len", [(1, 1), (2, 7), (3, 12)])
+def test_greedy_cached_equals_naive_within_the_context(seed, prompt_len):
+    model = make_model(seed)
+    prompt = random_prompt(seed, prompt_len)
+    n = CFG.context_length - prompt_len  # fills the window exactly, never slides
+    key = jax.random.key(seed)
+    cached = generate(model, prompt, n, key=key, temperature=0)
+    naive = naive_generate(model, prompt, n, key=key, temperature=0)
+    assert len(cached) == n
+    np.testing.assert_array_equal(cached, naive)
+    assert len(set(cached.tolist())) > 1  # not a degenerate constant run
+
+
+def test_sampled_cached_equals_naive_with_the_same_key(model):
+    prompt = random_prompt(4, 5)
+    kw = dict(key=jax.random.key(7), temperature=1.3, top_k=20, top_p=0.95)
+    np.testing.assert_array_equal(generate(model, prompt, 11, **kw), naive_generate(model, prompt, 11, **kw))
+
+
+@pytest.mark.parametrize("keep", [None, 1, 5, CFG.context_length])
+def test_sliding_past_the_context_matches_the_naive_policy(model, keep):
+    prompt = random_prompt(5, 6)
+    n = 3 * CFG.context_length + 3  # slides several times
+    key = jax.random.key(1)
+    cached = generate(model, prompt, n, key=key, temperature=0, keep=keep)
+    naive = naive_generate(model, prompt, n, key=key, temperature=0, keep=keep)
+    assert cached.shape == (n,)
+    np.testing.assert_array_equal(cached, naive)
+
+
+def test_after_a_slide_the_model_sees_only_the_kept_window(model):
+    # A full window plus one new token t is cut to its last keep = 8 tokens (t included) and
+    # re-prefilled at position 0, so what follows equals starting afresh from that cut.
+    prompt = random_prompt(6, CFG.context_length)
+    out = generate(model, prompt, 20, key=jax.random.key(0), temperature=0)
+    cut = np.concatenate([prompt[-(CFG.context_length // 2 - 1) :], out[:1]])
+    np.testing.assert_array_equal(out[1:], generate(model, cut, 19, key=jax.random.key(0), temperature=0))
+
+
+def test_no_recompilation_per_token_prompt_length_or_setting(model):
+    generate(model, random_prompt(0, 3), 5, key=jax.random.key(0), temperature=1.0, top_k=5, top_p=0.9)
+    before = dict(trace_counts)
+    for i, prompt_len in enumerate([1, 9, 16, 12]):  # one bucket (16 = the context here)
+        out = generate(
+            model,
+            random_prompt(i, prompt_len),
+            70,  # several chunks, several slides
+            key=jax.random.key(i),
+            temperature=0.5 + i,
+            top_k=1 + i,
+            top_p=0.3 + 0.2 * i,
+        )
+        assert out.shape == (70,)
+    assert dict(trace_counts) == before
+
+
+def test_prompt_buckets_are_powers_of_two_within_the_context():
+    assert [prompt_bucket(n, 256) for n in (1, 16, 17, 100, 128, 129, 256)] == [
+        16,
+        16,
+        32,
+        128,
+        128,
+        256,
+        256,
+    ]
+    assert prompt_bucket(5, 8) == 8
+
+
+def test_same_key_same_tokens_whatever_the_chunking(model):
+    prompt = random_prompt(8, 4)
+    key = jax.random.key(3)
+    a = generate(model, prompt, 45, key=key)
+    np.testing.assert_array_equal(a, generate(model, prompt, 45, key=key))
+    np.testing.assert_array_equal(a, generate(model, prompt, 45, key=key, chunk_size=7))
+    assert not np.array_equal(a, generate(model, prompt, 45, key=jax.random.key(4)))
+
+
+def test_batch_rows_are_independent_samples_and_row_zero_is_generate(model):
+    prompt = random_prompt(9, 5)
+    key = jax.random.key(2)
+    rows = generate_batch(model, np.tile(prompt, (3, 1)), 20, key=key)
+    assert rows.shape == (3, 20)
+    np.testing.assert_array_equal(rows[0], generate(model, prompt, 20, key=key))
+    assert not np.array_equal(rows[0], rows[1]) and not np.array_equal(rows[1], rows[2])
+
+
+def test_stream_yields_chunks_that_add_up(model):
+    chunks = list(stream_batch(model, random_prompt(1, 3)[None], 70, key=jax.random.key(0), chunk_size=32))
+    assert [c.shape for c in chunks] == [(1, 32), (1, 32), (1, 6)]
+    whole = generate(model, random_prompt(1, 3), 70, key=jax.random.key(0))
+    np.testing.assert_array_equal(np.concatenate(chunks, axis=1)[0], whole)
+
+
+def test_padded_vocabulary_ids_are_never_produced(model):
+    assert CFG.padded_vocab_size > CFG.vocab_size
+    rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
+    out = generate(rigged, random_prompt(2, 4), 40, key=jax.random.key(0), temperature=5.0)
+    assert out.max() < CFG.vocab_size
+
+
+def test_a_prompt_longer_than_the_context_is_cropped_to_its_end(model):
+    long = random_prompt(3, 40)
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(
+        generate(model, long, 10, key=key, temperature=0),
+        generate(model, long[-CFG.context_length :], 10, key=key, temperature=0),
+    )
+
+
+def test_zero_new_tokens(model):
+    assert generate(model, [1, 2], 0, key=jax.random.key(0)).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, needle",
+    [
+        ([], {}, "at least one token"),
+        ([1, 99], {}, "vocab_size"),
+        ([1, -1], {}, "vocab_size"),
+        ([1, 2], {"keep": 0}, "keep"),
+        ([1, 2], {"keep": 17}, "keep"),
+        ([1, 2], {"temperature": -1.0}, "temperature"),
+        ([1, 2], {"top_p": 0.0}, "top_p"),
+        ([1, 2], {"top_k": 0}, "top_k"),
+    ],
+)
+def test_bad_arguments_raise_named_errors(model, prompt, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        generate(model, np.asarray(prompt, np.int32), 3, key=jax.random.key(0), **kwargs)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, [1], -1, key=jax.random.key(0))
+
+
+class BytesTokenizer:
+    """One id per byte, like the byte level of GPT-2's BPE."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_is_never_released_mid_character():
+    text = "añ€b"
+    data = list(text.encode())  # a, 2 bytes, 3 bytes, b
+    chunks = [data[:2], data[2:4], data[4:6], data[6:]]  # splits both multi-byte characters
+    pieces = list(decode_incrementally(BytesTokenizer(), chunks))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # An incomplete tail at the very end is still flushed (as a replacement character).
+    assert "".join(decode_incrementally(BytesTokenizer(), [data[:2]])) == "a\ufffd"

@@ -1,0 +1,142 @@
+"""Next-token choice: greedy, temperature, top-k and nucleus (top-p) semantics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt.sampling import check_sampling_args, sample_next_token, top_k_filter, top_p_filter
+
+VOCAB = 12
+
+
+@jax.jit
+def _draws(logits, keys, temperature, top_k, top_p):
+    pick = lambda k: sample_next_token(logits, k, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.vmap(pick)(keys)
+
+
+def draws(logits, n, temperature=1.0, top_k=None, top_p=None):
+    """`n` independent samples from one row of logits (one compiled program for all settings)."""
+    keys = jax.random.split(jax.random.key(0), n)
+    top_k = logits.shape[0] if top_k is None else top_k  # keeping every id = no filter
+    top_p = 1.0 if top_p is None else top_p
+    return np.asarray(_draws(logits, keys, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)))
+
+
+def random_logits(seed, scale=2.0):
+    return scale * jax.random.normal(jax.random.key(seed), (VOCAB,))
+
+
+def test_temperature_zero_is_argmax_whatever_the_key():
+    for seed in range(5):
+        logits = random_logits(seed)
+        assert set(draws(logits, 50, temperature=0.0)) == {int(jnp.argmax(logits))}
+
+
+def test_top_k_one_equals_greedy_even_with_ties():
+    logits = jnp.array([0.0, 3.0, 1.0, 3.0, -2.0])  # a tie: argmax takes the lower id, so must top_k=1
+    assert set(draws(logits, 50, top_k=1)) == {1}
+    for seed in range(5):
+        logits = random_logits(seed)
+        assert set(draws(logits, 50, temperature=1.7, top_k=1)) == {int(jnp.argmax(logits))}
+
+
+def test_top_k_keeps_exactly_the_k_most_likely():
+    logits = random_logits(1)
+    top3 = set(np.argsort(-np.asarray(logits))[:3].tolist())
+    filtered = np.asarray(top_k_filter(logits, 3))
+    assert set(np.flatnonzero(np.isfinite(filtered)).tolist()) == top3
+    np.testing.assert_array_equal(filtered[list(top3)], np.asarray(logits)[list(top3)])
+    assert set(draws(logits, 400, top_k=3)) == top3  # all three do come out
+
+
+def nucleus_reference(logits, p):
+    """The smallest set of most likely ids whose probability reaches p (NumPy, float64)."""
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    kept, mass = set(), 0.0
+    for i in np.argsort(-probs, kind="stable"):
+        kept.add(int(i))
+        mass += probs[i]
+        if mass >= p:
+            break
+    return kept
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3]))
+    kept = lambda p: set(np.flatnonzero(np.isfinite(np.asarray(top_p_filter(logits, p)))).tolist())
+    assert kept(0.01) == {1}  # the top token always survives
+    assert kept(0.49) == {1}
+    assert kept(0.51) == {1, 3}
+    assert kept(0.79) == {1, 3}
+    assert kept(0.81) == {1, 3, 2}
+    assert kept(1.0) == {0, 1, 2, 3}
+    for seed in range(10):
+        logits = random_logits(seed)
+        for p in (0.1, 0.5, 0.75, 0.9, 0.99):
+            got = set(np.flatnonzero(np.isfinite(np.asarray(top_p_filter(logits, p)))).tolist())
+            assert got == nucleus_reference(np.asarray(logits, np.float64), p), (seed, p)
+
+
+def test_top_p_sampling_stays_in_the_nucleus_and_renormalises():
+    probs = np.array([0.05, 0.5, 0.15, 0.3])
+    samples = draws(jnp.log(jnp.asarray(probs)), 4000, top_p=0.7)
+    assert set(samples) == {1, 3}
+    # Within the nucleus the odds are unchanged: 0.5 : 0.3 -> 0.625 : 0.375.
+    assert abs(np.mean(samples == 1) - 0.625) < 0.03
+
+
+def test_top_k_then_top_p_measures_mass_after_top_k():
+    probs = np.array([0.4, 0.3, 0.2, 0.1])
+    # top_k=2 leaves 0.4 : 0.3 -> 0.571 : 0.429; p=0.5 then keeps only id 0.
+    assert set(draws(jnp.log(jnp.asarray(probs)), 200, top_k=2, top_p=0.5)) == {0}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_temperature_scales_the_distribution(temperature):
+    logits = jnp.array([1.0, 0.0, -1.0, 0.5])
+    samples = draws(logits, 20000, temperature=temperature)
+    expected = np.asarray(jax.nn.softmax(logits / temperature))
+    observed = np.bincount(samples, minlength=4) / len(samples)
+    np.testing.assert_allclose(observed, expected, atol=0.015)
+
+
+def test_settings_are_traced_values_not_recompiles():
+    traces = []
+
+    @jax.jit
+    def pick(logits, key, t, k, p):
+        traces.append(1)
+        return sample_next_token(logits, key, temperature=t, top_k=k, top_p=p)
+
+    logits = random_logits(3)
+    for t, k, p in [(1.0, 3, 0.9), (0.0, 5, 0.5), (0.7, 1, 1.0)]:
+        pick(logits, jax.random.key(0), jnp.float32(t), jnp.int32(k), jnp.float32(p))
+    assert len(traces) == 1
+    # A traced temperature of 0 is still greedy.
+    greedy = pick(logits, jax.random.key(9), jnp.float32(0.0), jnp.int32(VOCAB), jnp.float32(1.0))
+    assert int(greedy) == int(jnp.argmax(logits))
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, needle",
+    [
+        (-0.1, None, None, "temperature"),
+        (float("nan"), None, None, "temperature"),
+        (1.0, 0, None, "top_k"),
+        (1.0, 2.5, None, "top_k"),
+        (1.0, None, 0.0, "top_p"),
+        (1.0, None, 1.5, "top_p"),
+        (1.0, None, float("nan"), "top_p"),
+    ],
+)
+def test_bad_settings_are_named(temperature, top_k, top_p, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_sampling_args(temperature, top_k, top_p)
+
+
+def test_good_settings_pass():
+    check_sampling_args(0.0, 1, 1.0)
+    check_sampling_args(2.0, None, 1e-6)
