@@ -1,0 +1,206 @@
+"""What one optimisation step is: the training config, loss, AdamW, the schedule and the jitted step.
+
+The run loop around these (progress, evaluation, checkpoints, resume) is in `trainer.py`.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float, Int, PyTree
+
+from eqx_gpt.data import DROPOUT, batch_key
+from eqx_gpt.gpt import GPT
+from eqx_gpt.norm import RMSNorm
+
+TOKENIZERS = ("char", "gpt2")
+
+
+def _help(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
+
+    data: str | None = _help(
+        "UTF-8 text file to train on (default: the bundled Tiny Shakespeare)", default=None
+    )
+    tokenizer: str = _help(
+        "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
+    )
+    batch_size: int = _help("sequences per optimiser step", default=32)
+    grad_accum: int = _help(
+        "split each batch into this many micro-batches (same update, less memory)", default=1
+    )
+    max_steps: int = _help("optimiser steps; also the length of the cosine schedule", default=3000)
+    max_minutes: float = _help(
+        "stop after this many minutes of wall time, fitting the schedule to the steps that fit (0: no limit)",
+        default=0.0,
+    )
+    lr: float = _help("peak learning rate", default=1e-3)
+    min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
+    warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
+    weight_decay: float = _help("AdamW weight decay, applied to weight matrices only", default=0.1)
+    beta1: float = _help("AdamW beta1", default=0.9)
+    beta2: float = _help("AdamW beta2", default=0.99)
+    grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
+    eval_interval: int = _help("evaluate and checkpoint every this many steps", default=250)
+    eval_batches: int = _help("fixed batches per split averaged by each evaluation", default=8)
+    log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
+    seed: int = _help("seed of initialisation, batches and dropout", default=0)
+
+    def __post_init__(self):
+        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
+                f"each micro-batch must hold batch_size / grad_accum sequences"
+            )
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("warmup_steps, max_minutes, weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"TrainConfig has no field(s) {sorted(unknown)}")
+        return cls(**d)
+
+
+def learning_rate(step: int, config: TrainConfig, horizon: int) -> float:
+    """The learning rate of optimiser step `step` (0-based) in a schedule `horizon` steps long.
+
+    Linear warm-up to `lr` over `warmup_steps`, then half a cosine down to `min_lr` at `horizon`
+    (nanoGPT's schedule); `min_lr` after that.
+    """
+    c = config
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / (c.warmup_steps + 1)
+    if step >= horizon:
+        return c.min_lr
+    progress = (step - c.warmup_steps) / max(1, horizon - c.warmup_steps)
+    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
+
+
+def describe_schedule(config: TrainConfig, horizon: int) -> str:
+    c = config
+    return (
+        f"AdamW, lr warm-up 0 -> {c.lr:g} over {c.warmup_steps} steps, cosine to {c.min_lr:g} at step "
+        f"{horizon}; betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
+        f"gradient clip {c.grad_clip:g}"
+    )
+
+
+def decay_mask(params: PyTree) -> PyTree:
+    """True for the leaves AdamW decays: weight matrices and embeddings, not RMSNorm scales.
+
+    Decided by what owns a leaf rather than by `ndim`: the blocks are stacked with a leading
+    `n_layers` axis, so their RMSNorm scales are 2-D too.
+    """
+
+    def mark(node):
+        if isinstance(node, RMSNorm):
+            return jax.tree.map(lambda _: False, node)
+        return True
+
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm))
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Gradient clipping, then AdamW with a unit learning rate; the step scales by the schedule.
+
+    optax's `adamw` is `scale_by_adam`, `add_decayed_weights`, then `scale(-learning_rate)`; with
+    `learning_rate=1` the step multiplies by the scheduled rate itself, so the schedule's length can
+    be fitted to the time a run has without rebuilding the optimiser or recompiling.
+    """
+    c = config
+    adamw = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(c.grad_clip), adamw) if c.grad_clip > 0 else adamw
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
+    return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+
+def count_params(model: GPT) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = None) -> Float[Array, ""]:
+    """Mean next-token cross-entropy (nats) of `batch`, windows of `context_length + 1` tokens.
+
+    `keys` (one PRNG key per sequence) turns dropout on.
+    """
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if keys is None:
+        logits = jax.vmap(model)(inputs)
+    else:
+        logits = jax.vmap(lambda tokens, key: model(tokens, key=key))(inputs, keys)
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def make_train_step(optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool):
+    """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted.
+
+    `batch` is `(batch_size, context_length + 1)` token ids; `step` (int32) and `lr` (float32) are
+    0-d arrays, so every step runs the same compiled program. The model and optimiser buffers are
+    donated (updated in place); the batch is not. With `grad_accum > 1` the batch is split into
+    micro-batches whose gradients are averaged by `lax.scan`; each sequence keeps its dropout key,
+    so the update is the full batch's (up to float rounding). Dropout keys are a function of `(seed, step)`.
+    """
+    n_micro = config.grad_accum
+    grad_of_loss = eqx.filter_value_and_grad(loss_fn)
+
+    # The first argument (the inputs) is not donated: callers may reuse a batch.
+    @eqx.filter_jit(donate="all-except-first")
+    def step_fn(inputs, model, opt_state):
+        batch, step, lr = inputs
+        n, window = batch.shape
+        keys = jax.random.split(batch_key(config.seed, DROPOUT, step), n) if dropout else None
+        if n_micro == 1:
+            loss, grads = grad_of_loss(model, batch, keys)
+        else:
+            micro_batches = batch.reshape(n_micro, n // n_micro, window)
+            micro_keys = None if keys is None else keys.reshape(n_micro, n // n_micro)
+
+            def accumulate(carry, xs):
+                loss_sum, grad_sum = carry
+                loss, grads = grad_of_loss(model, *xs)
+                return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+            (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro_batches, micro_keys))
+            loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        updates = jax.tree.map(lambda u: lr * u, updates)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    def train_step(model, opt_state, batch, step, lr):
+        return step_fn((batch, step, lr), model, opt_state)
+
+    return train_step
+
+
+@eqx.filter_jit
+def mean_loss(model: GPT, batches: Int[Array, "k batch window"]) -> Float[Array, ""]:
+    """Mean loss (no dropout) over a stack of batches, one batch at a time."""
+    return jax.lax.map(lambda batch: loss_fn(model, batch), batches).mean()

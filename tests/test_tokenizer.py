@@ -1,0 +1,65 @@
+"""Character and GPT-2 BPE tokenizers: round trips, errors, and serialisation to a dict."""
+
+import os
+
+import pytest
+
+from eqx_gpt import CharTokenizer, GPT2Tokenizer, TokenizerError, pad_vocab, tokenizer_from_dict
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+
+
+def test_char_tokenizer_round_trips_and_sorts_its_vocabulary():
+    tok = CharTokenizer.from_text(TEXT)
+    assert tok.chars == "".join(sorted(set(TEXT)))
+    assert tok.vocab_size == len(set(TEXT))
+    ids = tok.encode(TEXT)
+    assert ids[:2] == [tok.chars.index("F"), tok.chars.index("i")]
+    assert tok.decode(ids) == TEXT
+    assert tokenizer_from_dict(tok.to_dict()) == tok
+
+
+def test_char_tokenizer_names_unknown_characters():
+    tok = CharTokenizer.from_text(TEXT)
+    with pytest.raises(ValueError, match="does not know: 'ß', 'é'"):
+        tok.encode("hé ßé")
+    with pytest.raises(TokenizerError, match="outside the character vocabulary"):
+        tok.decode([tok.vocab_size])
+    with pytest.raises(TokenizerError, match="distinct"):
+        CharTokenizer("aa")
+
+
+def test_tokenizer_from_dict_rejects_unknown_kinds():
+    with pytest.raises(TokenizerError, match="unknown tokenizer"):
+        tokenizer_from_dict({"kind": "sentencepiece"})
+
+
+needs_bpe_files = pytest.mark.skipif(
+    not os.path.isdir(os.environ.get("TIKTOKEN_CACHE_DIR", "")),
+    reason="GPT-2 BPE files need TIKTOKEN_CACHE_DIR (../shared/data/tiktoken-cache); tests never download",
+)
+
+
+@needs_bpe_files
+def test_gpt2_tokenizer_round_trips_offline():
+    tok = GPT2Tokenizer()
+    assert tok.vocab_size == 50257 and pad_vocab(tok.vocab_size) == 50304
+    assert tok.encode("Hello world") == [15496, 995]
+    for text in (TEXT, "naïve café — ünïcödé ✓", "<|endoftext|> is plain text here"):
+        assert tok.decode(tok.encode(text)) == text
+    assert max(tok.encode("<|endoftext|>")) < 50256  # never the special id
+    assert tokenizer_from_dict(tok.to_dict()) == tok
+    with pytest.raises(TokenizerError, match="outside the GPT-2 vocabulary"):
+        tok.decode([50300])
+
+
+def test_gpt2_tokenizer_reports_missing_files_in_one_line(monkeypatch):
+    import tiktoken
+
+    def unavailable(name):
+        raise ConnectionError("Failed to resolve openaipublic.blob.core.windows.net\nmore detail")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", unavailable)
+    with pytest.raises(TokenizerError, match="TIKTOKEN_CACHE_DIR") as info:
+        GPT2Tokenizer()
+    assert "\n" not in str(info.value)

@@ -1,0 +1,98 @@
+"""The optimisation step: weight-decay mask, schedule, overfitting one batch, gradient accumulation."""
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.training import (
+    TrainConfig,
+    decay_mask,
+    init_optimizer_state,
+    learning_rate,
+    loss_fn,
+    make_optimizer,
+    make_train_step,
+)
+
+CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
+
+
+def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():
+    model = GPT(CONFIG, key=jax.random.key(0))
+    assert model.blocks.attn_norm.scale.ndim == 2  # stacked over layers: ndim alone cannot decide
+    mask = decay_mask(eqx.filter(model, eqx.is_inexact_array))
+    assert mask.embed and mask.head and mask.blocks.attn.w_qkv and mask.blocks.mlp.w_out
+    assert not mask.blocks.attn_norm.scale and not mask.blocks.mlp_norm.scale and not mask.final_norm.scale
+
+
+def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
+    c = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    lrs = [learning_rate(s, c, 110) for s in range(120)]
+    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
+    assert lrs[10] == pytest.approx(1e-3)
+    assert lrs[60] == pytest.approx(5.5e-4)  # half way down the cosine
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
+    assert lrs[110] == lrs[119] == pytest.approx(1e-4)
+
+
+def _step(config: TrainConfig, model_config=CONFIG):
+    optimizer = make_optimizer(config)
+    model = GPT(model_config, key=jax.random.key(0))
+    step = make_train_step(optimizer, config, dropout=model_config.dropout > 0)
+    return model, init_optimizer_state(optimizer, model), step
+
+
+def test_loss_falls_when_overfitting_one_batch():
+    config = TrainConfig(batch_size=4, lr=3e-3, weight_decay=0.0)
+    model, opt_state, step = _step(config)
+    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, CONFIG.vocab_size)
+    first = float(loss_fn(model, batch))
+    assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
+    for i in range(60):
+        model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
+    assert float(loss_fn(model, batch)) < 0.3 * first
+
+
+DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
+BATCH = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def dropout_step():
+    """One compiled step with dropout, shared by the tests below (compiling is the slow part)."""
+    return _step(TrainConfig(batch_size=8), DROPOUT_CONFIG)[2]
+
+
+def _fresh_state():
+    # The step donates the model and optimiser state, so each call gets its own copy.
+    model = GPT(DROPOUT_CONFIG, key=jax.random.key(0))
+    return model, init_optimizer_state(make_optimizer(TrainConfig()), model)
+
+
+def test_gradient_accumulation_gives_the_full_batch_update(dropout_step):
+    full, _, loss_full = dropout_step(*_fresh_state(), BATCH, np.int32(3), np.float32(1e-2))
+    _, _, accumulate = _step(TrainConfig(batch_size=8, grad_accum=4), DROPOUT_CONFIG)
+    accumulated, _, loss_accum = accumulate(*_fresh_state(), BATCH, np.int32(3), np.float32(1e-2))
+    assert float(loss_full) == pytest.approx(float(loss_accum), rel=1e-5)
+    # Adam's first update is about lr * sign(grad), 1e-2 per element; summation order changes ~1e-6.
+    full_leaves = jax.tree.leaves(eqx.filter(full, eqx.is_array))
+    accumulated_leaves = jax.tree.leaves(eqx.filter(accumulated, eqx.is_array))
+    for a, b in zip(full_leaves, accumulated_leaves, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+    assert not np.allclose(full.embed, _fresh_state()[0].embed)  # the update did move the weights
+
+
+def test_dropout_masks_change_with_the_step(dropout_step):
+    losses = [float(dropout_step(*_fresh_state(), BATCH, np.int32(s), np.float32(0.0))[2]) for s in (0, 1, 0)]
+    assert losses[0] != losses[1] and losses[0] == losses[2]
+
+
+def test_invalid_train_configs_are_rejected():
+    with pytest.raises(ValueError, match="not divisible by grad_accum"):
+        TrainConfig(batch_size=6, grad_accum=4)
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        TrainConfig(tokenizer="bpe")
+    with pytest.raises(ValueError, match="min_lr"):
+        TrainConfig(lr=1e-4, min_lr=1e-3)
