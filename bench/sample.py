@@ -1,0 +1,164 @@
+"""Generation speed: KV-cached `generate` against the naive rerun-the-window method, side by side.
+
+    uv run python bench/sample.py [--new-tokens 500] [--json PATH]
+    uv run python bench/sample.py --first-token out/      # time sample.py's first token (cold, warm)
+
+Throughput: for random-weight character models (vocab 65) of the 6-layer/384/context-256 shape
+and of the default preset's shape, both methods generate `--new-tokens` tokens with the same key
+and settings (temperature 1, batch 1). The naive method is nanoGPT's `generate`: rerun the model
+on the last `context_length` tokens for every new token. Two prompts: one that fills the context
+(so the naive window is always exactly `context_length`, nanoGPT's work token for token), and an
+8-token prompt (the naive window grows first; it is padded to a power-of-two bucket so that only a
+few shapes compile, which can cost it up to 2x while the window is short). Both are compiled
+first; compile seconds are reported separately. The ratio is cached / naive tokens per second.
+The cached method slides its window differently (see `eqx_gpt.generate`), so the two agree
+token for token only until the first slide.
+
+First token (`--first-token CHECKPOINT`): starts `python sample.py` in a fresh process and times
+until the first generated character reaches its stdout (the prompt is echoed before generation
+and is not counted): once with an empty compilation cache (cold) and then again (warm).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.generate import _naive_step, generate, naive_generate, prompt_bucket
+from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {
+    "6L-384-ctx256": dict(context_length=256, d_model=384, n_heads=6, n_layers=6),
+    f"preset {DEFAULT_PRESET}": {k: v for k, v in PRESETS[DEFAULT_PRESET].model.items() if k != "dropout"},
+}
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def compile_naive(model, key):
+    """Compile the naive step for every window bucket it will meet (so timing excludes compiles)."""
+    context = model.config.context_length
+    sizes = sorted({prompt_bucket(n, context) for n in range(1, context + 1)})
+    for size in sizes:
+        _naive_step(
+            model, jnp.zeros(size, jnp.int32), jnp.int32(1), key, jnp.int32(0), jnp.float32(1.0), None, None
+        ).block_until_ready()
+    return sizes
+
+
+def bench_shape(name, shape, new_tokens, reps, prompt_len):
+    config = GPTConfig(vocab_size=65, **shape)
+    context = config.context_length
+    model = GPT(config, key=jax.random.key(0))
+    prompt = np.asarray(jax.random.randint(jax.random.key(1), (prompt_len or context,), 0, 65))
+    key = jax.random.key(2)
+    run_cached = lambda: generate(model, prompt, new_tokens, key=key)
+    # nanoGPT's policy: the window is always the last `context` tokens (keep = context).
+    run_naive = lambda: naive_generate(model, prompt, new_tokens, key=key, keep=context)
+
+    _, cached_compile = timed(lambda: generate(model, prompt, 1, key=key))
+    _, naive_compile = timed(lambda: compile_naive(model, key))
+    cached_times, naive_times = [], []
+    for _ in range(reps):  # interleaved, so machine load hits both alike
+        cached, t = timed(run_cached)
+        cached_times.append(t)
+        naive, t = timed(run_naive)
+        naive_times.append(t)
+    cached_s, naive_s = min(cached_times), min(naive_times)
+    same = int(np.argmin(np.append(cached == naive, False)))  # length of the common prefix
+    result = dict(
+        model=name,
+        prompt_tokens=len(prompt),
+        config=config.to_dict(),
+        new_tokens=new_tokens,
+        cached_tokens_per_s=new_tokens / cached_s,
+        naive_tokens_per_s=new_tokens / naive_s,
+        ratio=naive_s / cached_s,
+        cached_compile_s=cached_compile,
+        naive_compile_s=naive_compile,
+        cached_seconds=cached_times,
+        naive_seconds=naive_times,
+        same_tokens_before_first_slide=same,
+        load_average=os.getloadavg()[0],
+    )
+    print(
+        f"{name:>14} prompt {len(prompt):3d}: cached {result['cached_tokens_per_s']:6.1f} tok/s | naive "
+        f"{result['naive_tokens_per_s']:5.1f} tok/s | ratio {result['ratio']:5.1f}x | compile cached "
+        f"{cached_compile:.1f} s, naive {naive_compile:.1f} s (all buckets) | "
+        f"load {result['load_average']:.1f}",
+        flush=True,
+    )
+    return result
+
+
+def first_token_seconds(checkpoint: Path, cache_home: Path, max_new_tokens: int = 64) -> float:
+    """Seconds from starting `python sample.py` to the first generated character on its stdout."""
+    prompt = "ROMEO:"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_home)}
+    cmd = [sys.executable, str(ROOT / "sample.py"), "--checkpoint", str(checkpoint), "--prompt", prompt]
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        [*cmd, "--max-new-tokens", str(max_new_tokens)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    seen = b""
+    while len(seen) <= len(prompt):
+        byte = proc.stdout.read(1)
+        if not byte:
+            raise RuntimeError(f"sample.py ended before generating: {proc.stderr.read().decode()}")
+        seen += byte
+    elapsed = time.perf_counter() - start
+    proc.communicate()
+    return elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--new-tokens", type=int, default=500)
+    parser.add_argument("--reps", type=int, default=2, help="timed runs of each method (best is kept)")
+    parser.add_argument(
+        "--first-token", type=Path, help="checkpoint or run dir: time sample.py's first token"
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores", flush=True)
+
+    if args.first_token:
+        with tempfile.TemporaryDirectory() as cache_home:
+            cold = first_token_seconds(args.first_token, Path(cache_home))
+            warm = [first_token_seconds(args.first_token, Path(cache_home)) for _ in range(3)]
+        results = dict(checkpoint=str(args.first_token), first_token_cold_s=cold, first_token_warm_s=warm)
+        print(
+            f"first token after {cold:.2f} s cold (empty compile cache), "
+            f"warm: {', '.join(f'{w:.2f}' for w in warm)} s"
+        )
+    else:
+        results = [
+            bench_shape(name, shape, args.new_tokens, args.reps, prompt_len)
+            for prompt_len in (0, 8)
+            for name, shape in SHAPES.items()
+        ]
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
