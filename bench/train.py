@@ -1,0 +1,251 @@
+"""Speed of the real training step, against the speed of a big matmul timed in the same process.
+
+    uv run python bench/train.py                              # the three standard configs
+    uv run python bench/train.py --configs shakespeare-char --json out/bench.json
+    uv run python bench/train.py --compile-layers             # compile seconds, 12 vs 2 layers
+
+For each config it prints one line: compile seconds (first call minus a steady step), median
+step time after warm-up, tokens/s, model FLOPs per token, achieved GFLOP/s and MFU. MFU divides
+the achieved rate by the rate of a dense fp32 `jnp` matmul (`--peak-size`, 2048 by default)
+timed *in this process, interleaved with the steps*, so a busy or throttled machine slows both
+alike and the ratio stays meaningful; there is no datasheet number anywhere.
+
+Model FLOPs per token (forward; training is 3x: the backward pass costs two forwards), counted
+from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
+  per layer  2 * d * 3d (QKV) + 2 * d * d (output) + 2 * 2 * d * d_hidden (MLP)
+             + 2 * 2 * T * d (scores and weighted values over the whole T x T window)
+  head       2 * d * vocab_size
+Embedding lookups, norms, softmax, dropout and the optimiser are not counted (they are small), so
+MFU slightly undercounts the work done.
+
+The timed step is `eqx_gpt.training.make_train_step` (the one `train.py` runs), with AdamW, the
+schedule's lr as an argument, buffer donation, and the batch placed by `eqx_gpt.parallel`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_gpt.config import GPTConfig
+from eqx_gpt.gpt import GPT
+from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
+from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
+
+VOCAB = 65  # Tiny Shakespeare's characters
+
+CONFIGS = {
+    # name: (GPTConfig fields except vocab_size, batch size)
+    "default": (PRESETS[DEFAULT_PRESET].model, PRESETS[DEFAULT_PRESET].train["batch_size"]),
+    "nanogpt-cpu": (dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0), 12),
+    "shakespeare-char": (PRESETS["shakespeare-char"].model, PRESETS["shakespeare-char"].train["batch_size"]),
+}
+
+
+def flops_per_token(c: GPTConfig) -> int:
+    """Model FLOPs of one training token (forward + backward = 3 forwards); see the module docstring."""
+    d, t = c.d_model, c.context_length
+    per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * c.d_hidden + 2 * 2 * t * d
+    return 3 * (c.n_layers * per_layer + 2 * d * c.vocab_size)
+
+
+class MatmulPeak:
+    """A jitted `(n, n) @ (n, n)` in fp32; `sample()` times one and records GFLOP/s."""
+
+    def __init__(self, n: int):
+        self.flops = 2 * n**3
+        self.a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+        self.b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+        self.matmul = jax.jit(jnp.matmul)
+        self.matmul(self.a, self.b).block_until_ready()
+        self.rates: list[float] = []
+
+    def sample(self) -> None:
+        start = time.perf_counter()
+        self.matmul(self.a, self.b).block_until_ready()
+        self.rates.append(self.flops / (time.perf_counter() - start) / 1e9)
+
+
+def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
+    """Model, optimiser state, a sharded random batch and the real jitted train step."""
+    config = GPTConfig(vocab_size=VOCAB, **model_options)
+    train_config = TrainConfig(batch_size=batch_size, grad_accum=args.grad_accum, seed=seed)
+    mesh = data_mesh()
+    check_batch(mesh, batch_size, args.grad_accum)
+    optimizer = make_optimizer(train_config)
+    model = GPT(config, key=jax.random.key(seed))
+    model, opt_state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
+    step_fn = make_train_step(optimizer, train_config, dropout=config.dropout > 0)
+    batch = jax.random.randint(jax.random.key(seed + 1), (batch_size, config.context_length + 1), 0, VOCAB)
+    batch = shard_batch(batch.astype(jnp.int32), mesh)
+    return config, model, opt_state, step_fn, batch
+
+
+def bench_config(name: str, model_options: dict, batch_size: int, args, peak: MatmulPeak) -> dict:
+    config, model, opt_state, step_fn, batch = make_step(model_options, batch_size, args)
+    lr = np.float32(1e-4)  # small, so that many steps of one batch stay well-behaved
+
+    def run(k: int, first: int):
+        nonlocal model, opt_state
+        for i in range(k):
+            model, opt_state, loss = step_fn(model, opt_state, batch, np.int32(first + i), lr)
+        jax.block_until_ready((model, opt_state, loss))
+        return loss
+
+    start = time.perf_counter()
+    run(1, 0)
+    first_call = time.perf_counter() - start
+    start = time.perf_counter()
+    run(args.warmup, 1)
+    warm = (time.perf_counter() - start) / max(1, args.warmup)
+    # Dispatch groups of steps back to back (as the trainer does), one matmul between groups.
+    group = max(1, int(args.group_seconds / max(warm, 1e-6)))
+    times: list[float] = []
+    step_no = 1 + args.warmup
+    budget_end = time.perf_counter() + args.seconds
+    while len(times) < args.min_samples or (time.perf_counter() < budget_end and len(times) < 200):
+        peak.sample()
+        start = time.perf_counter()
+        loss = run(group, step_no)
+        times.append((time.perf_counter() - start) / group)
+        step_no += group
+    peak.sample()
+    step_s = statistics.median(times)
+    peak_gflops = statistics.median(peak.rates[-len(times) - 1 :])
+    tokens = batch_size * config.context_length
+    fpt = flops_per_token(config)
+    gflops = fpt * tokens / step_s / 1e9
+    return {
+        "config": name,
+        "n_layers": config.n_layers,
+        "d_model": config.d_model,
+        "n_heads": config.n_heads,
+        "context_length": config.context_length,
+        "batch_size": batch_size,
+        "dropout": config.dropout,
+        "compute_dtype": config.compute_dtype,
+        "scan_unroll": config.scan_unroll,
+        "grad_accum": args.grad_accum,
+        "compile_s": round(max(0.0, first_call - step_s), 2),
+        "step_ms": round(step_s * 1e3, 2),
+        "step_ms_min": round(min(times) * 1e3, 2),
+        "samples": len(times),
+        "steps_per_sample": group,
+        "tokens_per_s": round(tokens / step_s, 1),
+        "flops_per_token": fpt,
+        "gflops": round(gflops, 2),
+        "peak_gflops": round(peak_gflops, 2),
+        "mfu": round(gflops / peak_gflops, 3),
+        "final_loss": float(loss),
+    }
+
+
+def compile_seconds(n_layers: int, args) -> float:
+    """Seconds to trace and compile the training step of the shakespeare-char widths with `n_layers`."""
+    options = dict(CONFIGS["shakespeare-char"][0], n_layers=n_layers)
+    _, model, opt_state, step_fn, batch = make_step(options, args.compile_batch, args)
+    lowered_at = time.perf_counter()
+    out = step_fn(model, opt_state, batch, np.int32(0), np.float32(1e-4))
+    jax.block_until_ready(out)
+    first = time.perf_counter() - lowered_at
+    model, opt_state, _ = out
+    start = time.perf_counter()
+    jax.block_until_ready(step_fn(model, opt_state, batch, np.int32(1), np.float32(1e-4)))
+    return first - (time.perf_counter() - start)
+
+
+def machine() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "load_average": [round(x, 2) for x in load] if load else None,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["default", "nanogpt-cpu", "shakespeare-char"],
+                   choices=sorted(CONFIGS))  # fmt: skip
+    p.add_argument("--batch-size", type=int, help="override every config's batch size")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--scan-unroll", type=int, help="override GPTConfig.scan_unroll")
+    p.add_argument("--dropout", type=float, help="override the configs' dropout")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one")
+    p.add_argument("--seconds", type=float, default=20.0, help="time budget per config")
+    p.add_argument("--min-samples", type=int, default=5, help="timed groups of steps, at least")
+    p.add_argument("--group-seconds", type=float, default=0.5, help="steps dispatched per timed group")
+    p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n fp32 matmul (>= 2048)")
+    p.add_argument("--compile-layers", action="store_true", help="also time compiles of 2 vs 12 layers")
+    p.add_argument("--compile-only", action="store_true", help="only time compiles of 2 vs 12 layers")
+    p.add_argument("--compile-batch", type=int, default=8)
+    p.add_argument("--compile-reps", type=int, default=2)
+    p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.peak_size < 2048:
+        p.error("--peak-size must be at least 2048 (a small matmul underestimates the peak)")
+
+    info = machine()
+    print(f"# {info['backend']} x{len(info['devices'])}, {info['cpu_count']} CPUs, jax {info['jax']}, "
+          f"load average {info['load_average']}", flush=True)  # fmt: skip
+    peak = MatmulPeak(args.peak_size)
+    results = []
+    if not args.compile_only:
+        for name in args.configs:
+            options, batch = CONFIGS[name]
+            options = dict(options)
+            for field, value in (("compute_dtype", args.compute_dtype), ("scan_unroll", args.scan_unroll),
+                                 ("dropout", args.dropout)):  # fmt: skip
+                if value is not None:
+                    options[field] = value
+            try:
+                r = bench_config(name, options, args.batch_size or batch, args, peak)
+            except ValueError as e:
+                print(f"error: {name}: {e}", file=sys.stderr)
+                return 2
+            results.append(r)
+            print(
+                f"{name:17s} L{r['n_layers']} d{r['d_model']} h{r['n_heads']} T{r['context_length']} "
+                f"B{r['batch_size']} {r['compute_dtype']}: compile {r['compile_s']:.1f} s | "
+                f"step {r['step_ms']:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
+                f"{r['flops_per_token'] / 1e6:.2f} MFLOP/tok | {r['gflops']:.1f} GFLOP/s | "
+                f"peak {r['peak_gflops']:.1f} | MFU {r['mfu']:.2f}",
+                flush=True,
+            )
+    compile_result = None
+    if args.compile_layers or args.compile_only:
+        times = {2: [], 12: []}
+        for _ in range(args.compile_reps):  # interleaved, so load hits both depths alike
+            for n_layers in times:
+                times[n_layers].append(compile_seconds(n_layers, args))
+        med = {n: statistics.median(t) for n, t in times.items()}
+        compile_result = {"compile_s_2_layers": round(med[2], 2), "compile_s_12_layers": round(med[12], 2),
+                          "ratio": round(med[12] / med[2], 2)}  # fmt: skip
+        print(
+            f"train-step compile (shakespeare-char widths, batch {args.compile_batch}): 2 layers "
+            f"{med[2]:.2f} s, 12 layers {med[12]:.2f} s, ratio {med[12] / med[2]:.2f} (target <= 1.5)"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": info, "matmul_peak_size": args.peak_size, "results": results,
+                   "compile_layers": compile_result}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

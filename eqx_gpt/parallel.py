@@ -1,0 +1,91 @@
+"""Data parallelism with `jax.sharding`: one mesh over every device, the batch split along it.
+
+The training step itself has no parallel code. Its inputs carry shardings instead: the model and
+optimiser state are *replicated* on every device, each batch is *sharded* along the mesh's `data`
+axis, and `jit` compiles one program per device that computes the gradients of its slice of the
+batch and all-reduces them (XLA inserts the collective where the batch-mean meets the replicated
+parameters). With one device every placement here is a no-op, so the same code runs everywhere.
+
+Several hosts: launch one process per host with the environment variables of
+`initialize_distributed`, and every process runs the same program over the global mesh.
+"""
+
+import os
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DATA_AXIS = "data"
+
+
+def initialize_distributed() -> bool:
+    """Join a multi-process run when the environment says this is one; return whether it did.
+
+    Recognised: `JAX_COORDINATOR_ADDRESS` (host:port of process 0) with `JAX_NUM_PROCESSES` and
+    `JAX_PROCESS_ID`; or a SLURM or Open MPI launch of more than one task, whose variables
+    `jax.distributed.initialize()` reads itself. Must run before anything touches a device.
+    """
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
+        if missing:
+            raise ValueError(
+                f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not; set all three "
+                f"(JAX_NUM_PROCESSES = number of hosts, JAX_PROCESS_ID = 0 .. hosts - 1) on every host"
+            )
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+        return True
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+        jax.distributed.initialize()
+        return True
+    return False
+
+
+def data_mesh(devices=None) -> Mesh:
+    """A one-axis mesh named `data` over `devices` (default: every device of every process)."""
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.asarray(devices), (DATA_AXIS,))
+
+
+def check_batch(mesh: Mesh, batch_size: int, grad_accum: int = 1) -> None:
+    """Raise a one-line `ValueError` unless every micro-batch splits evenly over the devices."""
+    n = mesh.size
+    if batch_size % (grad_accum * n):
+        raise ValueError(
+            f"batch_size={batch_size} with grad_accum={grad_accum} gives micro-batches of "
+            f"{batch_size / grad_accum:g} sequences, which {n} devices cannot share evenly; "
+            f"use a batch_size that is a multiple of grad_accum * {n} = {grad_accum * n}"
+        )
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
+    """Split axis `batch_axis` of an array along the mesh's `data` axis; keep the others whole."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), DATA_AXIS))
+
+
+def _place(x, sharding: NamedSharding):
+    """`jax.device_put`, or, for a process-local array in a multi-process run, the global array
+    built from it (every process holds the same values, so each fills its own devices' part)."""
+    if jax.process_count() == 1 or not getattr(x, "is_fully_addressable", True):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def replicate(tree, mesh: Mesh):
+    """Place every array of `tree` (a model, an optimiser state, data) whole on every device."""
+    sharding = replicated(mesh)
+    return jax.tree.map(lambda x: _place(x, sharding) if isinstance(x, jax.Array | np.ndarray) else x, tree)
+
+
+def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
+    """Split `batch` along `batch_axis` over the mesh (asynchronous; no copy on one device)."""
+    return _place(batch, batch_sharding(mesh, batch_axis))
