@@ -179,8 +179,10 @@ def make_train_step(optimizer: optax.GradientTransformation, config: TrainConfig
         if n_micro == 1:
             loss, grads = grad_of_loss(model, batch, keys)
         else:
-            micro_batches = batch.reshape(n_micro, n // n_micro, window)
-            micro_keys = None if keys is None else keys.reshape(n_micro, n // n_micro)
+            # Micro-batch i takes rows i, i + n_micro, ...: with the batch split over devices in
+            # contiguous blocks, every micro-batch then stays spread over all of them.
+            micro_batches = batch.reshape(n // n_micro, n_micro, window).swapaxes(0, 1)
+            micro_keys = None if keys is None else keys.reshape(n // n_micro, n_micro).T
 
             def accumulate(carry, xs):
                 loss_sum, grad_sum = carry

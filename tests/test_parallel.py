@@ -1,0 +1,109 @@
+"""Data parallelism: 2 devices train exactly like 1, and gradient accumulation like the full batch.
+
+The multi-device checks run in a subprocess, because the number of CPU devices is fixed by
+`XLA_FLAGS=--xla_force_host_platform_device_count=2` before JAX starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import pytest
+
+from eqx_gpt.parallel import check_batch, data_mesh, initialize_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent(
+    """
+    import json
+    import jax
+    import numpy as np
+    from eqx_gpt import GPT, GPTConfig
+    from eqx_gpt.parallel import data_mesh, replicate, shard_batch
+    from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
+
+    config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+
+    def run(devices, grad_accum):
+        train_config = TrainConfig(batch_size=8, grad_accum=grad_accum, seed=0)
+        mesh = data_mesh(devices)
+        optimizer = make_optimizer(train_config)
+        model = GPT(config, key=jax.random.key(0))
+        model, opt_state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
+        step = make_train_step(optimizer, train_config, dropout=True)
+        losses = []
+        for i in range(3):
+            batch = jax.random.randint(jax.random.key(100 + i), (8, 17), 0, 65)
+            batch = shard_batch(batch, mesh)
+            model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
+            losses.append(float(loss))
+        return {
+            "losses": losses,
+            "batch_devices": len(batch.sharding.device_set),
+            "param_devices": len(model.head.sharding.device_set),
+            "head": np.asarray(model.head).tolist(),
+        }
+
+    print(json.dumps({
+        "n_devices": len(jax.devices()),
+        "one": run(jax.devices()[:1], 1),
+        "two": run(jax.devices(), 1),
+        "two_accum": run(jax.devices(), 2),
+    }))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def two_device_runs():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", WORKER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _max_abs_diff(a, b):
+    import numpy as np
+
+    return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+
+
+def test_two_devices_give_the_losses_of_one(two_device_runs):
+    r = two_device_runs
+    assert r["n_devices"] == 2
+    assert r["one"]["batch_devices"] == 1
+    # The batch really was split and the parameters really live on both devices.
+    assert r["two"]["batch_devices"] == 2 and r["two"]["param_devices"] == 2
+    assert _max_abs_diff(r["one"]["losses"], r["two"]["losses"]) <= 1e-5
+    assert _max_abs_diff(r["one"]["head"], r["two"]["head"]) <= 1e-5
+    assert r["one"]["losses"][-1] != r["one"]["losses"][0]  # the steps did train
+
+
+def test_gradient_accumulation_on_two_devices_gives_the_full_batch_losses(two_device_runs):
+    r = two_device_runs
+    assert _max_abs_diff(r["two"]["losses"], r["two_accum"]["losses"]) <= 1e-5
+    assert _max_abs_diff(r["two"]["head"], r["two_accum"]["head"]) <= 1e-5
+
+
+def test_batches_that_devices_cannot_share_are_rejected_with_the_fix():
+    mesh = data_mesh(jax.devices()[:1])
+    check_batch(mesh, 8, 2)  # one device shares anything
+    with pytest.raises(ValueError, match="multiple of grad_accum"):
+        check_batch(mesh, 8, 3)
+
+
+def test_distributed_start_only_when_the_environment_asks(monkeypatch):
+    for var in ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert initialize_distributed() is False
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+        initialize_distributed()
