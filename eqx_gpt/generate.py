@@ -9,15 +9,18 @@ How the cached loop works:
    only a handful of prompt shapes (log2 of the context) are ever compiled.
 2. **Decode.** Each step samples a token from the latest logits and runs `GPT.decode` on that one
    token at the next position: one position of work per token, not a whole window. Steps run
-   inside a jitted `jax.lax.scan` of `chunk_size` tokens that carries the cache, so one compiled
-   program serves every prompt length, temperature, top-k and top-p value.
+   inside one jitted loop (`jax.lax.fori_loop`) of up to `chunk_size` tokens that carries the
+   cache; the number of steps is a traced value, so one compiled program serves every chunk,
+   prompt length, temperature, top-k and top-p value.
 3. **Sliding past the context.** The model has absolute (sinusoidal) positions, so cached keys
    belong to the positions they were computed at and a ring buffer would not be exact. Instead,
    when the window already holds `context_length` tokens and one more arrives, the window is cut
    to its most recent `keep` tokens (default `context_length // 2`, the new token included),
-   these are re-prefilled at positions `0 .. keep - 1` in one pass, and decoding continues one
-   token at a time. That costs one `keep`-token prefill every `context_length - keep + 1`
-   tokens. `keep = context_length` gives nanoGPT's true sliding window (every token then pays a
+   these are re-prefilled at positions `0 .. keep - 1` in one pass (the prefill program of step 1),
+   and decoding continues one token at a time. That costs one `keep`-token prefill every
+   `context_length - keep + 1` tokens. The window's length never depends on the tokens drawn, so
+   the host schedules each slide between chunks and the decode loop holds no branch.
+   `keep = context_length` gives nanoGPT's true sliding window (every token then pays a
    full-window pass). The same policy, stated on token lists, is `naive_generate`'s: predict from
    the window `W`; append the new token; if `len(W) > context_length`, `W = W[-keep:]`.
 
@@ -70,20 +73,27 @@ def _decode_rows(model: GPT, tokens, cache, start):
     return jax.vmap(model.decode, in_axes=(0, 0, None))(tokens, cache, start)
 
 
+def _sample_rows(logits, key, index, temperature, top_k, top_p):
+    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(
+        jnp.arange(logits.shape[0])
+    )
+    sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.vmap(sample)(logits, keys)
+
+
 @eqx.filter_jit
-def _prefill(model: GPT, padded: Int[Array, "batch bucket"], length: Int[Array, ""]) -> GenerationState:
+def _prefill(
+    model: GPT, padded: Int[Array, "batch bucket"], length: Int[Array, ""], produced: Int[Array, ""]
+) -> GenerationState:
+    """A fresh state whose window is the first `length` tokens of `padded`, run at position 0."""
     trace_counts["prefill"] += 1
     batch, bucket = padded.shape
-    context = model.config.context_length
     empty = model.init_cache()
     cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), empty)
     logits, cache = _decode_rows(model, padded, cache, 0)
-    window = jnp.zeros((batch, context), jnp.int32).at[:, :bucket].set(padded)
-    return GenerationState(cache, window, length, logits[:, length - 1], jnp.zeros((), jnp.int32))
-
-
-def _row_keys(key, batch, index):
-    return jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(jnp.arange(batch))
+    window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
+    return GenerationState(cache, window, length, logits[:, length - 1], produced)
 
 
 @eqx.filter_jit
@@ -94,35 +104,46 @@ def _decode_steps(
     temperature: Float[Array, ""],
     top_k: Int[Array, ""] | None,
     top_p: Float[Array, ""] | None,
+    n_valid: Int[Array, ""],
     n_steps: int,
-    keep: int,
 ) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
-    """`n_steps` tokens per row: sample from `state.logits`, then feed the token back in."""
-    trace_counts["decode_steps"] += 1
-    context = model.config.context_length
-    batch = state.window.shape[0]
-    sample = jax.vmap(
-        lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
-    )
+    """`n_valid <= n_steps` tokens per row: sample from `state.logits`, feed the token back in.
 
-    def append(state, token):
+    Columns past `n_valid` of the returned tokens are padding. The caller keeps
+    `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
+    every chunk, however the window boundary cuts it.
+    """
+    trace_counts["decode_steps"] += 1
+
+    def step(i, carry):
+        state, tokens = carry
+        token = _sample_rows(state.logits, key, state.produced, temperature, top_k, top_p)
         logits, cache = _decode_rows(model, token[:, None], state.cache, state.length)
         window = jax.lax.dynamic_update_slice(state.window, token[:, None], (0, state.length))
-        return GenerationState(cache, window, state.length + 1, logits[:, 0], state.produced + 1)
+        tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
+        return GenerationState(cache, window, state.length + 1, logits[:, 0], state.produced + 1), tokens
 
-    def slide(state, token):
-        kept = jnp.concatenate([state.window[:, context - keep + 1 :], token[:, None]], axis=1)
-        logits, cache = _decode_rows(model, kept, state.cache, 0)
-        window = jnp.zeros_like(state.window).at[:, :keep].set(kept)
-        return GenerationState(cache, window, jnp.array(keep, jnp.int32), logits[:, -1], state.produced + 1)
+    tokens = jnp.zeros((state.window.shape[0], n_steps), jnp.int32)
+    return jax.lax.fori_loop(0, n_valid, step, (state, tokens))
 
-    def step(state, _):
-        token = sample(state.logits, _row_keys(key, batch, state.produced))
-        state = jax.lax.cond(state.length < context, append, slide, state, token)
-        return state, token
 
-    state, tokens = jax.lax.scan(step, state, length=n_steps)
-    return state, tokens.T
+@eqx.filter_jit
+def _cut_window(
+    state: GenerationState,
+    key: PRNGKeyArray,
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""] | None,
+    top_p: Float[Array, ""] | None,
+    keep: int,
+    bucket: int,
+) -> tuple[Int[Array, "batch bucket"], Int[Array, " batch"]]:
+    """Sample the next token of a full window; return the last `keep` tokens (that token
+    included), padded to `bucket` for `_prefill`, and the token."""
+    trace_counts["cut_window"] += 1
+    token = _sample_rows(state.logits, key, state.produced, temperature, top_k, top_p)
+    context = state.window.shape[1]
+    kept = jnp.concatenate([state.window[:, context - keep + 1 :], token[:, None]], axis=1)
+    return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept), token
 
 
 def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
@@ -130,8 +151,8 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
     check_sampling_args(temperature, top_k, top_p)
     context = model.config.context_length
     keep = context // 2 if keep is None else keep
-    if not 1 <= keep <= context:
-        raise ValueError(f"keep must be in [1, context_length={context}], got {keep}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= context:
+        raise ValueError(f"keep must be an integer in [1, context_length={context}], got {keep!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     prompts = np.asarray(prompts)
@@ -150,6 +171,16 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
     return prompts[:, -context:].astype(np.int32), keep
 
 
+def _sampling_arrays(temperature, top_k, top_p) -> dict:
+    """Sampling settings as traced arrays (no recompiles); greedy skips the filters entirely."""
+    greedy = temperature == 0
+    return dict(
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
+        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
+    )
+
+
 def stream_batch(
     model: GPT,
     prompts: Int[Array, "batch seq"] | np.ndarray,
@@ -163,34 +194,43 @@ def stream_batch(
     chunk_size: int = 32,
 ) -> Iterator[np.ndarray]:
     """Generate from each row of `prompts` (equal lengths), yielding `(batch, <= chunk_size)`
-    NumPy arrays of new token ids as each chunk finishes; `max_new_tokens` in total.
+    NumPy arrays of new token ids as they are ready; `max_new_tokens` in total.
 
-    The next chunk is dispatched before the current one is handed over, so the device keeps
-    working while the caller prints. See the module docstring for the cache and sliding policy.
+    The window length does not depend on the tokens drawn, so the host knows when the window
+    fills: it cuts chunks at that boundary and runs the slide (sample one token, re-prefill the
+    kept tokens) as its own small step. Work is dispatched one chunk ahead of what is handed over,
+    so the device keeps working while the caller prints. See the module docstring for the policy.
     """
     prompts, keep = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep)
     if max_new_tokens == 0:
         return
-    length = prompts.shape[1]
-    bucket = prompt_bucket(length, model.config.context_length)
-    padded = np.zeros((prompts.shape[0], bucket), np.int32)
+    context = model.config.context_length
+    batch, length = prompts.shape
+    padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
-    state = _prefill(model, jnp.asarray(padded), jnp.asarray(length, jnp.int32))
-    greedy = temperature == 0
-    sampling = dict(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
-        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
-    )
-    pending = []
-    for produced in range(0, max_new_tokens, chunk_size):
-        state, tokens = _decode_steps(model, state, key, n_steps=chunk_size, keep=keep, **sampling)
-        pending.append((tokens, min(chunk_size, max_new_tokens - produced)))
-        if len(pending) == 2:
+    state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0))
+    sampling = _sampling_arrays(temperature, top_k, top_p)
+    produced, pending = 0, []
+    while produced < max_new_tokens:
+        if length == context:  # full: the next token is drawn, then the window is cut to `keep`
+            padded, token = _cut_window(
+                state, key, keep=keep, bucket=prompt_bucket(keep, context), **sampling
+            )
+            state = _prefill(model, padded, jnp.int32(keep), jnp.int32(produced + 1))
+            pending.append((token, 1))
+            length, produced = keep, produced + 1
+        else:
+            n = min(chunk_size, context - length, max_new_tokens - produced)
+            state, tokens = _decode_steps(
+                model, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
+            )
+            pending.append((tokens, n))
+            length, produced = length + n, produced + n
+        if len(pending) == 2:  # slicing on the host: no device program per chunk length
             tokens, n = pending.pop(0)
-            yield np.asarray(tokens)[:, :n]
+            yield np.asarray(tokens).reshape(batch, -1)[:, :n]
     for tokens, n in pending:
-        yield np.asarray(tokens)[:, :n]
+        yield np.asarray(tokens).reshape(batch, -1)[:, :n]
 
 
 def generate_batch(
@@ -264,8 +304,7 @@ def generate(
 def _naive_step(model, window, length, key, index, temperature, top_k, top_p):
     trace_counts["naive_step"] += 1
     logits = model(window)[length - 1]
-    key = jax.random.fold_in(jax.random.fold_in(key, 0), index)
-    return sample_next_token(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+    return _sample_rows(logits[None], key, index, temperature, top_k, top_p)[0]
 
 
 def naive_generate(
@@ -290,12 +329,7 @@ def naive_generate(
     )
     context = model.config.context_length
     window = list(prompts[0])
-    greedy = temperature == 0
-    sampling = dict(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
-        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
-    )
+    sampling = _sampling_arrays(temperature, top_k, top_p)
     out = []
     for i in range(max_new_tokens):
         padded = np.zeros(prompt_bucket(len(window), context), np.int32)

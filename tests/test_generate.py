@@ -75,7 +75,7 @@ def test_after_a_slide_the_model_sees_only_the_kept_window(model):
 
 
 def test_no_recompilation_per_token_prompt_length_or_setting(model):
-    generate(model, random_prompt(0, 3), 5, key=jax.random.key(0), temperature=1.0, top_k=5, top_p=0.9)
+    generate(model, random_prompt(0, 3), 30, key=jax.random.key(0), temperature=1.0, top_k=5, top_p=0.9)
     before = dict(trace_counts)
     for i, prompt_len in enumerate([1, 9, 16, 12]):  # one bucket (16 = the context here)
         out = generate(
@@ -123,9 +123,12 @@ def test_batch_rows_are_independent_samples_and_row_zero_is_generate(model):
 
 
 def test_stream_yields_chunks_that_add_up(model):
-    chunks = list(stream_batch(model, random_prompt(1, 3)[None], 70, key=jax.random.key(0), chunk_size=32))
-    assert [c.shape for c in chunks] == [(1, 32), (1, 32), (1, 6)]
-    whole = generate(model, random_prompt(1, 3), 70, key=jax.random.key(0))
+    prompt = random_prompt(1, 3)
+    chunks = list(stream_batch(model, prompt[None], 70, key=jax.random.key(0), chunk_size=8))
+    assert all(c.shape[0] == 1 and 1 <= c.shape[1] <= 8 for c in chunks)
+    # 13 tokens fill the window (16), then each slide is one token followed by 8 = 16 - 8 steps.
+    assert [c.shape[1] for c in chunks][:5] == [8, 5, 1, 8, 1]
+    whole = generate(model, prompt, 70, key=jax.random.key(0))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1)[0], whole)
 
 
