@@ -82,7 +82,7 @@ def plot_model_attention(model: GPT, tokens: list[int], pieces: list[str], path:
 
 def plot_positions(context_length: int, d_model: int, path: str | Path) -> Path:
     """Write a heatmap of the sinusoidal position table `(context_length, d_model)` and a few of
-    its columns as curves: low features oscillate fast, high features slowly."""
+    its sin columns as curves: low features oscillate fast, high features slowly."""
     table = np.asarray(sinusoidal_positions(context_length, d_model))
     fig = Figure(figsize=(10, 4.2), layout="constrained")
     heat, curves = fig.subplots(1, 2, width_ratios=[1.3, 1])
@@ -91,10 +91,11 @@ def plot_positions(context_length: int, d_model: int, path: str | Path) -> Path:
     heat.set_ylabel("position")
     heat.set_title(f"sinusoidal positions ({context_length} x {d_model})")
     fig.colorbar(image, ax=heat)
-    for feature in sorted({0, 2, d_model // 8 * 2, d_model // 4 * 2, d_model - 2}):
-        curves.plot(table[:, feature], label=f"feature {feature}")
+    for feature in sorted({0, d_model // 16 * 2, d_model // 8 * 2, d_model // 4 * 2}):
+        wavelength = 2 * np.pi * 10000 ** (feature / d_model)
+        curves.plot(table[:, feature], label=f"feature {feature} (wavelength {wavelength:.0f})")
     curves.set_xlabel("position")
-    curves.set_title("sin features: wavelength grows with the feature index")
+    curves.set_title("sin features: slower with each pair")
     curves.legend(fontsize=7, loc="lower left")
     path = Path(path)
     fig.savefig(path, dpi=110)
