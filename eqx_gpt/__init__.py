@@ -9,7 +9,7 @@ from eqx_gpt.block import Block
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.dropout import dropout
-from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_batch
+from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
 from eqx_gpt.gpt import GPT
 from eqx_gpt.mlp import MLP
 from eqx_gpt.norm import RMSNorm
@@ -44,6 +44,7 @@ __all__ = [
     "generate_batch",
     "naive_generate",
     "stream_batch",
+    "stream_text",
     "sample_next_token",
     "top_k_filter",
     "top_p_filter",

@@ -37,7 +37,7 @@ def plot_attention(weights: np.ndarray, labels: list[str], path: str | Path, *, 
     n_layers, n_heads, seq, _ = weights.shape
     if len(labels) != seq:
         raise ValueError(f"plot_attention got {len(labels)} labels for {seq} positions")
-    cell = max(1.6, 0.14 * seq)
+    cell = min(max(1.6, 0.14 * seq), 3.5)  # inches per heatmap: readable labels, bounded image size
     fig = Figure(figsize=(cell * n_heads + 0.8, cell * n_layers + 0.6), layout="constrained")
     axes = fig.subplots(n_layers, n_heads, squeeze=False)
     show_ticks = seq <= 48
