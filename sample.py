@@ -22,22 +22,38 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> argparse.Namespace:
     p = _Parser(prog="sample.py", description="Generate text from a trained eqx_gpt checkpoint.")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="text to continue (default: a newline)")
-    source.add_argument("--prompt-file", type=Path, help="read the prompt from this UTF-8 file")
+    source.add_argument("--prompt", metavar="TEXT", help="text to continue (default: a newline)")
+    source.add_argument(
+        "--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file"
+    )
     p.add_argument(
         "--checkpoint",
+        metavar="PATH",
         type=Path,
         default=Path("out"),
         help="run directory (its best checkpoint, else latest) or checkpoint file (default: out/)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with mass >= p")
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1337, help="same seed, same text")
-    p.add_argument("--attention-png", type=Path, help="draw every layer's and head's attention on the prompt")
-    p.add_argument("--positions-png", type=Path, help="draw the model's sinusoidal position table")
+    p.add_argument(
+        "--max-new-tokens", metavar="N", type=int, default=500, help="tokens to generate (default 500)"
+    )
+    p.add_argument("--temperature", metavar="T", type=float, default=0.8, help="0 means greedy (default 0.8)")
+    p.add_argument("--top-k", metavar="K", type=int, help="sample among the K most likely tokens only")
+    p.add_argument(
+        "--top-p", metavar="P", type=float, help="sample from the smallest set of mass >= P, in (0, 1]"
+    )
+    p.add_argument(
+        "--num-samples", metavar="N", type=int, default=1, help="samples, one after another (default 1)"
+    )
+    p.add_argument("--seed", type=int, default=1337, help="same seed, same text (default 1337)")
+    p.add_argument(
+        "--attention-png",
+        metavar="PATH",
+        type=Path,
+        help="draw each layer's and head's attention on the prompt",
+    )
+    p.add_argument(
+        "--positions-png", metavar="PATH", type=Path, help="draw the model's sinusoidal position table"
+    )
     return p.parse_args(argv)
 
 
