@@ -13,6 +13,7 @@ import typing
 from eqx_gpt.checkpoint import CheckpointError
 from eqx_gpt.config import COMPUTE_DTYPES, GPTConfig
 from eqx_gpt.data import DataError
+from eqx_gpt.parallel import initialize_distributed
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.tokenizer import TokenizerError
 from eqx_gpt.trainer import TrainingError, train
@@ -106,6 +107,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args, explicit = parse(argv)
+    try:
+        initialize_distributed()  # one process of a multi-host run (README: "Scaling out")
+    except ValueError as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        return 2
     model_names = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
     preset = PRESETS[args.preset]

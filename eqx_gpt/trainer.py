@@ -51,6 +51,7 @@ from eqx_gpt.data import (
     to_ids,
 )
 from eqx_gpt.gpt import GPT
+from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
 from eqx_gpt.training import (
     TrainConfig,
@@ -356,13 +357,23 @@ def train(
                 f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
             )
 
+    # Data parallelism: parameters and optimiser state on every device, each batch split over them.
+    mesh = data_mesh()
+    try:
+        check_batch(mesh, config.batch_size, config.grad_accum)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    model, opt_state = replicate((model, opt_state), mesh)
     metrics = Metrics(out_dir / "metrics.jsonl", keep_until=start if meta is not None else None)
     train_step = make_train_step(optimizer, config, dropout=model_config.dropout > 0)
     tokens_per_step = config.batch_size * model_config.context_length
     eval_batches = {
-        split: fixed_batches(
-            ids, seed=config.seed, stream=stream, n_batches=config.eval_batches,
-            batch_size=config.batch_size, length=window,
+        split: shard_batch(
+            fixed_batches(
+                ids, seed=config.seed, stream=stream, n_batches=config.eval_batches,
+                batch_size=config.batch_size, length=window,
+            ),
+            mesh, batch_axis=1,
         )
         for split, ids, stream in (
             ("train", train_ids, EVAL_TRAIN_BATCHES),
@@ -378,7 +389,8 @@ def train(
     log(
         f"model: {n_params / 1e6:.2f}M parameters, {model_config.n_layers} layers, d_model "
         f"{model_config.d_model}, {model_config.n_heads} heads, context {model_config.context_length}; "
-        f"batch {config.batch_size} ({tokens_per_step:,} tokens/step) on {jax.devices()[0].platform}"
+        f"batch {config.batch_size} ({tokens_per_step:,} tokens/step) on {mesh.size} "
+        f"{jax.devices()[0].platform} device{'s' if mesh.size > 1 else ''}"
     )
     log(f"schedule: {describe_schedule(config, horizon)}")
     if config.max_minutes:
@@ -503,9 +515,12 @@ def train(
                     interrupted = True
                     break
                 lr = learning_rate(step, config, horizon)
-                batch = get_batch(
-                    train_ids, step, seed=config.seed, stream=TRAIN_BATCHES, batch_size=config.batch_size,
-                    length=window,
+                batch = shard_batch(
+                    get_batch(
+                        train_ids, step, seed=config.seed, stream=TRAIN_BATCHES,
+                        batch_size=config.batch_size, length=window,
+                    ),
+                    mesh,
                 )  # fmt: skip
                 model, opt_state, loss = train_step(model, opt_state, batch, np.int32(step), np.float32(lr))
                 step += 1

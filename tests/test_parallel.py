@@ -59,6 +59,28 @@ WORKER = textwrap.dedent(
 )
 
 
+TRAINER_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import jax
+    import eqx_gpt.trainer as trainer
+    from eqx_gpt.parallel import data_mesh
+    from eqx_gpt.training import TrainConfig
+
+    model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
+    config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=4, eval_batches=2,
+                         log_interval=1)
+    runs = {}
+    for name, devices in (("one", jax.devices()[:1]), ("two", jax.devices())):
+        trainer.data_mesh = lambda devices=devices: data_mesh(devices)
+        out = f"{sys.argv[1]}/{name}"
+        trainer.train(model, config, out, sample_tokens=0, progress=False, log=lambda s: None)
+        runs[name] = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
+    print(json.dumps(runs))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def two_device_runs():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
@@ -107,3 +129,19 @@ def test_distributed_start_only_when_the_environment_asks(monkeypatch):
     monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
         initialize_distributed()
+
+
+def test_the_trainer_on_two_devices_logs_the_losses_of_one(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, "-c", TRAINER_WORKER, str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    one, two = runs["one"], runs["two"]
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    for key in ("loss", "train_loss", "val_loss"):
+        a = [r[key] for r in one if key in r]
+        b = [r[key] for r in two if key in r]
+        assert len(a) >= 2 and _max_abs_diff(a, b) <= 1e-5, key
