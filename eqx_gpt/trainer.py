@@ -12,6 +12,8 @@ The loop never waits for the accelerator at a step: losses are read a few steps 
 dispatched, every `log_interval` steps, and at evaluations.
 """
 
+import collections
+import functools
 import hashlib
 import json
 import math
@@ -52,7 +54,7 @@ from eqx_gpt.data import (
 )
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer
+from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_dict
 from eqx_gpt.training import (
     TrainConfig,
     count_params,
@@ -101,6 +103,22 @@ def check_writable(out_dir: Path) -> None:
             f"cannot write to output folder {out_dir} ({e.strerror or e}); "
             f"pass --out-dir to a writable folder"
         ) from None
+
+
+def optimizer_and_step(config: TrainConfig, *, dropout: bool):
+    """`make_optimizer` and `make_train_step` for `config`, shared by runs whose steps are the same.
+
+    Only the fields the step reads are part of the key, so a resumed run (or a second run in the
+    same process, e.g. in tests) reuses the compiled step instead of compiling it again.
+    """
+    fields = ("grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed")
+    return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer_and_step(config: TrainConfig, dropout: bool):
+    optimizer = make_optimizer(config)
+    return optimizer, make_train_step(optimizer, config, dropout=dropout)
 
 
 def make_tokenizer(kind: str, text: str) -> Tokenizer:
@@ -322,8 +340,6 @@ def train(
     if meta is None:
         tokenizer = make_tokenizer(config.tokenizer, text)
     else:
-        from eqx_gpt.tokenizer import tokenizer_from_dict
-
         tokenizer = tokenizer_from_dict(meta["tokenizer"])
     try:
         model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **model_options)
@@ -335,11 +351,13 @@ def train(
     train_ids = to_ids(tokenizer.encode(train_text), "train", model_config.context_length, source)
     val_ids = to_ids(tokenizer.encode(val_text), "validation", model_config.context_length, source)
 
-    optimizer = make_optimizer(config)
+    optimizer, train_step = optimizer_and_step(config, dropout=model_config.dropout > 0)
     if meta is None:
         model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
         start, best_val, horizon = 0, math.inf, config.max_steps
+        if (out_dir / "latest.json").exists():
+            log(f"starting afresh in {out_dir}/, replacing the run there (--resume continues it)")
         for name in ("best", "latest"):  # a fresh run replaces whatever an earlier one left here
             (out_dir / f"{name}.json").unlink(missing_ok=True)
             for stale in out_dir.glob(f"{name}-*.eqx"):
@@ -365,7 +383,6 @@ def train(
         raise TrainingError(str(e)) from None
     model, opt_state = replicate((model, opt_state), mesh)
     metrics = Metrics(out_dir / "metrics.jsonl", keep_until=start if meta is not None else None)
-    train_step = make_train_step(optimizer, config, dropout=model_config.dropout > 0)
     tokens_per_step = config.batch_size * model_config.context_length
     eval_batches = {
         split: shard_batch(
@@ -422,15 +439,16 @@ def train(
 
     bar = Progress(enabled=progress)
     pending: list[tuple[int, jax.Array, float]] = []  # (step, loss, lr) of dispatched steps not yet read
-    last_read = (start, time.monotonic())
+    read_points = collections.deque([(start, t_start)], maxlen=8)  # (step, time) of recent reads
+    tps = 0.0
     steps_timed_from = None  # (step, time) after compilation, for the time plan
     eval_seconds = 0.0
     deadline = t_start + 60 * config.max_minutes if config.max_minutes else math.inf
-    reserve = 10.0  # seconds kept for the final evaluation, checkpoint and sample
+    reserve = 15.0  # seconds kept for the final evaluation, checkpoint and sample
 
     def read_pending(until: int) -> None:
         """Record the logged steps among `pending` up to step `until`; stop on a non-finite loss."""
-        nonlocal last_read
+        nonlocal tps
         ready = [p for p in pending if p[0] <= until]
         if not ready:
             return
@@ -445,16 +463,17 @@ def train(
                 f"Try a lower --lr or --grad-clip"
             )
         now = time.monotonic()
-        step, t = last_read
-        tps = (ready[-1][0] - step) * tokens_per_step / max(now - t, 1e-9)
-        last_read = (ready[-1][0], now)
+        read_points.append((ready[-1][0], now))
+        (first_step, first_time), (last_step, _) = read_points[0], read_points[-1]
+        if last_step > first_step:  # tokens/s over the last few reads, which smooths their jitter
+            tps = (last_step - first_step) * tokens_per_step / max(now - first_time, 1e-9)
         for (s, _, lr), loss in zip(ready, losses, strict=True):
             if s % config.log_interval == 0 or s == horizon:
                 metrics.write({"step": s, "loss": float(loss), "lr": lr, "tokens_per_s": round(tps, 1)})
         s, loss = ready[-1][0], float(losses[-1])
         elapsed = now - t_start
         if steps_timed_from is not None and s > steps_timed_from[0]:
-            rate = (s - steps_timed_from[0]) / (now - steps_timed_from[1])
+            rate = (s - steps_timed_from[0]) / max(now - steps_timed_from[1] - eval_seconds, 1e-9)
             eta = f"ETA {_clock((horizon - s) / rate)}"
         else:
             eta = "compiling" if s == start + 1 and start == 0 else ""
@@ -470,12 +489,13 @@ def train(
         now = time.monotonic()
         rate = (step - steps_timed_from[0]) / (now - steps_timed_from[1] - eval_seconds)
         evals_left = max(0, (horizon - step) // config.eval_interval)
-        per_eval = eval_seconds / max(1, n_evals)
+        # Until one is measured, price an evaluation as its forward passes: a third of a step each.
+        per_eval = eval_seconds / n_evals if n_evals else 2 * config.eval_batches / 3 / rate
         budget = deadline - now - reserve - evals_left * per_eval
         return max(step + 1, min(config.max_steps, step + int(budget * rate)))
 
     def evaluation(step: int) -> None:
-        nonlocal best_val, last_good_step, last_val, eval_seconds, n_evals, last_read
+        nonlocal best_val, last_good_step, last_val, eval_seconds, n_evals
         read_pending(step)
         train_loss, val_loss, seconds = evaluate()
         if step > start:
@@ -496,7 +516,8 @@ def train(
             save("best", step, val_loss)
         last_good_step = step
         plot_losses(metrics.records, out_dir / "loss.png")
-        last_read = (step, time.monotonic())  # keep evaluation time out of tokens/s
+        read_points.clear()  # keep evaluation time out of tokens/s
+        read_points.append((step, time.monotonic()))
         bar.clear()
         log(
             f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
@@ -527,7 +548,11 @@ def train(
                 pending.append((step, loss, lr))
                 if step == start + 1:  # the first step compiles: time the rest from here
                     loss.block_until_ready()
-                    steps_timed_from = last_read = (step, time.monotonic())
+                    now = time.monotonic()
+                    tps = tokens_per_step / (now - t_start)  # the first step's figure includes compiling
+                    steps_timed_from = (step, now)
+                    read_points.clear()
+                    read_points.append(steps_timed_from)
                     bar.clear()
                     log(f"compiled the training step in {time.monotonic() - t_start:.1f} s since start")
                 elif steps_timed_from is not None and step == steps_timed_from[0] + PLAN_AFTER:
