@@ -1,0 +1,78 @@
+"""Mixed precision: bf16 activations with fp32 parameters train, and stay close to fp32."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eqx_gpt import GPT, GPTConfig, MultiHeadAttention, causal_mask
+from eqx_gpt.attention import fused_attention
+from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
+
+FP32 = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_heads=4, n_layers=2)
+BF16 = dataclasses.replace(FP32, compute_dtype="bfloat16")
+
+
+def _tokens(key, n=4):
+    return jax.random.randint(jax.random.key(key), (n, FP32.context_length + 1), 0, FP32.vocab_size)
+
+
+def test_bf16_compute_trains_with_fp32_parameters_and_optimiser_state():
+    config = TrainConfig(batch_size=4, seed=0)
+    optimizer = make_optimizer(config)
+    model = GPT(BF16, key=jax.random.key(0))
+    opt_state = init_optimizer_state(optimizer, model)
+    step = make_train_step(optimizer, config, dropout=False)
+    batch = _tokens(2)
+    losses = []
+    for i in range(25):
+        model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.7 * losses[0], losses
+    floats = [a for a in jax.tree.leaves((model, opt_state)) if eqx.is_inexact_array(a)]
+    assert floats and all(a.dtype == jnp.float32 for a in floats)
+
+
+def test_bf16_logits_loss_and_gradients_stay_close_to_fp32():
+    tokens = _tokens(3)
+
+    @eqx.filter_jit
+    def loss_and_grads(model):
+        def loss(model):
+            logits = jax.vmap(model)(tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+
+        return eqx.filter_value_and_grad(loss, has_aux=True)(model)
+
+    model16 = GPT(BF16, key=jax.random.key(0))  # the same fp32 parameters as model32
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(eqx.filter(model16, eqx.is_array)))
+    (l32, logits32), g32 = loss_and_grads(GPT(FP32, key=jax.random.key(0)))
+    (l16, logits16), g16 = loss_and_grads(model16)
+
+    assert logits16.dtype == jnp.float32 and logits16.shape == logits32.shape
+    # bf16 keeps 8 bits of mantissa: about 0.4% relative error per rounding.
+    scale = float(jnp.abs(logits32).max())
+    assert 0 < float(jnp.abs(logits16 - logits32).max()) <= 0.03 * scale  # close, and really bf16
+    p32, p16 = jax.nn.softmax(logits32), jax.nn.softmax(logits16)
+    assert float(jnp.abs(p16 - p32).max()) <= 2e-3
+    assert abs(float(l16) - float(l32)) <= 1e-2
+
+    flat32 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(g32)])
+    flat16 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(g16)])
+    assert flat16.dtype == jnp.float32
+    cosine = jnp.dot(flat32, flat16) / (jnp.linalg.norm(flat32) * jnp.linalg.norm(flat16))
+    assert float(cosine) > 0.99
+
+
+def test_fused_attention_matches_the_per_head_vmap_path():
+    # On CPU this is XLA's path of jax.nn.dot_product_attention, the call that GPUs send to cuDNN.
+    attn = MultiHeadAttention(64, 4, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (12, 64))
+    q, k, v = attn.project_qkv(x)
+    mask = causal_mask(12)
+    fused = fused_attention(q, k, v, mask).reshape(12, 64) @ attn.w_out
+    np.testing.assert_allclose(fused, attn(x, mask=mask), atol=1e-5, rtol=1e-5)
