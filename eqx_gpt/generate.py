@@ -156,11 +156,13 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     prompts = np.asarray(prompts)
-    if prompts.ndim != 2 or prompts.shape[1] == 0:
+    if prompts.ndim != 2:
         raise ValueError(
-            f"the prompt must hold at least one token, got shape {prompts.shape}; "
-            "start from e.g. the id of a newline"
+            "prompt token ids must have shape (seq,) for generate/naive_generate and "
+            "(batch, seq) for generate_batch/stream_batch"
         )
+    if prompts.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one token; start from e.g. the id of a newline")
     if not np.issubdtype(prompts.dtype, np.integer):
         raise ValueError(f"prompt tokens must be integers, got dtype {prompts.dtype}")
     if prompts.min() < 0 or prompts.max() >= model.config.vocab_size:
@@ -202,6 +204,8 @@ def stream_batch(
     so the device keeps working while the caller prints. See the module docstring for the policy.
     """
     prompts, keep = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     if max_new_tokens == 0:
         return
     context = model.config.context_length

@@ -172,6 +172,15 @@ def test_bad_arguments_raise_named_errors(model, prompt, kwargs, needle):
         generate(model, [1], -1, key=jax.random.key(0))
 
 
+def test_bad_shapes_and_chunk_sizes_raise_named_errors(model):
+    with pytest.raises(ValueError, match=r"shape \(seq,\)"):
+        generate(model, np.ones((2, 3), np.int32), 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        generate_batch(model, np.ones(3, np.int32), 3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="chunk_size"):
+        generate(model, [1, 2], 3, key=jax.random.key(0), chunk_size=0)
+
+
 class BytesTokenizer:
     """One id per byte, like the byte level of GPT-2's BPE."""
 
