@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             resume=args.resume,
             resume_flags=resume_flags,
             sample_tokens=args.sample_tokens,
-            extra_metadata={"preset": args.preset},
+            # A resumed run keeps the preset its checkpoint records unless one is given.
+            extra_metadata={"preset": args.preset} if "preset" in explicit or not args.resume else None,
         )
     except (DataError, TokenizerError, CheckpointError, TrainingError) as e:
         print(f"train.py: error: {e}", file=sys.stderr)

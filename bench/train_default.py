@@ -10,6 +10,7 @@ can be much slower; run it on an idle machine for a figure to report.
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -30,7 +31,14 @@ def main() -> int:
     start = time.perf_counter()
     rc = subprocess.call(cmd, cwd=ROOT)
     minutes = (time.perf_counter() - start) / 60
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = usage.ru_utime + usage.ru_stime
     print(f"load average after: {os.getloadavg()}")
+    # On a shared machine the run gets less than all cores; its CPU seconds say how much it had.
+    print(
+        f"train.py used {cpu_s / 60:.2f} CPU-minutes in {minutes:.2f} wall minutes: on average "
+        f"{cpu_s / 60 / minutes:.2f} of {os.cpu_count()} cores"
+    )
     if rc != 0:
         print(f"train.py exited with {rc}")
         return rc

@@ -416,6 +416,7 @@ def train(
         log(f"resuming {out_dir}/latest.json at step {start}")
 
     run_meta = {
+        **({"preset": meta.get("preset")} if meta is not None and "preset" in meta else {}),
         **(extra_metadata or {}),
         "data": source,
         "data_sha256": data_sha,
