@@ -52,14 +52,14 @@ class GenerationState(eqx.Module):
     cache: per-row `KVCache`, shapes `(batch, n_layers, context_length, n_heads, d_head)`.
     window: `(batch, context_length)` token ids at the cache positions (valid up to `length`).
     length: number of positions in the window (the same for every row).
-    logits: `(batch, vocab)` next-token logits.
-    produced: how many tokens have been generated so far (the index of the next one).
+    next_token: `(batch,)` the latest sampled token, not yet fed to the model.
+    produced: how many tokens have been sampled so far (the index of the next one to sample).
     """
 
     cache: KVCache
     window: Int[Array, "batch context"]
     length: Int[Array, ""]
-    logits: Float[Array, "batch vocab"]
+    next_token: Int[Array, " batch"]
     produced: Int[Array, ""]
 
 
@@ -84,16 +84,28 @@ def _sample_rows(logits, key, index, temperature, top_k, top_p):
 
 @eqx.filter_jit
 def _prefill(
-    model: GPT, padded: Int[Array, "batch bucket"], length: Int[Array, ""], produced: Int[Array, ""]
+    model: GPT,
+    padded: Int[Array, "batch bucket"],
+    length: Int[Array, ""],
+    produced: Int[Array, ""],
+    key: PRNGKeyArray,
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""] | None,
+    top_p: Float[Array, ""] | None,
 ) -> GenerationState:
-    """A fresh state whose window is the first `length` tokens of `padded`, run at position 0."""
+    """Run the first `length` tokens of `padded` at position 0 into a fresh cache and sample
+    token number `produced` from the last one's logits.
+
+    Sampling here lets the first token be shown before the decode loop is even compiled.
+    """
     trace_counts["prefill"] += 1
     batch, bucket = padded.shape
     empty = model.init_cache()
     cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), empty)
     logits, cache = _decode_rows(model, padded, cache, 0)
+    token = _sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
-    return GenerationState(cache, window, length, logits[:, length - 1], produced)
+    return GenerationState(cache, window, length, token, produced + 1)
 
 
 @eqx.filter_jit
@@ -107,9 +119,9 @@ def _decode_steps(
     n_valid: Int[Array, ""],
     n_steps: int,
 ) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
-    """`n_valid <= n_steps` tokens per row: sample from `state.logits`, feed the token back in.
+    """`n_valid <= n_steps` steps per row: feed `next_token` in, sample the one after it.
 
-    Columns past `n_valid` of the returned tokens are padding. The caller keeps
+    Returns the newly sampled tokens; columns past `n_valid` are padding. The caller keeps
     `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
     every chunk, however the window boundary cuts it.
     """
@@ -117,33 +129,24 @@ def _decode_steps(
 
     def step(i, carry):
         state, tokens = carry
-        token = _sample_rows(state.logits, key, state.produced, temperature, top_k, top_p)
-        logits, cache = _decode_rows(model, token[:, None], state.cache, state.length)
-        window = jax.lax.dynamic_update_slice(state.window, token[:, None], (0, state.length))
+        fed = state.next_token[:, None]
+        logits, cache = _decode_rows(model, fed, state.cache, state.length)
+        window = jax.lax.dynamic_update_slice(state.window, fed, (0, state.length))
+        token = _sample_rows(logits[:, 0], key, state.produced, temperature, top_k, top_p)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-        return GenerationState(cache, window, state.length + 1, logits[:, 0], state.produced + 1), tokens
+        return GenerationState(cache, window, state.length + 1, token, state.produced + 1), tokens
 
     tokens = jnp.zeros((state.window.shape[0], n_steps), jnp.int32)
     return jax.lax.fori_loop(0, n_valid, step, (state, tokens))
 
 
 @eqx.filter_jit
-def _cut_window(
-    state: GenerationState,
-    key: PRNGKeyArray,
-    temperature: Float[Array, ""],
-    top_k: Int[Array, ""] | None,
-    top_p: Float[Array, ""] | None,
-    keep: int,
-    bucket: int,
-) -> tuple[Int[Array, "batch bucket"], Int[Array, " batch"]]:
-    """Sample the next token of a full window; return the last `keep` tokens (that token
-    included), padded to `bucket` for `_prefill`, and the token."""
+def _cut_window(state: GenerationState, keep: int, bucket: int) -> Int[Array, "batch bucket"]:
+    """The last `keep` tokens of a full window followed by `next_token`, padded to `bucket`."""
     trace_counts["cut_window"] += 1
-    token = _sample_rows(state.logits, key, state.produced, temperature, top_k, top_p)
     context = state.window.shape[1]
-    kept = jnp.concatenate([state.window[:, context - keep + 1 :], token[:, None]], axis=1)
-    return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept), token
+    kept = jnp.concatenate([state.window[:, context - keep + 1 :], state.next_token[:, None]], axis=1)
+    return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept)
 
 
 def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
@@ -198,10 +201,11 @@ def stream_batch(
     """Generate from each row of `prompts` (equal lengths), yielding `(batch, <= chunk_size)`
     NumPy arrays of new token ids as they are ready; `max_new_tokens` in total.
 
+    The first token comes alone, straight from the prefill (before the decode loop compiles).
     The window length does not depend on the tokens drawn, so the host knows when the window
-    fills: it cuts chunks at that boundary and runs the slide (sample one token, re-prefill the
-    kept tokens) as its own small step. Work is dispatched one chunk ahead of what is handed over,
-    so the device keeps working while the caller prints. See the module docstring for the policy.
+    fills: it cuts chunks at that boundary and runs the slide (re-prefill the kept tokens, which
+    samples the next one) as its own step. Work is dispatched one chunk ahead of what is handed
+    over, so the device keeps working while the caller prints. See the module docstring.
     """
     prompts, keep = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -212,16 +216,15 @@ def stream_batch(
     batch, length = prompts.shape
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
-    state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0))
     sampling = _sampling_arrays(temperature, top_k, top_p)
-    produced, pending = 0, []
+    state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
+    yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
+    produced, pending = 1, []
     while produced < max_new_tokens:
-        if length == context:  # full: the next token is drawn, then the window is cut to `keep`
-            padded, token = _cut_window(
-                state, key, keep=keep, bucket=prompt_bucket(keep, context), **sampling
-            )
-            state = _prefill(model, padded, jnp.int32(keep), jnp.int32(produced + 1))
-            pending.append((token, 1))
+        if length == context:  # full: cut to the last `keep` tokens (the pending one included)
+            padded = _cut_window(state, keep=keep, bucket=prompt_bucket(keep, context))
+            state = _prefill(model, padded, jnp.int32(keep), jnp.int32(produced), key, **sampling)
+            pending.append((state.next_token, 1))
             length, produced = keep, produced + 1
         else:
             n = min(chunk_size, context - length, max_new_tokens - produced)

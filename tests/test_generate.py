@@ -126,8 +126,9 @@ def test_stream_yields_chunks_that_add_up(model):
     prompt = random_prompt(1, 3)
     chunks = list(stream_batch(model, prompt[None], 70, key=jax.random.key(0), chunk_size=8))
     assert all(c.shape[0] == 1 and 1 <= c.shape[1] <= 8 for c in chunks)
-    # 13 tokens fill the window (16), then each slide is one token followed by 8 = 16 - 8 steps.
-    assert [c.shape[1] for c in chunks][:5] == [8, 5, 1, 8, 1]
+    # The first token comes alone from the prefill; 13 fill the window (16); then each slide
+    # gives one token, followed by 8 = 16 - 8 steps.
+    assert [c.shape[1] for c in chunks][:6] == [1, 8, 5, 1, 8, 1]
     whole = generate(model, prompt, 70, key=jax.random.key(0))
     np.testing.assert_array_equal(np.concatenate(chunks, axis=1)[0], whole)
 
