@@ -6,9 +6,10 @@ How the cached loop works:
    power-of-two *bucket* (at least 16, at most `context_length`) and run once through
    `GPT.decode` at position 0, filling a fixed-size per-layer `KVCache` of `context_length`
    slots. Padded slots hold junk that the causal mask hides and that later tokens overwrite, so
-   only a handful of prompt shapes (log2 of the context) are ever compiled.
-2. **Decode.** Each step samples a token from the latest logits and runs `GPT.decode` on that one
-   token at the next position: one position of work per token, not a whole window. Steps run
+   only a handful of prompt shapes (log2 of the context) are ever compiled. The same program
+   samples the first new token, so it can be shown before the decode loop has compiled.
+2. **Decode.** Each step runs `GPT.decode` on the latest token at the next position and samples
+   the following token from its logits: one position of work per token, not a whole window. Steps run
    inside one jitted loop (`jax.lax.fori_loop`) of up to `chunk_size` tokens that carries the
    cache; the number of steps is a traced value, so one compiled program serves every chunk,
    prompt length, temperature, top-k and top-p value.
