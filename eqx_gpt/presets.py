@@ -22,7 +22,9 @@ PRESETS = {
         # Tuned by short runs on 2 cores: at equal tokens, batch 16 beat batch 32 (more updates) at
         # the same tokens/s, and lr 5e-3 beat 2e-3 and 1e-2; context 64 runs about twice the
         # tokens/s of context 128 on CPU.
-        model=dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0),
+        # scan_unroll=4 runs the 4 layers in one scan iteration: measured 5-10% faster steps on 2
+        # cores than a rolled scan (measured side by side), with no slower compile at this depth.
+        model=dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
         train=dict(
             batch_size=16,
             max_steps=8000,
