@@ -54,12 +54,18 @@ def data_mesh(devices=None) -> Mesh:
 def check_batch(mesh: Mesh, batch_size: int, grad_accum: int = 1) -> None:
     """Raise a one-line `ValueError` unless every micro-batch splits evenly over the devices."""
     n = mesh.size
-    if batch_size % (grad_accum * n):
+    if batch_size % (grad_accum * n) == 0:
+        return
+    if grad_accum == 1:
         raise ValueError(
-            f"batch_size={batch_size} with grad_accum={grad_accum} gives micro-batches of "
-            f"{batch_size / grad_accum:g} sequences, which {n} devices cannot share evenly; "
-            f"use a batch_size that is a multiple of grad_accum * {n} = {grad_accum * n}"
+            f"batch_size={batch_size} cannot be split evenly over {n} devices; "
+            f"use a batch_size that is a multiple of {n}"
         )
+    raise ValueError(
+        f"batch_size={batch_size} with grad_accum={grad_accum} gives micro-batches of "
+        f"{batch_size / grad_accum:g} sequences, which {n} devices cannot share evenly; "
+        f"use a batch_size that is a multiple of grad_accum * {n} = {grad_accum * n}"
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
