@@ -52,6 +52,7 @@ from eqx_gpt.data import (
     split_text,
     to_ids,
 )
+from eqx_gpt.generate import generate
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_dict
@@ -244,32 +245,8 @@ def sample_text(
 ) -> str:
     """A short continuation of a newline, to show what the model learned."""
     prompt = tokenizer.encode("\n")
-    key = jax.random.key(seed)
-    try:
-        from eqx_gpt.generate import generate
-    except ImportError:
-        generate = None
-    if generate is not None:
-        out = generate(model, prompt, n_tokens, key=key, temperature=temperature)
-        return tokenizer.decode(np.asarray(out).reshape(-1).tolist())
-    return tokenizer.decode(_naive_sample(model, prompt, n_tokens, key, temperature))
-
-
-def _naive_sample(model: GPT, prompt: list[int], n_tokens: int, key, temperature: float) -> list[int]:
-    """Sample by rerunning the model on the last window for every token (one compiled shape)."""
-    ctx = model.config.context_length
-
-    @eqx.filter_jit
-    def next_token(model, window, length, key):
-        logits = model(window)[length - 1]
-        return jax.random.categorical(key, logits / temperature)
-
-    tokens = list(prompt)
-    for i in range(n_tokens):
-        recent = tokens[-ctx:]
-        window = jnp.asarray(recent + [0] * (ctx - len(recent)), jnp.int32)
-        tokens.append(int(next_token(model, window, len(recent), jax.random.fold_in(key, i))))
-    return tokens[len(prompt) :]
+    out = generate(model, prompt, n_tokens, key=jax.random.key(seed), temperature=temperature)
+    return tokenizer.decode(np.asarray(out).reshape(-1).tolist())
 
 
 # ---------------------------------------------------------------------------------------------
