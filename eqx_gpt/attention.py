@@ -161,11 +161,6 @@ class MultiHeadAttention(eqx.Module):
         q, k, v = self.project_qkv(x)
         return self._attend(q, k, v, mask, None)[1]
 
-    def empty_cache(self, capacity: int, dtype=jnp.float32) -> KVCache:
-        """A zeroed `KVCache` holding up to `capacity` positions."""
-        shape = (capacity, self.n_heads, self.d_head)
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
     @typechecked
     def decode(
         self,

@@ -72,8 +72,12 @@ class GPTConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "GPTConfig":
-        """Inverse of `to_dict`; unknown keys are an error rather than silently dropped."""
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"GPTConfig has no field(s) {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
+
+
+def config_from_dict(cls, d: dict):
+    """Build the config dataclass `cls` from `to_dict`'s output; unknown keys are an error."""
+    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return cls(**d)

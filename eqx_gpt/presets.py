@@ -55,9 +55,3 @@ PRESETS = {
         ),
     ),
 }
-
-
-def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return PRESETS[name]

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqx_gpt.config import config_from_dict
 from eqx_gpt.data import DROPOUT, batch_key
 from eqx_gpt.gpt import GPT
 from eqx_gpt.norm import RMSNorm
@@ -80,10 +81,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"TrainConfig has no field(s) {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 
 def learning_rate(step: int, config: TrainConfig, horizon: int) -> float:
