@@ -15,5 +15,5 @@ def check_last_dim(x, expected: int, what: str, field: str) -> None:
     if x.shape[-1] != expected:
         raise ValueError(
             f"{what} expects a last axis of size {field}={expected}, got shape {tuple(x.shape)}; "
-            f"call it on one example of shape (seq, {expected}) and jax.vmap over a batch."
+            f"pass shape (seq, {expected}), or (batch, seq, {expected})."
         )

@@ -5,10 +5,11 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
 from eqx_gpt.dropout import dropout
+from eqx_gpt.linear import linear
 
 
 @typechecked
@@ -67,7 +68,7 @@ class KVCache(eqx.Module):
 
 
 class MultiHeadAttention(eqx.Module):
-    """Multi-head self-attention on one sequence.
+    """Multi-head self-attention on one sequence (or a batch of them: see `__call__`).
 
     A fused projection computes queries, keys and values for all heads in one matrix multiply;
     `jax.vmap` over the head axis runs scaled dot-product attention per head; the concatenated
@@ -109,36 +110,58 @@ class MultiHeadAttention(eqx.Module):
 
     @typechecked
     def project_qkv(
-        self, x: Float[Array, "seq d_model"]
+        self, x: Float[Array, "*batch seq d_model"]
     ) -> tuple[
-        Float[Array, "seq heads d_head"], Float[Array, "seq heads d_head"], Float[Array, "seq heads d_head"]
+        Float[Array, "*batch seq heads d_head"],
+        Float[Array, "*batch seq heads d_head"],
+        Float[Array, "*batch seq heads d_head"],
     ]:
         """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        qkv = (x @ self.w_qkv.astype(x.dtype)).reshape(x.shape[0], 3, self.n_heads, self.d_head)
-        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        qkv = linear(x, self.w_qkv).reshape(*x.shape[:-1], 3, self.n_heads, self.d_head)
+        return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
     def _attend(self, q, k, v, mask, key):
-        """Per-head attention via `jax.vmap` over heads; returns `(output, weights)`."""
+        """Every head's attention; returns `(output (*batch, seq, d_model), weights)`.
 
-        def one_head(q, k, v, key):
-            w = dropout(attention_weights(q, k, mask), self.dropout, key)
-            return w.astype(v.dtype) @ v, w
+        One sequence runs its heads with `jax.vmap` over the head axis; a batch `jax.vmap`s that
+        over its sequences, each with its own dropout key (`key` holds one per sequence).
+        """
 
-        keys = None if key is None else jax.random.split(key, self.n_heads)
-        out, weights = jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
-        out = out.reshape(q.shape[0], self.d_model) @ self.w_out.astype(v.dtype)
-        return out, weights
+        def one_sequence(q, k, v, key):
+            def one_head(q, k, v, key):
+                w = dropout(attention_weights(q, k, mask), self.dropout, key)
+                return w.astype(v.dtype) @ v, w
+
+            keys = None if key is None else jax.random.split(key, self.n_heads)
+            return jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
+
+        batch, (seq, heads, d_head) = q.shape[:-3], q.shape[-3:]
+        if batch:
+            flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
+            keys = None if key is None else key.reshape(-1)
+            out, weights = jax.vmap(one_sequence)(*flat, keys)
+            out, weights = out.reshape(*batch, *out.shape[1:]), weights.reshape(*batch, *weights.shape[1:])
+        else:
+            out, weights = one_sequence(q, k, v, key)
+        return out.reshape(*batch, seq, heads * d_head), weights
+
+    def _project_out(self, heads: Array) -> Array:
+        return linear(heads, self.w_out)
 
     @typechecked
     def __call__(
         self,
-        x: Float[Array, "seq d_model"],
+        x: Float[Array, "*batch seq d_model"],
         *,
         mask: Bool[Array, "seq seq"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "seq d_model"]:
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
         """Self-attention over `x` of shape `(seq, d_model)`; `mask[i, j]` True lets `i` see `j`.
+
+        `x` may also be a batch `(batch, seq, d_model)`: the same as `jax.vmap` over its sequences,
+        but the projections then run as one matrix multiply for the whole batch, which is faster
+        (see `linear`). For a batch, `key` is one key per sequence (shape `(batch,)`).
 
         On a GPU with bf16/fp16 activations and no attention dropout, the heads run in cuDNN's
         fused attention kernel (same result; see `fused_attention`) when cuDNN supports the shape.
@@ -150,8 +173,8 @@ class MultiHeadAttention(eqx.Module):
             except (RuntimeError, ValueError, NotImplementedError):
                 pass  # an unsupported shape or cuDNN version: the vmap path below
             else:
-                return out.reshape(x.shape[0], self.d_model) @ self.w_out.astype(x.dtype)
-        return self._attend(q, k, v, mask, key)[0]
+                return self._project_out(out.reshape(x.shape))
+        return self._project_out(self._attend(q, k, v, mask, key)[0])
 
     @typechecked
     def weights(
@@ -182,4 +205,4 @@ class MultiHeadAttention(eqx.Module):
         q_pos = start + jnp.arange(x.shape[0])
         mask = jnp.arange(capacity)[None, :] <= q_pos[:, None]
         out, _ = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None)
-        return out, KVCache(k=k_all, v=v_all)
+        return self._project_out(out), KVCache(k=k_all, v=v_all)

@@ -2,11 +2,11 @@
 
 import equinox as eqx
 import jax
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
 from eqx_gpt.attention import KVCache, MultiHeadAttention
-from eqx_gpt.dropout import dropout
+from eqx_gpt.dropout import dropout, split_key
 from eqx_gpt.mlp import MLP
 from eqx_gpt.norm import RMSNorm
 
@@ -44,13 +44,16 @@ class Block(eqx.Module):
     @typechecked
     def __call__(
         self,
-        x: Float[Array, "seq d_model"],
+        x: Float[Array, "*batch seq d_model"],
         *,
         mask: Bool[Array, "seq seq"] | None = None,
-        key: PRNGKeyArray | None = None,
-    ) -> Float[Array, "seq d_model"]:
-        """Map `x` of shape `(seq, d_model)` to the same shape; dropout only when `key` is given."""
-        k_attn, k_res1, k_res2 = (None,) * 3 if key is None else jax.random.split(key, 3)
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
+        """Map `x` of shape `(seq, d_model)` to the same shape; dropout only when `key` is given.
+
+        A batch `(batch, seq, d_model)` works too, with one key per sequence (shape `(batch,)`).
+        """
+        k_attn, k_res1, k_res2 = (None,) * 3 if key is None else split_key(key, 3)
         x = x + dropout(self.attn(self.attn_norm(x), mask=mask, key=k_attn), self.dropout, k_res1)
         return x + dropout(self.mlp(self.mlp_norm(x)), self.dropout, k_res2)
 

@@ -5,19 +5,20 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
 from eqx_gpt.attention import KVCache, causal_mask
 from eqx_gpt.block import Block
 from eqx_gpt.config import GPTConfig
-from eqx_gpt.dropout import dropout
+from eqx_gpt.dropout import dropout, split_key
+from eqx_gpt.linear import linear
 from eqx_gpt.norm import RMSNorm
 from eqx_gpt.positions import sinusoidal_positions
 
 
 class GPT(eqx.Module):
-    """A decoder-only transformer language model acting on one sequence of token ids.
+    """A decoder-only transformer language model acting on one sequence of token ids (or a batch).
 
     tokens -> `embed[tokens] * sqrt(d_model)` + sinusoidal positions -> `n_layers` pre-norm
     causal blocks -> RMSNorm -> `@ head` -> logits.
@@ -63,9 +64,8 @@ class GPT(eqx.Module):
         return x.astype(c.compute_dtype)
 
     def _logits(self, x):
-        x = self.final_norm(x)
-        logits = x @ self.head.astype(x.dtype)
-        return logits[:, : self.config.vocab_size].astype(jnp.float32)
+        logits = linear(self.final_norm(x), self.head)
+        return logits[..., : self.config.vocab_size].astype(jnp.float32)
 
     def _check_length(self, n: int) -> None:
         if n > self.config.context_length:
@@ -76,22 +76,28 @@ class GPT(eqx.Module):
 
     @typechecked
     def __call__(
-        self, tokens: Int[Array, " seq"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "seq vocab"]:
+        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | Key[Array, "*batch"] | None = None
+    ) -> Float[Array, "*batch seq vocab"]:
         """Next-token logits `(seq, vocab_size)` for `tokens` of shape `(seq,)`.
 
         Position t sees tokens 0..t only (causal). With `key` and `config.dropout > 0`, dropout is
         applied (training); with `key=None` the call is deterministic.
+
+        A batch `(batch, seq)` gives `(batch, seq, vocab_size)`, the same as `jax.vmap` over its
+        rows, but faster: every projection is then one matrix multiply for the whole batch. Its
+        `key` is one key per sequence, shape `(batch,)` (or one key, split into those).
         """
-        seq = tokens.shape[0]
+        seq = tokens.shape[-1]
         self._check_length(seq)
-        k_embed, k_blocks = (None, None) if key is None else jax.random.split(key)
+        if key is not None and key.ndim == 0 and tokens.ndim > 1:
+            key = split_key(key, math.prod(tokens.shape[:-1])).reshape(tokens.shape[:-1])
+        k_embed, k_blocks = (None, None) if key is None else split_key(key, 2)
         x = dropout(
             self._embed(tokens, sinusoidal_positions(seq, self.config.d_model)), self.config.dropout, k_embed
         )
         mask = causal_mask(seq)
         dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        layer_keys = None if k_blocks is None else jax.random.split(k_blocks, self.config.n_layers)
+        layer_keys = None if k_blocks is None else split_key(k_blocks, self.config.n_layers)
 
         def layer(x, xs):
             block_arrays, k = xs

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt.linear import linear
 
 
 @jax.custom_vjp
@@ -38,8 +39,9 @@ gelu.defvjp(_gelu_forward, _gelu_backward)
 class MLP(eqx.Module):
     """`gelu(x @ w_in) @ w_out`, applied to every position independently.
 
-    Weights are stored `(in, out)` so that a whole sequence is one matrix multiply; there are no
-    biases (the surrounding RMSNorm makes them redundant). Weights start as N(0, init_std^2).
+    Weights are stored `(in, out)` so that a whole sequence (or batch of sequences) is one matrix
+    multiply; there are no biases (the surrounding RMSNorm makes them redundant). Weights start as
+    N(0, init_std^2).
     """
 
     w_in: Float[Array, "d_model d_hidden"]
@@ -56,8 +58,7 @@ class MLP(eqx.Module):
         self.w_out = init_std * jax.random.normal(k_out, (d_hidden, d_model), jnp.float32)
 
     @typechecked
-    def __call__(self, x: Float[Array, "seq d_model"]) -> Float[Array, "seq d_model"]:
-        """Map `x` of shape `(seq, d_model)` to the same shape."""
+    def __call__(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
+        """Map `x` of shape `(seq, d_model)` (or a batch `(batch, seq, d_model)`) to the same shape."""
         check_last_dim(x, self.d_model, "MLP", "d_model")
-        h = gelu(x @ self.w_in.astype(x.dtype))
-        return h @ self.w_out.astype(x.dtype)
+        return linear(gelu(linear(x, self.w_in)), self.w_out)

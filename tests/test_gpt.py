@@ -96,9 +96,21 @@ def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
 # --- wrong shapes raise readable errors at trace time, under jit too ---
 
 
-def test_gpt_rejects_a_batch_without_vmap(model):
+def test_gpt_rejects_a_scalar_token(model):
     with pytest.raises(TypeCheckError):
-        model(jnp.zeros((2, 8), jnp.int32))
+        model(jnp.zeros((), jnp.int32))
+
+
+def test_a_batch_gives_what_vmap_over_its_sequences_gives():
+    dropout_model = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (3, 8), 0, CFG.vocab_size)
+    keys = jax.random.split(jax.random.key(2), 3)
+    np.testing.assert_allclose(dropout_model(tokens), jax.vmap(dropout_model)(tokens), rtol=0, atol=1e-5)
+    # Dropout: each sequence of the batch gets the masks its own key gives it alone.
+    batched = dropout_model(tokens, key=keys)
+    one_by_one = jax.vmap(lambda t, k: dropout_model(t, key=k))(tokens, keys)
+    np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
+    assert not np.allclose(batched, dropout_model(tokens))
 
 
 def test_gpt_rejects_float_tokens_under_jit(model):
