@@ -24,6 +24,7 @@ PRESETS = {
         # tokens/s of context 128 on CPU.
         # scan_unroll=4 runs the 4 layers in one scan iteration: measured 5-10% faster steps on 2
         # cores than a rolled scan (measured side by side), with no slower compile at this depth.
+        # With the batched step (about 65 ms), 9 minutes buy about 6,800 steps: val 1.58.
         model=dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
         train=dict(
             batch_size=16,
