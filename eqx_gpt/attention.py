@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
-from eqx_gpt.dropout import dropout
+from eqx_gpt.dropout import dropout, keys_per_sequence
 from eqx_gpt.linear import linear
 
 
@@ -125,7 +125,8 @@ class MultiHeadAttention(eqx.Module):
         """Every head's attention; returns `(output (*batch, seq, d_model), weights)`.
 
         One sequence runs its heads with `jax.vmap` over the head axis; a batch `jax.vmap`s that
-        over its sequences, each with its own dropout key (`key` holds one per sequence).
+        over its sequences, each with its own dropout key (`key` is one per sequence, or one split
+        into those).
         """
 
         def one_sequence(q, k, v, key):
@@ -139,15 +140,12 @@ class MultiHeadAttention(eqx.Module):
         batch, (seq, heads, d_head) = q.shape[:-3], q.shape[-3:]
         if batch:
             flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
-            keys = None if key is None else key.reshape(-1)
+            keys = None if key is None else keys_per_sequence(key, batch).reshape(-1)
             out, weights = jax.vmap(one_sequence)(*flat, keys)
             out, weights = out.reshape(*batch, *out.shape[1:]), weights.reshape(*batch, *weights.shape[1:])
         else:
             out, weights = one_sequence(q, k, v, key)
         return out.reshape(*batch, seq, heads * d_head), weights
-
-    def _project_out(self, heads: Array) -> Array:
-        return linear(heads, self.w_out)
 
     @typechecked
     def __call__(
@@ -161,7 +159,7 @@ class MultiHeadAttention(eqx.Module):
 
         `x` may also be a batch `(batch, seq, d_model)`: the same as `jax.vmap` over its sequences,
         but the projections then run as one matrix multiply for the whole batch, which is faster
-        (see `linear`). For a batch, `key` is one key per sequence (shape `(batch,)`).
+        (see `linear`). For a batch, `key` is one key per sequence (shape `(batch,)`) or one key.
 
         On a GPU with bf16/fp16 activations and no attention dropout, the heads run in cuDNN's
         fused attention kernel (same result; see `fused_attention`) when cuDNN supports the shape.
@@ -173,8 +171,8 @@ class MultiHeadAttention(eqx.Module):
             except (RuntimeError, ValueError, NotImplementedError):
                 pass  # an unsupported shape or cuDNN version: the vmap path below
             else:
-                return self._project_out(out.reshape(x.shape))
-        return self._project_out(self._attend(q, k, v, mask, key)[0])
+                return linear(out.reshape(x.shape), self.w_out)
+        return linear(self._attend(q, k, v, mask, key)[0], self.w_out)
 
     @typechecked
     def weights(
@@ -205,4 +203,4 @@ class MultiHeadAttention(eqx.Module):
         q_pos = start + jnp.arange(x.shape[0])
         mask = jnp.arange(capacity)[None, :] <= q_pos[:, None]
         out, _ = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None)
-        return self._project_out(out), KVCache(k=k_all, v=v_all)
+        return linear(out, self.w_out), KVCache(k=k_all, v=v_all)

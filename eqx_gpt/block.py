@@ -51,7 +51,7 @@ class Block(eqx.Module):
     ) -> Float[Array, "*batch seq d_model"]:
         """Map `x` of shape `(seq, d_model)` to the same shape; dropout only when `key` is given.
 
-        A batch `(batch, seq, d_model)` works too, with one key per sequence (shape `(batch,)`).
+        A batch `(batch, seq, d_model)` works too, with one key per sequence (shape `(batch,)`) or one key.
         """
         k_attn, k_res1, k_res2 = (None,) * 3 if key is None else split_key(key, 3)
         x = x + dropout(self.attn(self.attn_norm(x), mask=mask, key=k_attn), self.dropout, k_res1)

@@ -1,5 +1,7 @@
 """Inverted dropout as a plain function: no key means no dropout (inference)."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, PRNGKeyArray
@@ -22,6 +24,14 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
         keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, inner))(key.reshape(-1))
         keep = keep.reshape(x.shape)
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros((), x.dtype))
+
+
+def keys_per_sequence(key: PRNGKeyArray, batch: tuple[int, ...]) -> PRNGKeyArray:
+    """One key per sequence of a batch of shape `batch`: `key` itself if it already is that,
+    else the single `key` split into them."""
+    if key.shape == batch:
+        return key
+    return split_key(key, math.prod(batch)).reshape(batch)
 
 
 def split_key(key: PRNGKeyArray, n: int) -> PRNGKeyArray:

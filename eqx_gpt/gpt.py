@@ -11,7 +11,7 @@ from eqx_gpt._checks import typechecked
 from eqx_gpt.attention import KVCache, causal_mask
 from eqx_gpt.block import Block
 from eqx_gpt.config import GPTConfig
-from eqx_gpt.dropout import dropout, split_key
+from eqx_gpt.dropout import dropout, keys_per_sequence, split_key
 from eqx_gpt.linear import linear
 from eqx_gpt.norm import RMSNorm
 from eqx_gpt.positions import sinusoidal_positions
@@ -89,8 +89,8 @@ class GPT(eqx.Module):
         """
         seq = tokens.shape[-1]
         self._check_length(seq)
-        if key is not None and key.ndim == 0 and tokens.ndim > 1:
-            key = split_key(key, math.prod(tokens.shape[:-1])).reshape(tokens.shape[:-1])
+        if key is not None:
+            key = keys_per_sequence(key, tokens.shape[:-1])
         k_embed, k_blocks = (None, None) if key is None else split_key(key, 2)
         x = dropout(
             self._embed(tokens, sinusoidal_positions(seq, self.config.d_model)), self.config.dropout, k_embed

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_gpt import MLP, MultiHeadAttention, RMSNorm, causal_mask, pad_vocab, sinusoidal_positions
+from eqx_gpt import MLP, Block, MultiHeadAttention, RMSNorm, causal_mask, pad_vocab, sinusoidal_positions
 
 
 def np_softmax(x, axis=-1):
@@ -130,3 +130,13 @@ def test_attention_dropout_only_with_a_key():
 def test_attention_rejects_heads_that_do_not_divide_d_model():
     with pytest.raises(ValueError, match="divisible by n_heads"):
         MultiHeadAttention(10, 3, key=jax.random.key(0))
+
+
+def test_attention_and_block_take_a_batch_with_one_dropout_key():
+    x = jax.random.normal(jax.random.key(0), (3, 5, 8))
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(1), dropout=0.5)
+    block = Block(8, 2, 16, key=jax.random.key(2), dropout=0.5)
+    for module in (attn, block):
+        out = module(x, key=jax.random.key(3))
+        assert out.shape == x.shape
+        assert not np.allclose(out, module(x))  # the key did turn dropout on
