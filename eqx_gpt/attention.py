@@ -56,15 +56,20 @@ def _cudnn_attention_available(dtype) -> bool:
 
 
 class KVCache(eqx.Module):
-    """Keys and values of the positions seen so far, in a buffer of fixed `capacity`.
+    """Keys and values of the positions seen so far, in buffers of fixed `capacity`.
 
-    Shapes are `(capacity, n_heads, d_head)` for one attention layer, with a leading
-    `n_layers` axis for a whole `GPT`. Slots past the current position hold stale values that
-    the decoding mask hides, so the buffer never changes shape and `jit` compiles once.
+    For one attention layer and one sequence, `k` is `(n_heads, d_head, capacity)` and `v` is
+    `(n_heads, capacity, d_head)`. A batch of sequences adds leading `batch` axes, and a whole
+    `GPT` a leading `n_layers` axis before those (or, unstacked by `GPT.unstack`, a tuple of
+    per-layer caches). Why this layout: decoding multiplies one
+    query by every cached key (`q @ K^T`) and the weights by every cached value (`w @ V`), and
+    with each head's `K^T` and `V` stored as the matrices those products read, no transposed copy
+    of the cache is made per token. Slots past the current position hold stale values that the
+    decoding mask hides, so the buffers never change shape and `jit` compiles once.
     """
 
-    k: Float[Array, "*layers capacity heads d_head"]
-    v: Float[Array, "*layers capacity heads d_head"]
+    k: Float[Array, "*lead heads d_head capacity"]
+    v: Float[Array, "*lead heads capacity d_head"]
 
 
 class MultiHeadAttention(eqx.Module):
@@ -185,22 +190,35 @@ class MultiHeadAttention(eqx.Module):
     @typechecked
     def decode(
         self,
-        x: Float[Array, "new d_model"],
+        x: Float[Array, "*batch new d_model"],
         cache: KVCache,
         start: Int[Array, ""] | int,
-    ) -> tuple[Float[Array, "new d_model"], KVCache]:
+    ) -> tuple[Float[Array, "*batch new d_model"], KVCache]:
         """Causal attention for `new` positions `start, ..., start + new - 1`, using a cache.
 
         Writes the keys and values of `x` into `cache` at `start`, then lets each new position
         attend to every cached position up to and including itself. Prefill a prompt with
         `start=0` and the whole prompt; then decode one token at a time. The caller keeps
         `start + new <= capacity` (`jax.lax.dynamic_update_slice` would otherwise clamp).
+
+        A batch `(*batch, new, d_model)` needs a cache with the same leading `batch` axes; its
+        sequences share `start`. (Updating in place matters here: under `jax.vmap` the update would
+        become a scatter, which XLA:CPU turns into a copy of the whole cache per token.)
         """
-        q, k, v = self.project_qkv(x)
-        capacity = cache.k.shape[0]
-        k_all = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype), (start, 0, 0))
-        v_all = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype), (start, 0, 0))
-        q_pos = start + jnp.arange(x.shape[0])
-        mask = jnp.arange(capacity)[None, :] <= q_pos[:, None]
-        out, _ = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None)
-        return linear(out, self.w_out), KVCache(k=k_all, v=v_all)
+        q, k, v = self.project_qkv(x)  # (*batch, new, heads, d_head)
+        lead = (0,) * (x.ndim - 2)
+        k_t = jnp.moveaxis(k, -3, -1).astype(cache.k.dtype)  # (*batch, heads, d_head, new)
+        v_h = jnp.swapaxes(v, -3, -2).astype(cache.v.dtype)  # (*batch, heads, new, d_head)
+        k_all = jax.lax.dynamic_update_slice(cache.k, k_t, (*lead, 0, 0, start))
+        v_all = jax.lax.dynamic_update_slice(cache.v, v_h, (*lead, 0, start, 0))
+        q_pos = start + jnp.arange(x.shape[-2])
+        mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
+
+        def one_head(q, k_t, v):
+            return attention_weights(q, k_t.T, mask).astype(v.dtype) @ v
+
+        heads = jax.vmap(one_head, in_axes=(1, 0, 0), out_axes=1)
+        for _ in lead:
+            heads = jax.vmap(heads)
+        out = heads(q, k_all.astype(q.dtype), v_all.astype(q.dtype))
+        return linear(out.reshape(x.shape), self.w_out), KVCache(k=k_all, v=v_all)

@@ -59,9 +59,10 @@ class Block(eqx.Module):
 
     @typechecked
     def decode(
-        self, x: Float[Array, "new d_model"], cache: KVCache, start: Int[Array, ""] | int
-    ) -> tuple[Float[Array, "new d_model"], KVCache]:
-        """`__call__` for new positions starting at `start`, attending through a `KVCache`."""
+        self, x: Float[Array, "*batch new d_model"], cache: KVCache, start: Int[Array, ""] | int
+    ) -> tuple[Float[Array, "*batch new d_model"], KVCache]:
+        """`__call__` for new positions starting at `start`, attending through a `KVCache`
+        (see `MultiHeadAttention.decode`)."""
         h, cache = self.attn.decode(self.attn_norm(x), cache, start)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), cache

@@ -12,7 +12,10 @@ How the cached loop works:
    the following token from its logits: one position of work per token, not a whole window. Steps run
    inside one jitted loop (`jax.lax.fori_loop`) of up to `chunk_size` tokens that carries the
    cache; the number of steps is a traced value, so one compiled program serves every chunk,
-   prompt length, temperature, top-k and top-p value.
+   prompt length, temperature, top-k and top-p value. This loop runs the model unstacked
+   (`GPT.unstack`: a Python loop over separate per-layer weights and caches, updated in place),
+   because one token's work is a chain of matrix-vector products bound by memory traffic, and a
+   `scan` over the stacked layers would copy every layer's weights and cache once more per token.
 3. **Sliding past the context.** The model has absolute (sinusoidal) positions, so cached keys
    belong to the positions they were computed at and a ring buffer would not be exact. Instead,
    when the window already holds `context_length` tokens and one more arrives, the window is cut
@@ -50,14 +53,14 @@ trace_counts: Counter = Counter()
 class GenerationState(eqx.Module):
     """What the decode loop carries between tokens, for a batch of rows sharing one length.
 
-    cache: per-row `KVCache`, shapes `(batch, n_layers, context_length, n_heads, d_head)`.
+    cache: per-layer `KVCache`s (a tuple), each with a leading `batch` axis.
     window: `(batch, context_length)` token ids at the cache positions (valid up to `length`).
     length: number of positions in the window (the same for every row).
     next_token: `(batch,)` the latest sampled token, not yet fed to the model.
     produced: how many tokens have been sampled so far (the index of the next one to sample).
     """
 
-    cache: KVCache
+    cache: tuple[KVCache, ...]
     window: Int[Array, "batch context"]
     length: Int[Array, ""]
     next_token: Int[Array, " batch"]
@@ -67,11 +70,6 @@ class GenerationState(eqx.Module):
 def prompt_bucket(length: int, context_length: int) -> int:
     """The padded size a prompt of `length` tokens is run at: a power of two in [16, context]."""
     return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
-
-
-def _decode_rows(model: GPT, tokens, cache, start):
-    """`GPT.decode` on every row of a batch; rows share `start`."""
-    return jax.vmap(model.decode, in_axes=(0, 0, None))(tokens, cache, start)
 
 
 def _sample_rows(logits, key, index, temperature, top_k, top_p):
@@ -95,15 +93,16 @@ def _prefill(
     top_p: Float[Array, ""] | None,
 ) -> GenerationState:
     """Run the first `length` tokens of `padded` at position 0 into a fresh cache and sample
-    token number `produced` from the last one's logits.
+    token number `produced` from the last one's logits. `model` is stacked (a `scan` over layers
+    compiles fast, and the first token waits for this compile).
 
     Sampling here lets the first token be shown before the decode loop is even compiled.
     """
     trace_counts["prefill"] += 1
     batch, bucket = padded.shape
-    empty = model.init_cache()
-    cache = jax.tree.map(lambda x: jnp.broadcast_to(x, (batch, *x.shape)), empty)
-    logits, cache = _decode_rows(model, padded, cache, 0)
+    logits, cache = model.decode(padded, model.init_cache(batch=batch), 0)
+    if not isinstance(cache, tuple):  # one buffer per layer, for the unstacked decode loop
+        cache = tuple(KVCache(cache.k[i], cache.v[i]) for i in range(model.config.n_layers))
     token = _sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
     return GenerationState(cache, window, length, token, produced + 1)
@@ -121,6 +120,7 @@ def _decode_steps(
     n_steps: int,
 ) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
     """`n_valid <= n_steps` steps per row: feed `next_token` in, sample the one after it.
+    `model` is unstacked (`GPT.unstack`).
 
     Returns the newly sampled tokens; columns past `n_valid` are padding. The caller keeps
     `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
@@ -128,17 +128,26 @@ def _decode_steps(
     """
     trace_counts["decode_steps"] += 1
 
+    # A single sequence runs without its batch axis: XLA:CPU then updates the cache in place,
+    # whereas with a size-1 batch axis it copies every layer's cache for every token.
+    squeeze = state.window.shape[0] == 1
+    cache = jax.tree.map(lambda a: a[0], state.cache) if squeeze else state.cache
+
     def step(i, carry):
-        state, tokens = carry
+        state, cache, tokens = carry
         fed = state.next_token[:, None]
-        logits, cache = _decode_rows(model, fed, state.cache, state.length)
+        logits, cache = model.decode(fed[0] if squeeze else fed, cache, state.length)
+        logits = logits[None] if squeeze else logits
         window = jax.lax.dynamic_update_slice(state.window, fed, (0, state.length))
         token = _sample_rows(logits[:, 0], key, state.produced, temperature, top_k, top_p)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
-        return GenerationState(cache, window, state.length + 1, token, state.produced + 1), tokens
+        state = GenerationState(state.cache, window, state.length + 1, token, state.produced + 1)
+        return state, cache, tokens
 
     tokens = jnp.zeros((state.window.shape[0], n_steps), jnp.int32)
-    return jax.lax.fori_loop(0, n_valid, step, (state, tokens))
+    state, cache, tokens = jax.lax.fori_loop(0, n_valid, step, (state, cache, tokens))
+    cache = jax.tree.map(lambda a: a[None], cache) if squeeze else cache
+    return eqx.tree_at(lambda s: s.cache, state, cache), tokens
 
 
 @eqx.filter_jit
@@ -220,6 +229,7 @@ def stream_batch(
     sampling = _sampling_arrays(temperature, top_k, top_p)
     state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
     yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
+    unstacked = model.unstack() if max_new_tokens > 1 else model
     produced, pending = 1, []
     while produced < max_new_tokens:
         if length == context:  # full: cut to the last `keep` tokens (the pending one included)
@@ -230,7 +240,7 @@ def stream_batch(
         else:
             n = min(chunk_size, context - length, max_new_tokens - produced)
             state, tokens = _decode_steps(
-                model, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
+                unstacked, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
             )
             pending.append((tokens, n))
             length, produced = length + n, produced + n

@@ -25,13 +25,15 @@ class GPT(eqx.Module):
 
     The blocks are one `Block` whose arrays carry a leading `n_layers` axis (built with
     `eqx.filter_vmap`) and are run with `jax.lax.scan`, so the compiled program does not grow
-    with depth. The embedding and head have `config.padded_vocab_size` rows/columns; the logits
-    of the padding ids are **sliced off**, so `__call__` returns exactly `config.vocab_size`
-    logits per position and a padding id can never be predicted or sampled.
+    with depth. (`unstack` gives the same model with a tuple of separate blocks, run as a Python
+    loop: faster for decoding one token at a time.) The embedding and head have
+    `config.padded_vocab_size` rows/columns; the logits of the padding ids are **sliced off**, so
+    `__call__` returns exactly `config.vocab_size` logits per position and a padding id can never
+    be predicted or sampled.
     """
 
     embed: Float[Array, "padded_vocab d_model"]
-    blocks: Block
+    blocks: Block | tuple[Block, ...]
     final_norm: RMSNorm
     head: Float[Array, "d_model padded_vocab"]
     config: GPTConfig = eqx.field(static=True)
@@ -96,14 +98,8 @@ class GPT(eqx.Module):
             self._embed(tokens, sinusoidal_positions(seq, self.config.d_model)), self.config.dropout, k_embed
         )
         mask = causal_mask(seq)
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
         layer_keys = None if k_blocks is None else split_key(k_blocks, self.config.n_layers)
-
-        def layer(x, xs):
-            block_arrays, k = xs
-            return eqx.combine(block_arrays, static)(x, mask=mask, key=k), None
-
-        x, _ = jax.lax.scan(layer, x, (dynamic, layer_keys), unroll=self.config.scan_unroll)
+        x, _ = self._run_layers(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
         return self._logits(x)
 
     @typechecked
@@ -116,46 +112,87 @@ class GPT(eqx.Module):
         self._check_length(seq)
         x = self._embed(tokens, sinusoidal_positions(seq, self.config.d_model))
         mask = causal_mask(seq)
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
 
-        def layer(x, block_arrays):
-            block = eqx.combine(block_arrays, static)
+        def layer(block, x, _):
             return block(x, mask=mask), block.attn.weights(block.attn_norm(x), mask=mask)
 
-        _, weights = jax.lax.scan(layer, x, dynamic)
-        return weights
+        _, weights = self._run_layers(layer, x, None)
+        return jnp.stack(weights) if isinstance(weights, tuple) else weights
 
-    def init_cache(self, capacity: int | None = None) -> KVCache:
-        """An empty per-layer `KVCache` of shape `(n_layers, capacity, n_heads, d_head)`.
+    def _run_layers(self, layer, x, per_layer):
+        """`x, out = layer(block, x, per_layer[i])` for each block in order; returns `x` and the outs.
 
-        `capacity` defaults to (and may not exceed) `config.context_length`.
+        Stacked blocks run as one `jax.lax.scan` (`per_layer` and the outs are pytrees with a leading
+        `n_layers` axis, or None); unstacked ones (see `unstack`) as a Python loop (`per_layer` and
+        the outs are then tuples with an item per layer, or None).
+        """
+        n = self.config.n_layers
+        if isinstance(self.blocks, tuple):
+            outs = []
+            for i, block in enumerate(self.blocks):
+                x, out = layer(block, x, None if per_layer is None else per_layer[i])
+                outs.append(out)
+            return x, tuple(outs)
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x, xs):
+            block_arrays, xs_i = xs
+            return layer(eqx.combine(block_arrays, static), x, xs_i)
+
+        return jax.lax.scan(step, x, (dynamic, per_layer), length=n, unroll=self.config.scan_unroll)
+
+    def unstack(self) -> "GPT":
+        """The same model with its blocks as a tuple of `n_layers` separate `Block`s (a copy).
+
+        Everything works as before; the blocks just run as a Python loop, so compile time grows
+        with depth. Use it for decoding one token at a time: there each weight is read once per
+        token, and a `scan` over stacked weights first copies every layer's slice, which doubles
+        the memory traffic of a step that is bound by memory. The unstacked model's caches
+        (`init_cache`, `decode`) are tuples of per-layer `KVCache`s.
+        """
+        if isinstance(self.blocks, tuple):
+            return self
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        n = self.config.n_layers
+        layers = tuple(eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static) for i in range(n))
+        return eqx.tree_at(lambda m: m.blocks, self, layers)
+
+    def init_cache(
+        self, capacity: int | None = None, *, batch: int | None = None
+    ) -> KVCache | tuple[KVCache, ...]:
+        """An empty `KVCache` for all layers: keys `(n_layers, n_heads, d_head, capacity)`, values
+        `(n_layers, n_heads, capacity, d_head)`.
+
+        `capacity` defaults to (and may not exceed) `config.context_length`. With `batch`, there is
+        a `batch` axis after the layer axis (for `decode` on a batch of sequences). An unstacked
+        model (`unstack`) gets a tuple of `n_layers` caches without the layer axis.
         """
         c = self.config
         capacity = c.context_length if capacity is None else capacity
         self._check_length(capacity)
-        shape = (c.n_layers, capacity, c.n_heads, c.d_head)
-        return KVCache(k=jnp.zeros(shape, c.compute_dtype), v=jnp.zeros(shape, c.compute_dtype))
+        lead = (() if isinstance(self.blocks, tuple) else (c.n_layers,)) + (() if batch is None else (batch,))
+        k = jnp.zeros((*lead, c.n_heads, c.d_head, capacity), c.compute_dtype)
+        v = jnp.zeros((*lead, c.n_heads, capacity, c.d_head), c.compute_dtype)
+        return tuple(KVCache(k, v) for _ in self.blocks) if isinstance(self.blocks, tuple) else KVCache(k, v)
 
     @typechecked
     def decode(
-        self, tokens: Int[Array, " new"], cache: KVCache, start: Int[Array, ""] | int
-    ) -> tuple[Float[Array, "new vocab"], KVCache]:
+        self,
+        tokens: Int[Array, "*batch new"],
+        cache: KVCache | tuple[KVCache, ...],
+        start: Int[Array, ""] | int,
+    ) -> tuple[Float[Array, "*batch new vocab"], KVCache | tuple[KVCache, ...]]:
         """Logits for `tokens` at positions `start, ..., start + new - 1`, reading and updating `cache`.
 
         Equal (up to float rounding) to the last `new` rows of `__call__` on the whole sequence so
-        far, but costs only the new positions. Keep `start + new <= capacity`.
+        far, but costs only the new positions. Keep `start + new <= capacity`. `cache` comes from
+        `init_cache` (a tuple of per-layer caches for an unstacked model). A batch of sequences
+        `(batch, new)` sharing `start` takes a cache from `init_cache(batch=batch)`.
         """
         c = self.config
-        capacity = cache.k.shape[1]
+        capacity = (cache[0] if isinstance(cache, tuple) else cache).v.shape[-2]
         positions = sinusoidal_positions(capacity, c.d_model)
-        new_positions = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[0])
+        new_positions = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1])
         x = self._embed(tokens, new_positions)
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def layer(x, xs):
-            block_arrays, layer_cache = xs
-            x, layer_cache = eqx.combine(block_arrays, static).decode(x, layer_cache, start)
-            return x, layer_cache
-
-        x, cache = jax.lax.scan(layer, x, (dynamic, cache), unroll=c.scan_unroll)
+        x, cache = self._run_layers(lambda block, x, cache_i: block.decode(x, cache_i, start), x, cache)
         return self._logits(x), cache

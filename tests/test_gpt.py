@@ -78,6 +78,40 @@ def test_kv_cached_decode_matches_full_forward(model):
     np.testing.assert_allclose(jnp.stack(steps), full[8:], atol=1e-5)
 
 
+def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
+    tokens = jax.random.randint(jax.random.key(4), (3, 10), 0, CFG.vocab_size)
+    cache = model.init_cache(batch=3)
+    assert cache.k.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.d_head, CFG.context_length)
+    assert cache.v.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.context_length, CFG.d_head)
+    prefix, cache = model.decode(tokens[:, :7], cache, 0)
+    last, cache = model.decode(tokens[:, 7:8], cache, 7)
+    for row in range(3):
+        np.testing.assert_allclose(prefix[row], model(tokens[row, :7]), atol=1e-5)
+        np.testing.assert_allclose(last[row, 0], model(tokens[row, :8])[7], atol=1e-5)
+
+
+def test_an_unstacked_model_is_the_same_function(model):
+    unstacked = model.unstack()
+    assert isinstance(unstacked.blocks, tuple) and len(unstacked.blocks) == CFG.n_layers
+    np.testing.assert_array_equal(unstacked.blocks[1].mlp.w_in, model.blocks.mlp.w_in[1])
+    tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
+    np.testing.assert_allclose(unstacked(tokens), model(tokens), atol=1e-6)
+    np.testing.assert_allclose(
+        unstacked.attention_weights(tokens), model.attention_weights(tokens), atol=1e-6
+    )
+    dropping = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
+    key = jax.random.key(6)
+    np.testing.assert_allclose(dropping.unstack()(tokens, key=key), dropping(tokens, key=key), atol=1e-6)
+    # Its cache is a tuple of per-layer caches, and decoding through it gives the same logits.
+    cache = unstacked.init_cache()
+    assert len(cache) == CFG.n_layers
+    assert cache[0].k.shape == (CFG.n_heads, CFG.d_head, CFG.context_length)
+    prefix, cache = unstacked.decode(tokens[:8], cache, 0)
+    step, cache = unstacked.decode(tokens[8:9], cache, 8)
+    np.testing.assert_allclose(prefix, model(tokens[:8]), atol=1e-5)
+    np.testing.assert_allclose(step[0], model(tokens[:9])[8], atol=1e-5)
+
+
 def test_attention_weights_of_every_layer(model):
     w = model.attention_weights(jnp.arange(6))
     assert w.shape == (CFG.n_layers, CFG.n_heads, 6, 6)
