@@ -140,3 +140,23 @@ def test_attention_and_block_take_a_batch_with_one_dropout_key():
         out = module(x, key=jax.random.key(3))
         assert out.shape == x.shape
         assert not np.allclose(out, module(x))  # the key did turn dropout on
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+def test_dropout_drops_at_its_rate_and_keeps_the_mean(rate):
+    from eqx_gpt.dropout import dropout, keep_probability
+
+    x = jnp.ones((1000, 999))  # odd size: the last 16-bit draw of the last word is unused
+    y = np.asarray(dropout(x, rate, jax.random.key(0)))
+    kept = y > 0
+    # 999,000 Bernoulli draws: the kept fraction is within 5 standard deviations of 1 - rate.
+    assert abs(kept.mean() - (1 - rate)) < 5 * math.sqrt(rate * (1 - rate) / x.size)
+    np.testing.assert_allclose(y[kept], 1 / keep_probability(rate), rtol=1e-6)
+    assert abs(keep_probability(rate) - (1 - rate)) <= 2**-17
+    # Neighbouring elements (drawn from the two halves of one 32-bit word) are independent.
+    pairs = kept.reshape(-1)[: x.size // 2 * 2].reshape(-1, 2)
+    both = (pairs[:, 0] & pairs[:, 1]).mean()
+    assert abs(both - (1 - rate) ** 2) < 5 * math.sqrt((1 - rate) ** 2 / pairs.shape[0])
+    # A different key gives a different mask; the same key the same one.
+    assert not np.array_equal(kept, np.asarray(dropout(x, rate, jax.random.key(1))) > 0)
+    np.testing.assert_array_equal(y, dropout(x, rate, jax.random.key(0)))
