@@ -87,10 +87,11 @@ def build_parser(show_defaults: bool = True) -> Parser:
         for f in dataclasses.fields(cls):
             if f.name == "vocab_size":  # set by the tokenizer
                 continue
+            kind = _flag_type(f.type)
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
-                type=_flag_type(f.type),
+                **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
                 choices=CHOICES.get(f.name),
                 default=default(defaults.get(f.name)),
                 help=helps[f.name] if helps else f.metadata["help"],

@@ -6,6 +6,12 @@ axis, and `jit` compiles one program per device that computes the gradients of i
 batch and all-reduces them (XLA inserts the collective where the batch-mean meets the replicated
 parameters). With one device every placement here is a no-op, so the same code runs everywhere.
 
+FSDP (`shard_parameters`, `train.py --fsdp`): each parameter and its optimiser moments are instead
+split along the `data` axis too, over their largest axis that the device count divides, so each
+device stores 1/n of them. XLA then gathers every weight where it is used and reduce-scatters its
+gradient (ZeRO-3); the step is still the same code. It pays when the model, not the batch, fills
+a device's memory.
+
 Several hosts: launch one process per host with the environment variables of
 `initialize_distributed`, and every process runs the same program over the global mesh.
 """
@@ -90,6 +96,31 @@ def replicate(tree, mesh: Mesh):
     """Place every array of `tree` (a model, an optimiser state, data) whole on every device."""
     sharding = replicated(mesh)
     return jax.tree.map(lambda x: _place(x, sharding) if isinstance(x, jax.Array | np.ndarray) else x, tree)
+
+
+def fsdp_axis(shape: tuple[int, ...], n_devices: int) -> int | None:
+    """The axis FSDP splits an array of `shape` along: its largest axis that `n_devices` divides
+    (the first one on ties), or None (keep it whole) when none does or there is one device."""
+    axes = [i for i, size in enumerate(shape) if size % n_devices == 0 and size >= n_devices]
+    if n_devices == 1 or not axes:
+        return None
+    return max(axes, key=lambda i: (shape[i], -i))
+
+
+def parameter_sharding(x, mesh: Mesh) -> NamedSharding:
+    """FSDP placement of one array: split along `fsdp_axis` over the mesh, else whole everywhere."""
+    axis = fsdp_axis(getattr(x, "shape", ()), mesh.size)
+    if axis is None:
+        return replicated(mesh)
+    return NamedSharding(mesh, PartitionSpec(*([None] * axis), DATA_AXIS))
+
+
+def shard_parameters(tree, mesh: Mesh):
+    """Place every array of `tree` (a model, an optimiser state) split over the mesh (FSDP): see
+    `parameter_sharding`. The values are unchanged; only where they live."""
+    return jax.tree.map(
+        lambda x: _place(x, parameter_sharding(x, mesh)) if isinstance(x, jax.Array | np.ndarray) else x, tree
+    )
 
 
 def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:

@@ -54,7 +54,7 @@ from eqx_gpt.data import (
 )
 from eqx_gpt.generate import generate
 from eqx_gpt.gpt import GPT
-from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
+from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, tokenizer_from_dict
 from eqx_gpt.training import (
     TrainConfig,
@@ -352,13 +352,15 @@ def train(
                 f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
             )
 
-    # Data parallelism: parameters and optimiser state on every device, each batch split over them.
+    # Data parallelism: each batch split over the devices; parameters and optimiser state on every
+    # device, or (--fsdp) split over them too.
     mesh = data_mesh()
     try:
         check_batch(mesh, config.batch_size, config.grad_accum)
     except ValueError as e:
         raise TrainingError(str(e)) from None
-    model, opt_state = replicate((model, opt_state), mesh)
+    place = shard_parameters if config.fsdp else replicate
+    model, opt_state = place((model, opt_state), mesh)
     metrics = Metrics(out_dir / "metrics.jsonl", keep_until=start if meta is not None else None)
     tokens_per_step = config.batch_size * model_config.context_length
     eval_batches = {

@@ -55,6 +55,10 @@ class TrainConfig:
     eval_batches: int = _help("fixed batches per split averaged by each evaluation", default=8)
     log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
     seed: int = _help("seed of initialisation, batches and dropout", default=0)
+    fsdp: bool = _help(
+        "split parameters and optimiser state over the devices too (FSDP), not only the batch",
+        default=False,
+    )
 
     def __post_init__(self):
         positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval")

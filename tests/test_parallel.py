@@ -24,17 +24,18 @@ WORKER = textwrap.dedent(
     import jax
     import numpy as np
     from eqx_gpt import GPT, GPTConfig
-    from eqx_gpt.parallel import data_mesh, replicate, shard_batch
+    from eqx_gpt.parallel import data_mesh, replicate, shard_batch, shard_parameters
     from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
 
     config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
 
-    def run(devices, grad_accum):
+    def run(devices, grad_accum, fsdp=False):
         train_config = TrainConfig(batch_size=8, grad_accum=grad_accum, seed=0)
         mesh = data_mesh(devices)
         optimizer = make_optimizer(train_config)
         model = GPT(config, key=jax.random.key(0))
-        model, opt_state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
+        place = shard_parameters if fsdp else replicate
+        model, opt_state = place((model, init_optimizer_state(optimizer, model)), mesh)
         step = make_train_step(optimizer, train_config, dropout=True)
         losses = []
         for i in range(3):
@@ -47,6 +48,11 @@ WORKER = textwrap.dedent(
             "batch_devices": len(batch.sharding.device_set),
             "param_devices": len(model.head.sharding.device_set),
             "head": np.asarray(model.head).tolist(),
+            # Bytes of parameters and optimiser state held by the first device.
+            "bytes_on_one_device": sum(
+                x.addressable_shards[0].data.nbytes
+                for x in jax.tree.leaves((model, opt_state)) if isinstance(x, jax.Array)
+            ),
         }
 
     print(json.dumps({
@@ -54,6 +60,7 @@ WORKER = textwrap.dedent(
         "one": run(jax.devices()[:1], 1),
         "two": run(jax.devices(), 1),
         "two_accum": run(jax.devices(), 2),
+        "two_fsdp": run(jax.devices(), 1, fsdp=True),
     }))
     """
 )
@@ -68,10 +75,11 @@ TRAINER_WORKER = textwrap.dedent(
     from eqx_gpt.training import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
-    config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=4, eval_batches=2,
-                         log_interval=1)
     runs = {}
-    for name, devices in (("one", jax.devices()[:1]), ("two", jax.devices())):
+    for name, devices, fsdp in (("one", jax.devices()[:1], False), ("two", jax.devices(), False),
+                                ("two_fsdp", jax.devices(), True)):
+        config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=4, eval_batches=2,
+                             log_interval=1, fsdp=fsdp)
         trainer.data_mesh = lambda devices=devices: data_mesh(devices)
         out = f"{sys.argv[1]}/{name}"
         trainer.train(model, config, out, sample_tokens=0, progress=False, log=lambda s: None)
@@ -114,6 +122,26 @@ def test_gradient_accumulation_on_two_devices_gives_the_full_batch_losses(two_de
     assert _max_abs_diff(r["two"]["head"], r["two_accum"]["head"]) <= 1e-5
 
 
+def test_fsdp_on_two_devices_gives_the_losses_of_one_and_halves_the_state(two_device_runs):
+    r = two_device_runs
+    assert _max_abs_diff(r["one"]["losses"], r["two_fsdp"]["losses"]) <= 1e-5
+    assert _max_abs_diff(r["one"]["head"], r["two_fsdp"]["head"]) <= 1e-5
+    # The state stayed split through the steps: each device holds about half of it (the small
+    # arrays that 2 does not divide, such as step counts, are whole on both).
+    assert r["two_fsdp"]["bytes_on_one_device"] < 0.52 * r["two"]["bytes_on_one_device"]
+
+
+def test_fsdp_splits_the_largest_axis_the_device_count_divides():
+    from eqx_gpt.parallel import fsdp_axis
+
+    assert fsdp_axis((6, 128, 384), 4) == 2
+    assert fsdp_axis((6, 384, 128), 2) == 1
+    assert fsdp_axis((8, 8), 2) == 0  # ties: the first
+    assert fsdp_axis((6, 3), 4) is None  # 4 divides neither: the array stays whole
+    assert fsdp_axis((), 2) is None
+    assert fsdp_axis((6, 128, 384), 1) is None
+
+
 def test_batches_that_devices_cannot_share_are_rejected_with_the_fix():
     mesh = data_mesh(jax.devices()[:1])
     check_batch(mesh, 8, 2)  # one device shares anything
@@ -131,7 +159,7 @@ def test_distributed_start_only_when_the_environment_asks(monkeypatch):
         initialize_distributed()
 
 
-def test_the_trainer_on_two_devices_logs_the_losses_of_one(tmp_path):
+def test_the_trainer_on_two_devices_logs_the_losses_of_one_with_and_without_fsdp(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     out = subprocess.run(
         [sys.executable, "-c", TRAINER_WORKER, str(tmp_path)],
@@ -139,9 +167,10 @@ def test_the_trainer_on_two_devices_logs_the_losses_of_one(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     runs = json.loads(out.stdout.strip().splitlines()[-1])
-    one, two = runs["one"], runs["two"]
-    assert [r["step"] for r in one] == [r["step"] for r in two]
-    for key in ("loss", "train_loss", "val_loss"):
-        a = [r[key] for r in one if key in r]
-        b = [r[key] for r in two if key in r]
-        assert len(a) >= 2 and _max_abs_diff(a, b) <= 1e-5, key
+    one = runs["one"]
+    for two in (runs["two"], runs["two_fsdp"]):  # data parallel, then with parameters split too
+        assert [r["step"] for r in one] == [r["step"] for r in two]
+        for key in ("loss", "train_loss", "val_loss"):
+            a = [r[key] for r in one if key in r]
+            b = [r[key] for r in two if key in r]
+            assert len(a) >= 2 and _max_abs_diff(a, b) <= 1e-5, key
