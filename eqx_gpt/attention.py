@@ -61,11 +61,11 @@ class KVCache(eqx.Module):
     For one attention layer and one sequence, `k` is `(n_heads, d_head, capacity)` and `v` is
     `(n_heads, capacity, d_head)`. A batch of sequences adds leading `batch` axes, and a whole
     `GPT` a leading `n_layers` axis before those (or, unstacked by `GPT.unstack`, a tuple of
-    per-layer caches). Why this layout: decoding multiplies one
-    query by every cached key (`q @ K^T`) and the weights by every cached value (`w @ V`), and
-    with each head's `K^T` and `V` stored as the matrices those products read, no transposed copy
-    of the cache is made per token. Slots past the current position hold stale values that the
-    decoding mask hides, so the buffers never change shape and `jit` compiles once.
+    per-layer caches). Why this layout: decoding multiplies one query by every cached key
+    (`q @ K^T`) and the weights by every cached value (`w @ V`); with each head's `K^T` and `V`
+    stored as the matrices those products read, no transposed copy of the cache is made per token.
+    Slots past the current position hold stale values that the decoding mask hides, so the
+    buffers never change shape and `jit` compiles once.
     """
 
     k: Float[Array, "*lead heads d_head capacity"]
