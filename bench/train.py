@@ -18,8 +18,10 @@ from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
 Embedding lookups, norms, softmax, dropout and the optimiser are not counted (they are small), so
 MFU slightly undercounts the work done.
 
-The timed step is `eqx_gpt.training.make_train_step` (the one `train.py` runs), with AdamW, the
-schedule's lr as an argument, buffer donation, and the batch placed by `eqx_gpt.parallel`.
+The timed steps are `train.py`'s: `eqx_gpt.training.make_train_steps`, `--steps-per-call` steps
+per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
+argument, buffer donation, and the batches placed by `eqx_gpt.parallel`. `--steps-per-call 1`
+times one step per dispatch (`make_train_step`), to show what several per call buy.
 """
 
 import argparse
@@ -39,7 +41,14 @@ from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
+from eqx_gpt.trainer import STEPS_PER_CALL
+from eqx_gpt.training import (
+    TrainConfig,
+    init_optimizer_state,
+    make_optimizer,
+    make_train_step,
+    make_train_steps,
+)
 
 VOCAB = 65  # Tiny Shakespeare's characters
 
@@ -76,7 +85,8 @@ class MatmulPeak:
 
 
 def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
-    """Model, optimiser state, a sharded random batch and the real jitted train step."""
+    """Model, optimiser state, and `advance(model, opt_state, first) -> (model, opt_state, loss)`
+    running `args.steps_per_call` real jitted training steps in one dispatch (on sharded batches)."""
     config = GPTConfig(vocab_size=VOCAB, **model_options)
     train_config = TrainConfig(batch_size=batch_size, grad_accum=args.grad_accum, seed=seed)
     mesh = data_mesh()
@@ -84,20 +94,36 @@ def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
     optimizer = make_optimizer(train_config)
     model = GPT(config, key=jax.random.key(seed))
     model, opt_state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
-    step_fn = make_train_step(optimizer, train_config, dropout=config.dropout > 0)
-    batch = jax.random.randint(jax.random.key(seed + 1), (batch_size, config.context_length + 1), 0, VOCAB)
-    batch = shard_batch(batch.astype(jnp.int32), mesh)
-    return config, model, opt_state, step_fn, batch
+    k, dropout = args.steps_per_call, config.dropout > 0
+    window = config.context_length + 1
+    batches = jax.random.randint(jax.random.key(seed + 1), (k, batch_size, window), 0, VOCAB)
+    lr = np.float32(1e-4)  # small, so that many steps of the same batches stay well-behaved
+    if k == 1:
+        step_fn = make_train_step(optimizer, train_config, dropout=dropout)
+        batch = shard_batch(batches[0], mesh)
+
+        def advance(model, opt_state, first):
+            return step_fn(model, opt_state, batch, np.int32(first), lr)
+    else:
+        steps_fn = make_train_steps(optimizer, train_config, dropout=dropout)
+        batches = shard_batch(batches, mesh, batch_axis=1)
+
+        def advance(model, opt_state, first):
+            steps = np.arange(first, first + k, dtype=np.int32)
+            model, opt_state, losses = steps_fn(model, opt_state, batches, steps, np.full(k, lr), np.int32(k))
+            return model, opt_state, losses[-1]
+
+    return config, model, opt_state, advance
 
 
 def bench_config(name: str, model_options: dict, batch_size: int, args, peak: MatmulPeak) -> dict:
-    config, model, opt_state, step_fn, batch = make_step(model_options, batch_size, args)
-    lr = np.float32(1e-4)  # small, so that many steps of one batch stay well-behaved
+    config, model, opt_state, advance = make_step(model_options, batch_size, args)
+    k = args.steps_per_call
 
-    def run(k: int, first: int):
+    def run(calls: int, first: int):
         nonlocal model, opt_state
-        for i in range(k):
-            model, opt_state, loss = step_fn(model, opt_state, batch, np.int32(first + i), lr)
+        for i in range(calls):
+            model, opt_state, loss = advance(model, opt_state, first + i * k)
         jax.block_until_ready((model, opt_state, loss))
         return loss
 
@@ -105,19 +131,19 @@ def bench_config(name: str, model_options: dict, batch_size: int, args, peak: Ma
     run(1, 0)
     first_call = time.perf_counter() - start
     start = time.perf_counter()
-    run(args.warmup, 1)
-    warm = (time.perf_counter() - start) / max(1, args.warmup)
-    # Dispatch groups of steps back to back (as the trainer does), one matmul between groups.
+    run(args.warmup, k)
+    warm = (time.perf_counter() - start) / max(1, args.warmup)  # seconds per call
+    # Dispatch groups of calls back to back (as the trainer does), one matmul between groups.
     group = max(1, int(args.group_seconds / max(warm, 1e-6)))
     times: list[float] = []
-    step_no = 1 + args.warmup
+    step_no = k * (1 + args.warmup)
     budget_end = time.perf_counter() + args.seconds
     while len(times) < args.min_samples or (time.perf_counter() < budget_end and len(times) < 200):
         peak.sample()
         start = time.perf_counter()
         loss = run(group, step_no)
-        times.append((time.perf_counter() - start) / group)
-        step_no += group
+        times.append((time.perf_counter() - start) / (group * k))
+        step_no += group * k
     peak.sample()
     step_s = statistics.median(times)
     peak_gflops = statistics.median(peak.rates[-len(times) - 1 :])
@@ -135,11 +161,12 @@ def bench_config(name: str, model_options: dict, batch_size: int, args, peak: Ma
         "compute_dtype": config.compute_dtype,
         "scan_unroll": config.scan_unroll,
         "grad_accum": args.grad_accum,
-        "compile_s": round(max(0.0, first_call - step_s), 2),
+        "steps_per_call": k,
+        "compile_s": round(max(0.0, first_call - k * step_s), 2),
         "step_ms": round(step_s * 1e3, 2),
         "step_ms_min": round(min(times) * 1e3, 2),
         "samples": len(times),
-        "steps_per_sample": group,
+        "steps_per_sample": group * k,
         "tokens_per_s": round(tokens / step_s, 1),
         "flops_per_token": fpt,
         "gflops": round(gflops, 2),
@@ -152,14 +179,14 @@ def bench_config(name: str, model_options: dict, batch_size: int, args, peak: Ma
 def compile_seconds(n_layers: int, args) -> float:
     """Seconds to trace and compile the training step of the shakespeare-char widths with `n_layers`."""
     options = dict(CONFIGS["shakespeare-char"][0], n_layers=n_layers)
-    _, model, opt_state, step_fn, batch = make_step(options, args.compile_batch, args)
+    _, model, opt_state, advance = make_step(options, args.compile_batch, args)
     lowered_at = time.perf_counter()
-    out = step_fn(model, opt_state, batch, np.int32(0), np.float32(1e-4))
+    out = advance(model, opt_state, 0)
     jax.block_until_ready(out)
     first = time.perf_counter() - lowered_at
     model, opt_state, _ = out
     start = time.perf_counter()
-    jax.block_until_ready(step_fn(model, opt_state, batch, np.int32(1), np.float32(1e-4)))
+    jax.block_until_ready(advance(model, opt_state, args.steps_per_call))
     return first - (time.perf_counter() - start)
 
 
@@ -185,7 +212,10 @@ def main(argv=None) -> int:
     p.add_argument("--compute-dtype", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--scan-unroll", type=int, help="override GPTConfig.scan_unroll")
     p.add_argument("--dropout", type=float, help="override the configs' dropout")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the compiling one")
+    p.add_argument(
+        "--steps-per-call", type=int, default=STEPS_PER_CALL, help="optimiser steps per dispatch (1: one)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls after the compiling one")
     p.add_argument("--seconds", type=float, default=20.0, help="time budget per config")
     p.add_argument("--min-samples", type=int, default=5, help="timed groups of steps, at least")
     p.add_argument("--group-seconds", type=float, default=0.5, help="steps dispatched per timed group")
@@ -220,7 +250,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(
                 f"{name:17s} L{r['n_layers']} d{r['d_model']} h{r['n_heads']} T{r['context_length']} "
-                f"B{r['batch_size']} {r['compute_dtype']}: compile {r['compile_s']:.1f} s | "
+                f"B{r['batch_size']} {r['compute_dtype']} {r['steps_per_call']}/call: "
+                f"compile {r['compile_s']:.1f} s | "
                 f"step {r['step_ms']:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
                 f"{r['flops_per_token'] / 1e6:.2f} MFLOP/tok | {r['gflops']:.1f} GFLOP/s | "
                 f"peak {r['peak_gflops']:.1f} | MFU {r['mfu']:.2f}",

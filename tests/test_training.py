@@ -14,6 +14,7 @@ from eqx_gpt.training import (
     loss_fn,
     make_optimizer,
     make_train_step,
+    make_train_steps,
 )
 
 CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
@@ -87,6 +88,27 @@ def test_gradient_accumulation_gives_the_full_batch_update(dropout_step):
 def test_dropout_masks_change_with_the_step(dropout_step):
     losses = [float(dropout_step(*_fresh_state(), BATCH, np.int32(s), np.float32(0.0))[2]) for s in (0, 1, 0)]
     assert losses[0] != losses[1] and losses[0] == losses[2]
+
+
+def test_several_steps_per_call_equal_as_many_single_steps(dropout_step):
+    steps_fn = make_train_steps(make_optimizer(TrainConfig()), TrainConfig(batch_size=8), dropout=True)
+    batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
+    steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
+    for n in (4, 3):  # all of the stack, and fewer (the rest is ignored); one compiled program
+        model, opt_state = _fresh_state()
+        losses = []
+        for i in range(n):
+            model, opt_state, loss = dropout_step(model, opt_state, batches[i], steps[i], lrs[i])
+            losses.append(float(loss))
+        grouped, _, grouped_losses = steps_fn(*_fresh_state(), batches, steps, lrs, np.int32(n))
+        np.testing.assert_array_equal(np.asarray(grouped_losses)[:n], losses)
+        assert np.all(np.asarray(grouped_losses)[n:] == 0)
+        for a, b in zip(
+            jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+            jax.tree.leaves(eqx.filter(grouped, eqx.is_array)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_invalid_train_configs_are_rejected():
