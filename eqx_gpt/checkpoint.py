@@ -24,6 +24,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+from jax.experimental import multihost_utils
 
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
@@ -67,10 +68,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
+def _on_this_host(x: Any) -> Any:
+    """`x`, with an array split over other processes' devices (FSDP on several hosts) gathered
+    whole to this one first. Every process must call this for the same arrays (a collective)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        return multihost_utils.process_allgather(x, tiled=True)
+    return x
+
+
 def _serialise(*trees: Any) -> bytes:
     buffer = io.BytesIO()
     for tree in trees:
-        eqx.tree_serialise_leaves(buffer, tree)
+        eqx.tree_serialise_leaves(buffer, jax.tree.map(_on_this_host, tree))
     return buffer.getvalue()
 
 

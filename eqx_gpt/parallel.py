@@ -32,6 +32,12 @@ def initialize_distributed() -> bool:
     `JAX_PROCESS_ID`; or a SLURM or Open MPI launch of more than one task, whose variables
     `jax.distributed.initialize()` reads itself. Must run before anything touches a device.
     """
+    distributed = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or any(
+        int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+    )
+    if distributed:
+        # CPU devices of different processes all-reduce over TCP with gloo (GPUs use NCCL anyway).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
         if missing:
