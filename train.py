@@ -44,7 +44,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _flag_type(annotation):
-    """`int`, `float` or `str` from a field annotation such as `int | None`."""
+    """`int`, `float`, `str` or `bool` from a field annotation such as `int | None`."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
     return annotation

@@ -132,6 +132,7 @@ def _decode_steps(
     # whereas with a size-1 batch axis it copies every layer's cache for every token.
     squeeze = state.window.shape[0] == 1
     cache = jax.tree.map(lambda a: a[0], state.cache) if squeeze else state.cache
+    state = eqx.tree_at(lambda s: s.cache, state, ())  # the loop carries `cache` instead
 
     def step(i, carry):
         state, cache, tokens = carry

@@ -32,29 +32,28 @@ def initialize_distributed() -> bool:
     `JAX_PROCESS_ID`; or a SLURM or Open MPI launch of more than one task, whose variables
     `jax.distributed.initialize()` reads itself. Must run before anything touches a device.
     """
-    distributed = bool(os.environ.get("JAX_COORDINATOR_ADDRESS")) or any(
-        int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
-    )
-    if distributed:
-        # CPU devices of different processes all-reduce over TCP with gloo (GPUs use NCCL anyway).
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+    launched = any(int(os.environ.get(v, "1")) > 1 for v in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"))
+    if not (coordinator or launched):
+        return False
+    if coordinator:
         missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
         if missing:
             raise ValueError(
                 f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not; set all three "
                 f"(JAX_NUM_PROCESSES = number of hosts, JAX_PROCESS_ID = 0 .. hosts - 1) on every host"
             )
+    # CPU devices of different processes all-reduce over TCP with gloo (GPUs use NCCL anyway).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator:
         jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            coordinator_address=coordinator,
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
             process_id=int(os.environ["JAX_PROCESS_ID"]),
         )
-        return True
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    else:
         jax.distributed.initialize()
-        return True
-    return False
+    return True
 
 
 def data_mesh(devices=None) -> Mesh:
@@ -98,10 +97,15 @@ def _place(x, sharding: NamedSharding):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def _place_tree(tree, sharding_of):
+    """`_place` every array of `tree` with `sharding_of(array)`; other leaves stay as they are."""
+    is_array = lambda x: isinstance(x, jax.Array | np.ndarray)
+    return jax.tree.map(lambda x: _place(x, sharding_of(x)) if is_array(x) else x, tree)
+
+
 def replicate(tree, mesh: Mesh):
     """Place every array of `tree` (a model, an optimiser state, data) whole on every device."""
-    sharding = replicated(mesh)
-    return jax.tree.map(lambda x: _place(x, sharding) if isinstance(x, jax.Array | np.ndarray) else x, tree)
+    return _place_tree(tree, lambda _: replicated(mesh))
 
 
 def fsdp_axis(shape: tuple[int, ...], n_devices: int) -> int | None:
@@ -124,9 +128,7 @@ def parameter_sharding(x, mesh: Mesh) -> NamedSharding:
 def shard_parameters(tree, mesh: Mesh):
     """Place every array of `tree` (a model, an optimiser state) split over the mesh (FSDP): see
     `parameter_sharding`. The values are unchanged; only where they live."""
-    return jax.tree.map(
-        lambda x: _place(x, parameter_sharding(x, mesh)) if isinstance(x, jax.Array | np.ndarray) else x, tree
-    )
+    return _place_tree(tree, lambda x: parameter_sharding(x, mesh))
 
 
 def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:

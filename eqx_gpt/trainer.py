@@ -70,7 +70,7 @@ from eqx_gpt.training import (
 # the run without changing what it computes.
 RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval")
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
-STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.3-1.4x on small models
+STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
 PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
 
 
