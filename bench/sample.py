@@ -14,6 +14,11 @@ first; compile seconds are reported separately. The ratio is cached / naive toke
 The cached method slides its window differently (see `eqx_gpt.generate`), so the two agree
 token for token only until the first slide.
 
+Floor: a cached token must at least read every weight matrix once. Each repetition also times a bare
+jitted chain of the model's matrix-vector products (each layer's `w_qkv`, `w_out`, MLP `w_in`,
+`w_out`, then the head; no attention, norms or sampling) and prints the ratio that such a
+decode step would reach against the naive timing above: the ceiling for this machine.
+
 First token (`--first-token CHECKPOINT`): starts `python sample.py` in a fresh process and times
 until the first generated character reaches its stdout (the prompt is echoed before generation
 and is not counted): once with an empty compilation cache (cold) and then again (warm).
@@ -60,6 +65,22 @@ def compile_naive(model, key):
     return sizes
 
 
+def matvec_chain(model: GPT, tokens: int):
+    """A jitted function running `tokens` steps of the model's weight matrix-vector products alone."""
+    layers = model.unstack().blocks
+    matrices = [w for b in layers for w in (b.attn.w_qkv, b.attn.w_out, b.mlp.w_in, b.mlp.w_out)]
+
+    def one_token(_, x):
+        h = x
+        for w in matrices:  # each product feeds the next, as in the model
+            h = h[: w.shape[0]] @ w
+        return h + (h @ model.head)[0]  # the head too; the carry keeps the chain dependent
+
+    chain = jax.jit(lambda x, matrices: jax.lax.fori_loop(0, tokens, one_token, x))
+    x = jnp.ones(model.config.d_model) * 1e-3
+    return lambda: chain(x, matrices).block_until_ready()
+
+
 def bench_shape(name, shape, new_tokens, reps, prompt_len):
     config = GPTConfig(vocab_size=65, **shape)
     context = config.context_length
@@ -73,13 +94,16 @@ def bench_shape(name, shape, new_tokens, reps, prompt_len):
     # 40 tokens: the prefill, a slide (for a full prompt) and the decode loop all compile here.
     _, cached_compile = timed(lambda: generate(model, prompt, 40, key=key))
     _, naive_compile = timed(lambda: compile_naive(model, key))
-    cached_times, naive_times = [], []
-    for _ in range(reps):  # interleaved, so machine load hits both alike
+    run_floor = matvec_chain(model, new_tokens)
+    run_floor()
+    cached_times, naive_times, floor_times = [], [], []
+    for _ in range(reps):  # interleaved, so machine load hits all alike
         cached, t = timed(run_cached)
         cached_times.append(t)
         naive, t = timed(run_naive)
         naive_times.append(t)
-    cached_s, naive_s = min(cached_times), min(naive_times)
+        floor_times.append(timed(run_floor)[1])
+    cached_s, naive_s, floor_s = min(cached_times), min(naive_times), min(floor_times) / new_tokens
     same = int(np.argmin(np.append(cached == naive, False)))  # length of the common prefix
     result = dict(
         model=name,
@@ -89,6 +113,8 @@ def bench_shape(name, shape, new_tokens, reps, prompt_len):
         cached_tokens_per_s=new_tokens / cached_s,
         naive_tokens_per_s=new_tokens / naive_s,
         ratio=naive_s / cached_s,
+        matvec_floor_ms_per_token=floor_s * 1e3,
+        ratio_ceiling=naive_s / (floor_s * new_tokens),
         cached_compile_s=cached_compile,
         naive_compile_s=naive_compile,
         cached_seconds=cached_times,
@@ -98,7 +124,8 @@ def bench_shape(name, shape, new_tokens, reps, prompt_len):
     )
     print(
         f"{name:>14} prompt {len(prompt):3d}: cached {result['cached_tokens_per_s']:6.1f} tok/s | naive "
-        f"{result['naive_tokens_per_s']:5.1f} tok/s | ratio {result['ratio']:5.1f}x | compile cached "
+        f"{result['naive_tokens_per_s']:5.1f} tok/s | ratio {result['ratio']:5.1f}x (matvec floor "
+        f"{floor_s * 1e3:.2f} ms/token: ceiling {result['ratio_ceiling']:4.1f}x) | compile cached "
         f"{cached_compile:.1f} s, naive {naive_compile:.1f} s (all buckets) | "
         f"load {result['load_average']:.1f}",
         flush=True,
