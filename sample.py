@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from eqx_gpt._checks import finite_float
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block
@@ -36,10 +38,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--max-new-tokens", metavar="N", type=int, default=500, help="tokens to generate (default 500)"
     )
-    p.add_argument("--temperature", metavar="T", type=float, default=0.8, help="0 means greedy (default 0.8)")
+    p.add_argument(
+        "--temperature", metavar="T", type=finite_float, default=0.8, help="0 means greedy (default 0.8)"
+    )
     p.add_argument("--top-k", metavar="K", type=int, help="sample among the K most likely tokens only")
     p.add_argument(
-        "--top-p", metavar="P", type=float, help="sample from the smallest set of mass >= P, in (0, 1]"
+        "--top-p", metavar="P", type=finite_float, help="sample from the smallest set of mass >= P, in (0, 1]"
     )
     p.add_argument(
         "--num-samples", metavar="N", type=int, default=1, help="samples, one after another (default 1)"
@@ -91,6 +95,16 @@ def _check_numbers(args) -> None:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
 
 
+def _check_picture_paths(args) -> None:
+    """Refuse a picture path that cannot be written before any model is loaded or run."""
+    if args.attention_png or args.positions_png:
+        from eqx_gpt.visualize import check_figure_path
+
+        for flag, path in (("--attention-png", args.attention_png), ("--positions-png", args.positions_png)):
+            if path is not None:
+                check_figure_path(path, flag)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     _enable_compile_cache()
@@ -101,6 +115,7 @@ def main(argv=None) -> int:
 
     try:
         _check_numbers(args)
+        _check_picture_paths(args)
         prompt = _read_prompt(args)
         model, tokenizer, _ = load_model(find_checkpoint(args.checkpoint))
         tokens = tokenizer.encode(prompt)

@@ -1,7 +1,9 @@
 """Train a GPT on Tiny Shakespeare (or any UTF-8 text): `uv run train.py --help`.
 
-Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag; `--preset` picks a named
-recipe whose values the flags override. Bad input exits with one line on stderr and code 2.
+Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag. A value comes from, in
+rising order of precedence: the dataclass default, the chosen `--preset` (default `cpu`), then an
+explicit flag. `--resume` starts from the checkpoint's values instead, which explicit flags may
+only bound (see `resolve_resume`). Bad input exits with one line on stderr and code 2.
 """
 
 import argparse
@@ -10,14 +12,12 @@ import sys
 import types
 import typing
 
-from eqx_gpt.checkpoint import CheckpointError
+from eqx_gpt._checks import finite_float
 from eqx_gpt.config import COMPUTE_DTYPES, GPTConfig
-from eqx_gpt.data import DataError
 from eqx_gpt.parallel import initialize_distributed
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.tokenizer import TokenizerError
-from eqx_gpt.trainer import TrainingError, train
-from eqx_gpt.training import TOKENIZERS, TrainConfig
+from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
+from eqx_gpt.run import RunError, train
+from eqx_gpt.train_config import TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
     "context_length": "tokens the model sees at once",
@@ -31,11 +31,8 @@ MODEL_HELP = {
     "compute_dtype": "dtype of activations and matmuls; parameters stay float32",
 }
 CHOICES = {"compute_dtype": COMPUTE_DTYPES, "tokenizer": TOKENIZERS}
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):  # "(default: None)" says nothing; the help text explains
-        return action.help if action.default is None else super()._get_help_string(action)
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,112 +41,122 @@ class Parser(argparse.ArgumentParser):
 
 
 def _flag_type(annotation):
-    """`int`, `float`, `str` or `bool` from a field annotation such as `int | None`."""
+    """`int`, `finite_float`, `str` or `bool` from a field annotation such as `int | None`."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    return annotation
+    return finite_float if annotation is float else annotation
 
 
-def _field_defaults(cls) -> dict:
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
-
-
-def build_parser(show_defaults: bool = True) -> Parser:
-    """The parser; with `show_defaults=False` absent options are left out of the result entirely."""
-    preset = PRESETS[DEFAULT_PRESET]
-    defaults = {**_field_defaults(GPTConfig), **preset.model, **_field_defaults(TrainConfig), **preset.train}
+def build_parser(preset: str = DEFAULT_PRESET) -> Parser:
+    """The parser. Parsed options hold only what was given explicitly (absent ones are left out);
+    `--help` shows the values of `preset` as defaults (`--help --preset NAME` shows NAME's)."""
+    shown = preset_values(preset if preset in PRESETS else DEFAULT_PRESET)
     p = Parser(
         prog="train.py",
         description="Train a GPT on characters (or GPT-2 BPE); writes checkpoints, metrics.jsonl, loss.png.",
-        formatter_class=HelpFormatter,
-        argument_default=None if show_defaults else argparse.SUPPRESS,
+        argument_default=argparse.SUPPRESS,
     )
-
-    def default(value):
-        return value if show_defaults else argparse.SUPPRESS
-
     run = p.add_argument_group("run")
     run.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        default=default(DEFAULT_PRESET),
-        help="named recipe: " + "; ".join(f"{k}: {v.description}" for k, v in PRESETS.items()),
+        help=f"named recipe (default {DEFAULT_PRESET}); it sets the defaults below, and `--help --preset "
+        f"NAME` shows them: " + "; ".join(f"{k}: {v.description}" for k, v in PRESETS.items()),
     )
-    run.add_argument("--out-dir", default=default("out"), help="folder for checkpoints, metrics and plots")
+    run.add_argument("--out-dir", help="folder for checkpoints, metrics and plots (default: out)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out-dir")
     run.add_argument(
-        "--resume", action="store_true", default=default(False), help="continue the run in --out-dir"
+        "--overwrite",
+        action="store_true",
+        help="delete the run already in --out-dir and start afresh (without it, such a folder is refused)",
     )
-    run.add_argument("--sample-tokens", type=int, default=default(300), help="tokens sampled at the end")
-    for cls, group, helps in (
-        (GPTConfig, p.add_argument_group(f"model (defaults: the {DEFAULT_PRESET} preset)"), MODEL_HELP),
-        (TrainConfig, p.add_argument_group(f"training (defaults: the {DEFAULT_PRESET} preset)"), None),
+    run.add_argument("--sample-tokens", type=int, help="tokens sampled at the end (default: 300)")
+    title = f"{{}} (defaults: the {preset if preset in PRESETS else DEFAULT_PRESET} preset)"
+    for cls, names, group in (
+        (GPTConfig, MODEL_FIELDS, p.add_argument_group(title.format("model"))),
+        (TrainConfig, TRAIN_FIELDS, p.add_argument_group(title.format("training"))),
     ):
         for f in dataclasses.fields(cls):
-            if f.name == "vocab_size":  # set by the tokenizer
+            if f.name not in names:
                 continue
             kind = _flag_type(f.type)
+            action = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+            choices = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
-                **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}),
-                choices=CHOICES.get(f.name),
-                default=default(defaults.get(f.name)),
-                help=helps[f.name] if helps else f.metadata["help"],
+                **action,
+                **choices,
+                help=f"{MODEL_HELP[f.name] if cls is GPTConfig else f.metadata['help']} "
+                f"(default: {shown[f.name]})",
             )
     return p
 
 
-def parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
-    """The parsed options, and the options given explicitly on the command line."""
-    args = build_parser().parse_args(argv)
-    explicit = vars(build_parser(show_defaults=False).parse_args(argv))
-    return args, explicit
+def parse(argv: list[str] | None) -> dict:
+    """The options given explicitly on the command line (a preset's help shown for `--help --preset`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return vars(build_parser(_preset_in(argv)).parse_args(argv))
+
+
+def _preset_in(argv: list[str]) -> str:
+    """The `--preset` named in `argv` (last one wins), for the defaults `--help` shows."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=DEFAULT_PRESET)
+    return pre.parse_known_args(argv)[0].preset
+
+
+def run_options(explicit: dict) -> tuple[str, dict, dict]:
+    """`(preset, model_options, train_options)` of a fresh run: dataclass defaults < preset < flags."""
+    preset = explicit.get("preset", DEFAULT_PRESET)
+    values = {**preset_values(preset), **explicit}
+    return (
+        preset,
+        {k: values[k] for k in MODEL_FIELDS if k in values},
+        {k: values[k] for k in TRAIN_FIELDS if k in values},
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, explicit = parse(argv)
+    explicit = parse(argv)
+    out_dir = explicit.get("out_dir", "out")
     try:
         initialize_distributed()  # one process of a multi-host run (README: "Scaling out")
+        if explicit.get("resume") and explicit.get("overwrite"):
+            raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
+        preset, model_options, train_options = run_options(explicit)
+        if explicit.get("resume"):
+            # The checkpoint's values come first; a preset given anew counts as flags for its values.
+            given = {**(PRESETS[preset].values() if "preset" in explicit else {}), **explicit}
+            resume_flags = (
+                {k: v for k, v in given.items() if k in MODEL_FIELDS},
+                {k: v for k, v in given.items() if k in TRAIN_FIELDS},
+            )
+            config, preset = TrainConfig(), (preset if "preset" in explicit else None)
+        else:
+            config, resume_flags = TrainConfig(**train_options), None
+            GPTConfig(vocab_size=1, **model_options)  # report bad sizes before loading any data
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    model_names = {f.name for f in dataclasses.fields(GPTConfig)} - {"vocab_size"}
-    train_names = {f.name for f in dataclasses.fields(TrainConfig)}
-    preset = PRESETS[args.preset]
-    if args.resume:
-        model_flags = {k: v for k, v in explicit.items() if k in model_names}
-        train_flags = {k: v for k, v in explicit.items() if k in train_names}
-        if "preset" in explicit:  # a preset given with --resume counts as flags for its values
-            model_flags = {**preset.model, **model_flags}
-            train_flags = {**preset.train, **train_flags}
-        model_options, config, resume_flags = {}, TrainConfig(), (model_flags, train_flags)
-    else:
-        model_options = {name: getattr(args, name) for name in model_names}
-        try:
-            config = TrainConfig(**{name: getattr(args, name) for name in train_names})
-            GPTConfig(vocab_size=1, **model_options)  # report bad sizes before loading any data
-        except ValueError as e:
-            print(f"train.py: error: {e}", file=sys.stderr)
-            return 2
-        resume_flags = None
     try:
         result = train(
             model_options,
             config,
-            args.out_dir,
-            resume=args.resume,
+            out_dir,
+            resume=bool(explicit.get("resume")),
+            overwrite=bool(explicit.get("overwrite")),
             resume_flags=resume_flags,
-            sample_tokens=args.sample_tokens,
-            # A resumed run keeps the preset its checkpoint records unless one is given.
-            extra_metadata={"preset": args.preset} if "preset" in explicit or not args.resume else None,
+            preset=preset,
+            sample_tokens=explicit.get("sample_tokens", 300),
         )
-    except (DataError, TokenizerError, CheckpointError, TrainingError) as e:
+    except RunError as e:  # bad input of any kind: a one-line message naming the fix
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(
             "train.py: aborted; resume from the last checkpoint with: "
-            f"uv run train.py --resume --out-dir {args.out_dir}",
+            f"uv run train.py --resume --out-dir {out_dir}",
             file=sys.stderr,
         )
         return 130

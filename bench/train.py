@@ -18,7 +18,7 @@ from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
 Embedding lookups, norms, softmax, dropout and the optimiser are not counted (they are small), so
 MFU slightly undercounts the work done.
 
-The timed steps are `train.py`'s: `eqx_gpt.training.make_train_steps`, `--steps-per-call` steps
+The timed steps are `train.py`'s: `eqx_gpt.train_step.make_train_steps`, `--steps-per-call` steps
 per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
 argument, buffer donation, and the batches placed by `eqx_gpt.parallel`. `--steps-per-call 1`
 times one step per dispatch (`make_train_step`), to show what several per call buy.
@@ -41,14 +41,9 @@ from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.trainer import STEPS_PER_CALL
-from eqx_gpt.training import (
-    TrainConfig,
-    init_optimizer_state,
-    make_optimizer,
-    make_train_step,
-    make_train_steps,
-)
+from eqx_gpt.run import STEPS_PER_CALL
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step, make_train_steps
 
 VOCAB = 65  # Tiny Shakespeare's characters
 

@@ -1,6 +1,6 @@
 """eqx_gpt: a small, typed decoder-only GPT in JAX + Equinox.
 
-Every module is an `eqx.Module` acting on one example (callers `jax.vmap` over a batch), with
+Every module is an `eqx.Module` acting on one example or on a whole batch passed at once, with
 jaxtyping shape annotations checked by beartype when JAX traces the call.
 """
 
@@ -9,6 +9,7 @@ from eqx_gpt.block import Block
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.dropout import dropout
+from eqx_gpt.evaluate import Evaluation, evaluate, evaluate_text
 from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
 from eqx_gpt.gpt import GPT
 from eqx_gpt.mlp import MLP
@@ -38,6 +39,9 @@ __all__ = [
     "attention_weights",
     "causal_mask",
     "dropout",
+    "Evaluation",
+    "evaluate",
+    "evaluate_text",
     "pad_vocab",
     "sinusoidal_positions",
     "generate",

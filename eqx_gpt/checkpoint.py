@@ -123,6 +123,20 @@ def save_checkpoint(
     return json_path
 
 
+def checkpoint_paths(out_dir: str | Path) -> list[Path]:
+    """Every checkpoint file (metadata and weights) in the run directory `out_dir`."""
+    out_dir = Path(out_dir)
+    return sorted(
+        p for name in NAMES for p in (out_dir / f"{name}.json", *out_dir.glob(f"{name}-*.eqx")) if p.exists()
+    )
+
+
+def delete_checkpoints(out_dir: str | Path) -> None:
+    """Delete every checkpoint in `out_dir` (metadata first, so no JSON names a missing file)."""
+    for path in sorted(checkpoint_paths(out_dir), key=lambda p: p.suffix != ".json"):
+        path.unlink(missing_ok=True)
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The metadata (`.json`) path of a checkpoint.
 

@@ -1,6 +1,7 @@
 """The model's hyperparameters in one frozen dataclass."""
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from eqx_gpt.vocab import pad_vocab
@@ -38,11 +39,19 @@ class GPTConfig:
     def __post_init__(self):
         if self.d_hidden is None:
             object.__setattr__(self, "d_hidden", 4 * self.d_model)
-        positive = ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "d_hidden")
-        for name in (*positive, "scan_unroll"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        check_fields(
+            self,
+            positive=(
+                "vocab_size",
+                "context_length",
+                "d_model",
+                "n_heads",
+                "n_layers",
+                "d_hidden",
+                "scan_unroll",
+            ),
+            finite=("dropout", "norm_eps"),
+        )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -81,3 +90,17 @@ def config_from_dict(cls, d: dict):
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
     return cls(**d)
+
+
+def check_fields(config, *, positive: tuple[str, ...] = (), finite: tuple[str, ...] = ()) -> None:
+    """Raise a one-line `ValueError` unless each `positive` field of the dataclass `config` is an
+    integer >= 1 and each `finite` field a finite number (NaN and infinities would poison a run)."""
+    name = type(config).__name__
+    for field in positive:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}.{field} must be a positive integer, got {value!r}")
+    for field in finite:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name}.{field} must be a finite number, got {value!r}")

@@ -34,6 +34,18 @@ def keep_mask(key: PRNGKeyArray, rate: float, shape: tuple[int, ...]) -> Bool[Ar
     return (draws >= threshold).reshape(shape)
 
 
+def typed_key(key: PRNGKeyArray) -> PRNGKeyArray:
+    """`key` as a typed key array (`jax.random.key`), whichever style it comes in.
+
+    Classic `jax.random.PRNGKey` keys are raw `uint32` arrays with a trailing axis of 2, so one
+    key has shape `(2,)` and `ndim` cannot tell one key from many; wrapping them makes one key
+    0-d, as `jax.random.key` gives.
+    """
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(key)
+
+
 def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
     """Zero each element of `x` with probability `rate` and scale survivors by `1 / (1 - rate)`.
 
@@ -46,6 +58,7 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
     """
     if key is None or rate == 0.0:
         return x
+    key = typed_key(key)
     if key.ndim == 0:
         keep = keep_mask(key, rate, x.shape)
     else:
@@ -58,6 +71,7 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
 def keys_per_sequence(key: PRNGKeyArray, batch: tuple[int, ...]) -> PRNGKeyArray:
     """One key per sequence of a batch of shape `batch`: `key` itself if it already is that,
     else the single `key` split into them."""
+    key = typed_key(key)
     if key.shape == batch:
         return key
     return split_key(key, math.prod(batch)).reshape(batch)
@@ -65,6 +79,7 @@ def keys_per_sequence(key: PRNGKeyArray, batch: tuple[int, ...]) -> PRNGKeyArray
 
 def split_key(key: PRNGKeyArray, n: int) -> PRNGKeyArray:
     """`jax.random.split(key, n)` for one key or an array of keys: shape `(n, *key.shape)`."""
+    key = typed_key(key)
     if key.ndim == 0:
         return jax.random.split(key, n)
     split = jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(key.reshape(-1))

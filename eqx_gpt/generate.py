@@ -19,7 +19,7 @@ How the cached loop works:
 3. **Sliding past the context.** The model has absolute (sinusoidal) positions, so cached keys
    belong to the positions they were computed at and a ring buffer would not be exact. Instead,
    when the window already holds `context_length` tokens and one more arrives, the window is cut
-   to its most recent `keep` tokens (default `context_length // 2`, the new token included),
+   to its most recent `keep` tokens (default `max(1, context_length // 2)`, the new token included),
    these are re-prefilled at positions `0 .. keep - 1` in one pass (the prefill program of step 1),
    and decoding continues one token at a time. That costs one `keep`-token prefill every
    `context_length - keep + 1` tokens. The window's length never depends on the tokens drawn, so
@@ -164,7 +164,7 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
     """Validate arguments; return `(prompts (batch, seq) int32 cropped to the context, keep)`."""
     check_sampling_args(temperature, top_k, top_p)
     context = model.config.context_length
-    keep = context // 2 if keep is None else keep
+    keep = max(1, context // 2) if keep is None else keep
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= context:
         raise ValueError(f"keep must be an integer in [1, context_length={context}], got {keep!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:

@@ -69,6 +69,22 @@ class GPT(eqx.Module):
         logits = linear(self.final_norm(x), self.head)
         return logits[..., : self.config.vocab_size].astype(jnp.float32)
 
+    def _check_ids(self, tokens) -> None:
+        """Refuse token ids outside `[0, vocab_size)` where they are concrete (not under `jit`).
+
+        Inside `jit` the ids are not known when this runs: there an id past the table reads a
+        clamped row (JAX's gather semantics) and a padding id reads an untrained row, so the
+        logits are finite but meaningless. `generate` and the CLIs check ids before tracing.
+        """
+        if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+            return
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.config.vocab_size:
+            raise ValueError(
+                f"GPT got token ids from {low} to {high}, outside [0, vocab_size={self.config.vocab_size}); "
+                f"encode text with the model's tokenizer"
+            )
+
     def _check_length(self, n: int) -> None:
         if n > self.config.context_length:
             raise ValueError(
@@ -91,6 +107,7 @@ class GPT(eqx.Module):
         """
         seq = tokens.shape[-1]
         self._check_length(seq)
+        self._check_ids(tokens)
         if key is not None:
             key = keys_per_sequence(key, tokens.shape[:-1])
         k_embed, k_blocks = (None, None) if key is None else split_key(key, 2)
@@ -169,6 +186,8 @@ class GPT(eqx.Module):
         """
         c = self.config
         capacity = c.context_length if capacity is None else capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"init_cache needs a capacity >= 1 (positions to hold), got {capacity!r}")
         self._check_length(capacity)
         lead = (() if isinstance(self.blocks, tuple) else (c.n_layers,)) + (() if batch is None else (batch,))
         k = jnp.zeros((*lead, c.n_heads, c.d_head, capacity), c.compute_dtype)
@@ -191,6 +210,12 @@ class GPT(eqx.Module):
         """
         c = self.config
         capacity = (cache[0] if isinstance(cache, tuple) else cache).v.shape[-2]
+        if not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= capacity - tokens.shape[-1]:
+            raise ValueError(
+                f"decode of {tokens.shape[-1]} token(s) at position {int(start)} does not fit a cache of "
+                f"capacity {capacity}; keep start + new <= capacity (a larger init_cache, or a new window)"
+            )
+        self._check_ids(tokens)
         positions = sinusoidal_positions(capacity, c.d_model)
         new_positions = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1])
         x = self._embed(tokens, new_positions)

@@ -5,6 +5,8 @@ with traced `temperature`, `top_k` and `top_p` values (only whether a filter is 
 Python-level choice), so changing a setting does not recompile.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
@@ -14,8 +16,8 @@ from eqx_gpt._checks import typechecked
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise a one-line `ValueError` naming a bad sampling setting and its valid range."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1 (or None to keep every token), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:

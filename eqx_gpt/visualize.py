@@ -1,18 +1,73 @@
-"""Pictures of what a model computes: attention heatmaps and the sinusoidal position table.
+"""Pictures: a run's loss curves, attention heatmaps and the sinusoidal position table.
 
 Figures are drawn with matplotlib's object API (`Figure`, no `pyplot`), which renders PNGs with
-the Agg backend and needs no display.
+the Agg backend and needs no display. Every picture is written atomically (`atomic_write_bytes`),
+so a reader never sees half an image.
 """
 
+import io
 from pathlib import Path
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eqx_gpt.checkpoint import atomic_write_bytes
 from eqx_gpt.gpt import GPT
 from eqx_gpt.positions import sinusoidal_positions
+
+FORMATS = tuple(sorted(FigureCanvasAgg.get_supported_filetypes()))
+
+
+def check_figure_path(path: str | Path, flag: str) -> Path:
+    """`path` as a `Path` if a picture can be written there, else a one-line `ValueError` naming
+    `flag` and the fix. Call it before any work whose result the picture shows."""
+    path = Path(path)
+    if path.suffix.lower().lstrip(".") not in FORMATS:
+        raise ValueError(
+            f"{flag} {path}: unsupported picture format {path.suffix or '(none)'!r}; end the name in .png "
+            f"(or one of {', '.join('.' + f for f in FORMATS)})"
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: folder {parent} does not exist; create it or pass another path")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; pass a file name such as {path / 'picture.png'}")
+    return path
+
+
+def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
+    """Render `fig` in the format its file name ends in and write it atomically."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    FigureCanvasAgg(fig)
+    fig.savefig(buffer, format=path.suffix.lower().lstrip(".") or "png", dpi=dpi)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def plot_losses(records: list[dict], path: str | Path) -> Path:
+    """Train (per logged step, and at evaluations) and validation loss against step, from the
+    records of `metrics.jsonl`."""
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    ax = fig.add_subplot()
+    steps = [r["step"] for r in records if "loss" in r]
+    ax.plot(steps, [r["loss"] for r in records if "loss" in r], lw=0.8, alpha=0.45, label="train (batch)")
+    evals = [r for r in records if "val_loss" in r]
+    ax.plot([r["step"] for r in evals], [r["train_loss"] for r in evals], "o-", ms=3, label="train (eval)")
+    ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    if evals:
+        low = min(min(r["val_loss"], r["train_loss"]) for r in evals)
+        ax.set_ylim(max(0.0, low - 0.2), min(5.0, max(r["val_loss"] for r in evals) + 0.2))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return save_figure(fig, path)
+
 
 # Characters that would be invisible or break a tick label get a visible stand-in.
 _VISIBLE = {"\n": "\\n", " ": "␣", "\t": "\\t", "\r": "\\r", "$": r"\$"}
@@ -59,9 +114,7 @@ def plot_attention(weights: np.ndarray, labels: list[str], path: str | Path, *, 
     fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
     if title:
         fig.suptitle(title)
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_model_attention(model: GPT, tokens: list[int], pieces: list[str], path: str | Path) -> Path:
@@ -97,6 +150,4 @@ def plot_positions(context_length: int, d_model: int, path: str | Path) -> Path:
     curves.set_xlabel("position")
     curves.set_title("sin features: slower with each pair")
     curves.legend(fontsize=7, loc="lower left")
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path)

@@ -25,7 +25,8 @@ WORKER = textwrap.dedent(
     import numpy as np
     from eqx_gpt import GPT, GPTConfig
     from eqx_gpt.parallel import data_mesh, replicate, shard_batch, shard_parameters
-    from eqx_gpt.training import TrainConfig, init_optimizer_state, make_optimizer, make_train_step
+    from eqx_gpt.train_config import TrainConfig
+    from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step
 
     config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
 
@@ -70,9 +71,9 @@ TRAINER_WORKER = textwrap.dedent(
     """
     import json, sys
     import jax
-    import eqx_gpt.trainer as trainer
+    import eqx_gpt.run as trainer
     from eqx_gpt.parallel import data_mesh
-    from eqx_gpt.training import TrainConfig
+    from eqx_gpt.train_config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
     runs = {}
@@ -186,8 +187,8 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)
     )
     assert initialize_distributed()  # what train.py calls first
-    import eqx_gpt.trainer as trainer
-    from eqx_gpt.training import TrainConfig
+    import eqx_gpt.run as trainer
+    from eqx_gpt.train_config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2)
     runs = {}

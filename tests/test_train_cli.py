@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from eqx_gpt import load_model
+from eqx_gpt import GPTConfig, load_model
 from eqx_gpt.data import load_text
+from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt.run import TrainResult
+from eqx_gpt.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
@@ -68,23 +71,18 @@ def uninterrupted(tmp_path_factory, corpus):
     return out
 
 
-def _start_and_stop(out, corpus, sig):
-    """Run train.py in a subprocess and send `sig` once its checkpoint at step >= 10 exists."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "train.py"),
-        *TINY,
-        *RESUME_STEPS,
-        "--data",
-        str(corpus),
-        "--out-dir",
-        str(out),
-    ]
+def _start_and_stop(out, corpus, sig, while_running=None, extra=()):
+    """Run train.py in a subprocess and send `sig` once its checkpoint at step >= 10 exists
+    (after calling `while_running(proc)`)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, *RESUME_STEPS, *extra]
+    cmd += ["--data", str(corpus), "--out-dir", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if json.loads((out / "latest.json").read_text())["step"] >= 10:
+                if while_running is not None:
+                    while_running(proc)
                 proc.send_signal(sig)
                 break
         except (OSError, ValueError, KeyError):
@@ -94,15 +92,20 @@ def _start_and_stop(out, corpus, sig):
     return proc.returncode, stdout, stderr
 
 
-def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, uninterrupted):
+def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, uninterrupted, capsys):
     out = tmp_path / "killed"
-    rc, _, _ = _start_and_stop(out, corpus, signal.SIGKILL)
+    argv = [*TINY, *RESUME_STEPS, "--data", str(corpus), "--out-dir", str(out)]
+
+    def while_running(proc):  # a second run into the folder of a live one is refused, naming it
+        _fails(argv, capsys, f"is in use by a live run (pid {proc.pid} on")
+        _fails([*argv, "--resume"], capsys, f"is in use by a live run (pid {proc.pid} on")
+
+    rc, _, _ = _start_and_stop(out, corpus, signal.SIGKILL, while_running)
     assert rc == -signal.SIGKILL, "the run finished before it could be killed"
     killed_at = json.loads((out / "latest.json").read_text())["step"]
     assert 10 <= killed_at < 300
-    assert (
-        train_cli.main([*TINY, *RESUME_STEPS, "--data", str(corpus), "--out-dir", str(out), "--resume"]) == 0
-    )
+    assert train_cli.main([*argv, "--resume"]) == 0  # the killed run's lock is taken over
+    assert "took over" in capsys.readouterr().out
     expected, resumed = _losses(uninterrupted), _losses(out)
     assert resumed == expected  # every step's loss and every evaluation, bit for bit
     assert sorted(resumed[0]) == list(range(1, 301))
@@ -110,14 +113,23 @@ def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, un
 
 def test_ctrl_c_saves_and_says_how_to_resume(tmp_path, corpus, uninterrupted):
     out = tmp_path / "interrupted"
-    rc, stdout, stderr = _start_and_stop(out, corpus, signal.SIGINT)
+    # Steps logged every 7 (a flag a resume may change): the interrupted step is logged anyway.
+    rc, stdout, stderr = _start_and_stop(out, corpus, signal.SIGINT, extra=["--log-interval", "7"])
     assert rc == 130, stderr
     assert f"Resume with: uv run train.py --resume --out-dir {out}" in stdout
     assert "Traceback" not in stderr
+    # The interrupt checkpoint names the step its loss belongs to, and the last step is logged.
+    meta, records = json.loads((out / "latest.json").read_text()), _records(out)
+    last_eval = [r for r in records if "val_loss" in r][-1]
+    assert (meta["val_loss_step"], meta["val_loss"]) == (last_eval["step"], last_eval["val_loss"])
+    assert max(r["step"] for r in records) == meta["step"]
     assert (
         train_cli.main([*TINY, *RESUME_STEPS, "--data", str(corpus), "--out-dir", str(out), "--resume"]) == 0
     )
-    assert _losses(out)[0] == _losses(uninterrupted)[0]
+    resumed, expected = _losses(out), _losses(uninterrupted)
+    assert resumed[1] == expected[1]  # every evaluation, bit for bit
+    assert resumed[0] == {s: loss for s, loss in expected[0].items() if s in resumed[0]}
+    assert meta["step"] in resumed[0] and set(range(meta["step"] + 1, 301)) <= set(resumed[0])
 
 
 def _fails(argv, capsys, message):
@@ -173,3 +185,93 @@ def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_
     meta = json.loads((out / "latest.json").read_text())
     assert meta["step"] == 0  # the checkpoint written before training diverged
     load_model(out)
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("minutes", ["0", "30"])
+@pytest.mark.parametrize("max_steps", [1, 7, 8, 9, 20, 24, 25])
+def test_a_run_stops_at_exactly_max_steps_with_and_without_a_time_limit(tmp_path, corpus, max_steps, minutes):
+    out = tmp_path / "run"
+    argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--max-minutes", minutes]
+    assert train_cli.main([*argv, "--max-steps", str(max_steps)]) == 0
+    records = _records(out)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, max_steps + 1))
+    assert max(r["step"] for r in records) == max_steps
+    meta = json.loads((out / "latest.json").read_text())
+    assert meta["step"] == meta["schedule_steps"] == max_steps
+
+
+def test_a_folder_holding_a_run_is_refused_unchanged_unless_overwrite_is_given(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--max-steps", "4"]
+    assert train_cli.main(argv) == 0
+    before = _snapshot(out)
+    _fails(argv, capsys, f"{out}/ already holds a run (step 4, val loss")
+    _fails([*argv, "--lr", "0.01"], capsys, "pass --resume to continue it, another --out-dir")
+    # Checks that fail after the folder check must not touch the run either, even with --overwrite.
+    _fails([*argv, "--overwrite", "--context-length", "40000"], capsys, "fewer than one window")
+    _fails([*argv, "--overwrite", "--data", str(tmp_path / "missing.txt")], capsys, "does not exist")
+    _fails([*argv, "--overwrite", "--resume"], capsys, "pass one")
+    assert _snapshot(out) == before
+    assert train_cli.main([*argv, "--overwrite", "--max-steps", "2"]) == 0
+    assert json.loads((out / "latest.json").read_text())["step"] == 2
+    assert max(r["step"] for r in _records(out)) == 2  # the old metrics are gone too
+
+
+def _configs_given_to_train(monkeypatch, argv):
+    seen = {}
+
+    def fake_train(model_options, config, out_dir, **kwargs):
+        seen.update(model=GPTConfig(vocab_size=65, **model_options), train=config, preset=kwargs["preset"])
+        return TrainResult(0, None, None, 0.0, False, None, out_dir)
+
+    monkeypatch.setattr(train_cli, "train", fake_train)
+    assert train_cli.main(argv) == 0
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_fresh_run_builds_exactly_the_chosen_presets_configs(monkeypatch, name):
+    preset = PRESETS[name]
+    seen = _configs_given_to_train(monkeypatch, ["--preset", name])
+    assert seen["model"] == GPTConfig(vocab_size=65, **preset.model)
+    assert seen["train"] == TrainConfig(**preset.train)
+    assert seen["preset"] == name
+    # An explicit flag overrides the preset's value and nothing else.
+    seen = _configs_given_to_train(monkeypatch, ["--preset", name, "--lr", "0.0123", "--n-layers", "3"])
+    assert seen["train"] == TrainConfig(**{**preset.train, "lr": 0.0123})
+    assert seen["model"] == GPTConfig(vocab_size=65, **{**preset.model, "n_layers": 3})
+
+
+def test_without_preset_the_default_preset_is_used(monkeypatch):
+    seen = _configs_given_to_train(monkeypatch, [])
+    assert seen["train"] == TrainConfig(**PRESETS[DEFAULT_PRESET].train) and seen["preset"] == DEFAULT_PRESET
+
+
+def test_help_shows_the_defaults_of_the_preset_named(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_cli.main(["--help", "--preset", "shakespeare-char"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(defaults: the shakespeare-char preset)" in text
+    assert "(default: 384)" in text and "(default: 0.2)" in text
+
+
+def test_a_preset_run_records_its_configs_and_resume_keeps_them(tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    argv = ["--preset", "shakespeare-char", *TINY, "--data", str(corpus), "--out-dir", str(out)]
+    assert train_cli.main([*argv, "--max-steps", "2"]) == 0
+    assert "6 layers" not in capsys.readouterr().out  # TINY's sizes override the preset's
+    meta = json.loads((out / "latest.json").read_text())
+    assert meta["preset"] == "shakespeare-char"
+    assert meta["train_config"]["lr"] == PRESETS["shakespeare-char"].train["lr"]
+    assert meta["model_config"]["dropout"] == PRESETS["shakespeare-char"].model["dropout"]
+    # --resume without --preset continues with the checkpoint's values, not the default preset's.
+    resume = ["--out-dir", str(out), "--resume", "--max-steps", "4", "--sample-tokens", "0"]
+    assert train_cli.main(resume) == 0
+    meta = json.loads((out / "latest.json").read_text())
+    assert meta["step"] == 4 and meta["preset"] == "shakespeare-char"
+    assert meta["train_config"]["lr"] == PRESETS["shakespeare-char"].train["lr"]

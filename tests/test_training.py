@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.training import (
-    TrainConfig,
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import (
     decay_mask,
     init_optimizer_state,
-    learning_rate,
     loss_fn,
     make_optimizer,
     make_train_step,
@@ -26,16 +25,6 @@ def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():
     mask = decay_mask(eqx.filter(model, eqx.is_inexact_array))
     assert mask.embed and mask.head and mask.blocks.attn.w_qkv and mask.blocks.mlp.w_out
     assert not mask.blocks.attn_norm.scale and not mask.blocks.mlp_norm.scale and not mask.final_norm.scale
-
-
-def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
-    c = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
-    lrs = [learning_rate(s, c, 110) for s in range(120)]
-    assert lrs[0] == pytest.approx(1e-3 / 11) and lrs[9] == pytest.approx(1e-3 * 10 / 11)
-    assert lrs[10] == pytest.approx(1e-3)
-    assert lrs[60] == pytest.approx(5.5e-4)  # half way down the cosine
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
-    assert lrs[110] == lrs[119] == pytest.approx(1e-4)
 
 
 def _step(config: TrainConfig, model_config=CONFIG):

@@ -1,11 +1,8 @@
-"""What one optimisation step is: the training config, loss, AdamW, the schedule and the jitted step.
+"""What one optimisation step is: the loss, AdamW and the jitted step (one step, or several per call).
 
-The run loop around these (progress, evaluation, checkpoints, resume) is in `trainer.py`.
+The run around these (data, evaluation, checkpoints, the loop) is in `run.py`; the learning-rate
+schedule in `schedule.py`; the config in `train_config.py`.
 """
-
-import dataclasses
-import math
-from dataclasses import dataclass, field
 
 import equinox as eqx
 import jax
@@ -13,103 +10,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqx_gpt.config import config_from_dict
 from eqx_gpt.data import DROPOUT, batch_key
 from eqx_gpt.gpt import GPT
 from eqx_gpt.norm import RMSNorm
-
-TOKENIZERS = ("char", "gpt2")
-
-
-def _help(text: str, **kwargs):
-    return field(metadata={"help": text}, **kwargs)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
-
-    data: str | None = _help(
-        "UTF-8 text file to train on (default: the bundled Tiny Shakespeare)", default=None
-    )
-    tokenizer: str = _help(
-        "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
-    )
-    batch_size: int = _help("sequences per optimiser step", default=32)
-    grad_accum: int = _help(
-        "split each batch into this many micro-batches (same update, less memory)", default=1
-    )
-    max_steps: int = _help("optimiser steps; also the length of the cosine schedule", default=3000)
-    max_minutes: float = _help(
-        "stop after this many minutes of wall time, fitting the schedule to the steps that fit (0: no limit)",
-        default=0.0,
-    )
-    lr: float = _help("peak learning rate", default=1e-3)
-    min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
-    warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
-    weight_decay: float = _help("AdamW weight decay, applied to weight matrices only", default=0.1)
-    beta1: float = _help("AdamW beta1", default=0.9)
-    beta2: float = _help("AdamW beta2", default=0.99)
-    grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
-    eval_interval: int = _help("evaluate and checkpoint every this many steps", default=250)
-    eval_batches: int = _help("fixed batches per split averaged by each evaluation", default=8)
-    log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
-    seed: int = _help("seed of initialisation, batches and dropout", default=0)
-    fsdp: bool = _help(
-        "split parameters and optimiser state over the devices too (FSDP), not only the batch",
-        default=False,
-    )
-
-    def __post_init__(self):
-        positive = ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batches", "log_interval")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TrainConfig.{name} must be a positive integer, got {value!r}")
-        if self.batch_size % self.grad_accum:
-            raise ValueError(
-                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
-                f"each micro-batch must hold batch_size / grad_accum sequences"
-            )
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("warmup_steps, max_minutes, weight_decay and grad_clip must be >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return config_from_dict(cls, d)
-
-
-def learning_rate(step: int, config: TrainConfig, horizon: int) -> float:
-    """The learning rate of optimiser step `step` (0-based) in a schedule `horizon` steps long.
-
-    Linear warm-up to `lr` over `warmup_steps`, then half a cosine down to `min_lr` at `horizon`
-    (nanoGPT's schedule); `min_lr` after that.
-    """
-    c = config
-    if step < c.warmup_steps:
-        return c.lr * (step + 1) / (c.warmup_steps + 1)
-    if step >= horizon:
-        return c.min_lr
-    progress = (step - c.warmup_steps) / max(1, horizon - c.warmup_steps)
-    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
-
-
-def describe_schedule(config: TrainConfig, horizon: int) -> str:
-    c = config
-    return (
-        f"AdamW, lr warm-up 0 -> {c.lr:g} over {c.warmup_steps} steps, cosine to {c.min_lr:g} at step "
-        f"{horizon}; betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
-        f"gradient clip {c.grad_clip:g}"
-    )
+from eqx_gpt.train_config import TrainConfig
 
 
 def decay_mask(params: PyTree) -> PyTree:

@@ -1,0 +1,583 @@
+"""A training run: set-up, the loop, evaluation, checkpoints and reports.
+
+`train(...)` runs one training run in a directory `out_dir`:
+
+    out_dir/metrics.jsonl    one JSON object per line: {"step", "loss", "lr", "tokens_per_s"} for
+                             logged steps, {"step", "train_loss", "val_loss", "elapsed_s"} at
+                             evaluations
+    out_dir/loss.png         train and validation curves, redrawn at each evaluation
+    out_dir/latest.json/.eqx the checkpoint of the last evaluation (or interruption)
+    out_dir/best.json/.eqx   the checkpoint with the lowest validation loss so far
+
+Read it top to bottom: `start_run` checks everything and builds a `Run` (nothing in `out_dir`
+changes until every check has passed); `train` is the loop; the functions between say what
+happens at a step, an evaluation and the end. The loop never waits for the accelerator at a step:
+losses are read a few steps after they were dispatched, every `log_interval` steps, and at
+evaluations.
+"""
+
+import collections
+import functools
+import hashlib
+import math
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from eqx_gpt.checkpoint import (
+    CheckpointError,
+    delete_checkpoints,
+    load_checkpoint,
+    load_model,
+    model_template,
+    read_metadata,
+    save_checkpoint,
+)
+from eqx_gpt.config import GPTConfig
+from eqx_gpt.data import (
+    EVAL_TRAIN_BATCHES,
+    INIT,
+    TRAIN_BATCHES,
+    DataError,
+    batch_key,
+    fixed_batches,
+    get_batch,
+    load_text,
+    split_text,
+    to_ids,
+)
+from eqx_gpt.evaluate import WINDOWS_PER_BATCH, Evaluation, evaluate
+from eqx_gpt.generate import generate
+from eqx_gpt.gpt import GPT
+from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
+from eqx_gpt.progress import Progress, clock
+from eqx_gpt.run_dir import METRICS_NAME, Metrics, RunDirError, RunDirLock, check_run_dir, check_writable
+from eqx_gpt.schedule import TimePlan, describe_schedule, learning_rate
+from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps, mean_loss
+from eqx_gpt.visualize import plot_losses
+
+# Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
+# the run without changing what it computes. (`data` may name another path to the same corpus.)
+RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval", "data")
+READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
+STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
+PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
+
+
+class TrainingError(ValueError):
+    """A run cannot start or continue (one-line message naming the problem and the fix)."""
+
+
+# Everything a run can refuse with: one-line messages that name the fix (all `ValueError`s).
+RunError = (TrainingError, RunDirError, DataError, CheckpointError, TokenizerError)
+
+
+@dataclass
+class TrainResult:
+    step: int
+    val_loss: float | None
+    best_val_loss: float | None
+    elapsed_s: float
+    interrupted: bool
+    sample: str | None
+    out_dir: Path
+
+
+@dataclass
+class Run:
+    """Everything the loop reads and updates. Made by `start_run`."""
+
+    config: TrainConfig
+    model_config: GPTConfig
+    out_dir: Path
+    tokenizer: Tokenizer
+    train_ids: jax.Array
+    val_ids: jax.Array
+    mesh: jax.sharding.Mesh
+    model: GPT
+    opt_state: object
+    train_steps: Callable
+    eval_train_batches: jax.Array  # fixed training batches: the train loss at evaluations
+    metrics: Metrics
+    plan: TimePlan
+    checkpoint_meta: dict  # what every checkpoint of the run records besides the step and losses
+    log: Callable[[str], None]
+    start: int  # the step the run (or this resumption of it) started from
+    step: int  # optimiser steps done
+    horizon: int  # the schedule's length: the run ends here
+    best_val: float = math.inf
+    last_eval: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
+    last_saved: int | None = None  # step of the latest checkpoint
+    tokens_per_s: float = 0.0
+    last_read: dict | None = None  # the metrics record of the latest step whose loss was read
+    last_logged: int | None = None  # the latest step written to metrics.jsonl
+    # (steps, losses, lrs) of each dispatched call whose losses have not been read yet
+    pending: list = field(default_factory=list)
+    read_points: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.model_config.context_length
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up: every check first, then the run directory
+
+
+def optimizer_and_step(config: TrainConfig, *, dropout: bool):
+    """`make_optimizer` and `make_train_steps` for `config`, shared by runs whose steps are the same.
+
+    Only the fields the step reads are part of the key, so a resumed run (or a second run in the
+    same process, e.g. in tests) reuses the compiled step instead of compiling it again.
+    """
+    fields = ("grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed")
+    return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer_and_step(config: TrainConfig, dropout: bool):
+    optimizer = make_optimizer(config)
+    return optimizer, make_train_steps(optimizer, config, dropout=dropout)
+
+
+def make_tokenizer(kind: str, text: str) -> Tokenizer:
+    return CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
+
+
+def resolve_resume(meta: dict, model_flags: dict, train_flags: dict) -> tuple[dict, TrainConfig]:
+    """The checkpoint's configs with `*_flags` (explicitly given options) laid over them.
+
+    A flag that changes what the run computes must agree with the checkpoint; only the fields in
+    `RESUMABLE_CHANGES` may differ. Returns `(model_options, train_config)`.
+    """
+    saved_model = {k: v for k, v in meta["model_config"].items() if k != "vocab_size"}
+    saved_train = meta["train_config"]
+    for saved, flags in ((saved_model, model_flags), (saved_train, train_flags)):
+        for name, value in flags.items():
+            if name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
+                continue
+            flag = "--" + name.replace("_", "-")
+            raise CheckpointError(
+                f"{flag} {value} contradicts the checkpoint in {Path(meta['path']).parent} "
+                f"({name}={saved[name]}); drop the flag to resume, or pass another --out-dir to start afresh"
+            )
+    train = {**saved_train, **{k: v for k, v in train_flags.items() if k in RESUMABLE_CHANGES}}
+    try:
+        return saved_model, TrainConfig.from_dict(train)
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {meta['path']} has an invalid train config: {e}") from None
+
+
+def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, TrainConfig]:
+    """`(text, source name, config)`: the corpus, checked against the checkpoint's on resume, and
+    the config with the data path made absolute (so a run resumes from any directory)."""
+    text = load_text(config.data)
+    source = config.data or "Tiny Shakespeare (bundled)"
+    data_sha = hashlib.sha256(text.encode()).hexdigest()
+    if meta is not None and meta.get("data_sha256") not in (None, data_sha):
+        raise CheckpointError(
+            f"{source} is not the corpus the checkpoint in {Path(meta['path']).parent}/ was trained on "
+            f"(its sha256 differs); pass --data PATH to that corpus"
+        )
+    if config.data is not None:
+        config = replace(config, data=str(Path(config.data).resolve()))
+    return text, source, config
+
+
+def start_run(
+    model_options: dict,
+    config: TrainConfig,
+    out_dir: Path,
+    meta: dict | None,
+    *,
+    log: Callable[[str], None],
+    extra_metadata: dict,
+    t_start: float,
+) -> Run:
+    """Check the data, tokenizer, model and devices, and build the model and optimiser state
+    (fresh, or from the checkpoint `meta` describes). Reads `out_dir` but writes nothing there."""
+    text, source, config = _load_corpus(config, meta)
+    tokenizer = (
+        make_tokenizer(config.tokenizer, text) if meta is None else tokenizer_from_dict(meta["tokenizer"])
+    )
+    try:
+        model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **model_options)
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+    train_text, val_text = split_text(text)
+    train_ids = to_ids(tokenizer.encode(train_text), "train", model_config.context_length, source)
+    val_ids = to_ids(tokenizer.encode(val_text), "validation", model_config.context_length, source)
+    mesh = data_mesh()
+    try:
+        check_batch(mesh, config.batch_size, config.grad_accum)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+
+    optimizer, train_steps = optimizer_and_step(config, dropout=model_config.dropout > 0)
+    if meta is None:
+        model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
+        opt_state = init_optimizer_state(optimizer, model)
+        start, horizon, best_val = 0, config.max_steps, math.inf
+    else:
+        opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
+        model, opt_state, _, meta = load_checkpoint(meta["path"], opt_like)
+        start, best_val = meta["step"], meta.get("best_val_loss") or math.inf
+        same_length = meta["train_config"]["max_steps"] == config.max_steps
+        horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
+        if start >= horizon:
+            raise TrainingError(
+                f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
+            )
+    # Data parallelism: each batch split over the devices; parameters and optimiser state on every
+    # device, or (--fsdp) split over them too.
+    place = shard_parameters if config.fsdp else replicate
+    model, opt_state = place((model, opt_state), mesh)
+    eval_train_batches = shard_batch(
+        fixed_batches(
+            train_ids, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
+            batch_size=config.batch_size, length=model_config.context_length + 1,
+        ),
+        mesh, batch_axis=1,
+    )  # fmt: skip
+    preset = extra_metadata.get("preset") or (meta or {}).get("preset")
+    checkpoint_meta = {
+        **({"preset": preset} if preset else {}),
+        "data": source,
+        "data_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "n_params": count_params(model),
+    }
+    log(f"data: {source}, {len(train_ids):,} train / {len(val_ids):,} validation tokens; "
+        f"tokenizer {tokenizer.name} ({tokenizer.vocab_size} ids)")  # fmt: skip
+    return Run(
+        config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer, train_ids=train_ids,
+        val_ids=val_ids, mesh=mesh, model=model, opt_state=opt_state, train_steps=train_steps,
+        eval_train_batches=eval_train_batches,
+        metrics=None, plan=TimePlan(config.max_minutes, config.max_steps, t_start),
+        checkpoint_meta=checkpoint_meta, log=log, start=start, step=start, horizon=horizon, best_val=best_val,
+        last_eval=_saved_evaluation(meta),
+        last_saved=start if meta is not None else None,
+    )  # fmt: skip
+
+
+def _saved_evaluation(meta: dict | None) -> tuple[int, float] | None:
+    """`(step, val loss)` of the latest evaluation a checkpoint records."""
+    if meta is None or meta.get("val_loss") is None:
+        return None
+    return meta.get("val_loss_step", meta["step"]), meta["val_loss"]
+
+
+def describe_run_start(run: Run, resumed_from: Path | None) -> None:
+    """The lines a run starts with: what it trains, how, for how long, and from where."""
+    c, m = run.config, run.model_config
+    preset = run.checkpoint_meta.get("preset")
+    run.log(
+        f"model: {run.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {m.n_layers} layers, d_model "
+        f"{m.d_model}, {m.n_heads} heads, context {m.context_length}; batch {c.batch_size} "
+        f"({run.tokens_per_step:,} tokens/step) on {run.mesh.size} {jax.devices()[0].platform} "
+        f"device{'s' if run.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
+    )
+    run.log(f"schedule: {describe_schedule(c, run.horizon)}")
+    if c.max_minutes:
+        run.log(f"time limit: {c.max_minutes:g} min; the schedule is refitted to the steps that fit")
+    if resumed_from is not None:
+        run.log(f"resuming {resumed_from} at step {run.start}")
+
+
+# ---------------------------------------------------------------------------------------------
+# A step, an evaluation, a checkpoint
+
+
+def dispatch_steps(run: Run, n: int) -> None:
+    """Queue `n` optimiser steps from `run.step` on the device, in one call (not waiting for them)."""
+    c, window = run.config, run.model_config.context_length + 1
+    steps = list(range(run.step, run.step + n))
+    lrs = [learning_rate(s, c, run.horizon) for s in steps]
+    batches = np.zeros((STEPS_PER_CALL, c.batch_size, window), np.int32)
+    for i, s in enumerate(steps):
+        batches[i] = get_batch(
+            run.train_ids, s, seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size, length=window
+        )
+    step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
+    step_ids[:n], rates[:n] = steps, lrs
+    run.model, run.opt_state, losses = run.train_steps(
+        run.model, run.opt_state, shard_batch(batches, run.mesh, batch_axis=1), step_ids, rates, np.int32(n)
+    )
+    run.step += n
+    run.pending.append(([s + 1 for s in steps], losses, lrs))
+
+
+def read_losses(run: Run, until: int, bar: Progress, t_start: float) -> None:
+    """Record the logged steps among the dispatched ones up to step `until`, update tokens/s and
+    the progress bar; stop on a non-finite loss."""
+    calls = [p for p in run.pending if p[0][-1] <= until]
+    if not calls:
+        return
+    del run.pending[: len(calls)]
+    ready = [(s, lr) for steps, _, lrs in calls for s, lr in zip(steps, lrs, strict=True)]
+    losses = np.concatenate([np.asarray(losses)[: len(steps)] for steps, losses, _ in calls])
+    bad = np.flatnonzero(~np.isfinite(losses))
+    if bad.size:
+        raise TrainingError(
+            f"loss became {losses[bad[0]]} at step {ready[bad[0]][0]}; stopped. {_last_good(run)}. "
+            f"Try a lower --lr or --grad-clip"
+        )
+    now = time.monotonic()
+    run.read_points.append((ready[-1][0], now))
+    (first_step, first_time), (last_step, _) = run.read_points[0], run.read_points[-1]
+    if last_step > first_step:  # tokens/s over the last few reads, which smooths their jitter
+        run.tokens_per_s = (last_step - first_step) * run.tokens_per_step / max(now - first_time, 1e-9)
+    for (s, lr), loss in zip(ready, losses, strict=True):
+        run.last_read = {"step": s, "loss": float(loss), "lr": lr, "tokens_per_s": round(run.tokens_per_s, 1)}
+        if s % run.config.log_interval == 0 or s == run.horizon:
+            run.metrics.write(run.last_read)
+            run.last_logged = s
+    s, lr = ready[-1]
+    rate = run.plan.steps_per_second(s, now)
+    eta = f"ETA {clock((run.horizon - s) / rate)}" if rate else ("compiling" if s == 1 else "")
+    bar.update(
+        f"step {s}/{run.horizon} | loss {losses[-1]:.4f} | lr {lr:.2e} | "
+        f"{run.tokens_per_s / 1e3:.1f}k tok/s | {clock(now - t_start)} elapsed | {eta}"
+    )
+
+
+def _last_good(run: Run) -> str:
+    where = f"{run.out_dir}/latest.json (step {run.last_saved})" if run.last_saved is not None else "none"
+    return f"Last good checkpoint: {where}"
+
+
+def save(run: Run, name: str) -> None:
+    """Write checkpoint `name` ("latest" or "best") of the run at its current step."""
+    val_step, val_loss = run.last_eval if run.last_eval is not None else (None, None)
+    save_checkpoint(
+        run.out_dir, name, run.model, run.opt_state, step=run.step, tokenizer=run.tokenizer,
+        train_config=run.config.to_dict(), val_loss=val_loss, val_loss_step=val_step,
+        best_val_loss=None if math.isinf(run.best_val) else run.best_val, schedule_steps=run.horizon,
+        **run.checkpoint_meta,
+    )  # fmt: skip
+    if name == "latest":
+        run.last_saved = run.step
+
+
+def validation_loss(run: Run, stride: int) -> Evaluation:
+    """The loss over the whole validation split, in windows `stride` tokens apart (`evaluate`)."""
+    batch = -(-WINDOWS_PER_BATCH // run.mesh.size) * run.mesh.size  # whole windows per device
+    place = lambda x: shard_batch(x, run.mesh, batch_axis=1)
+    return evaluate(run.model, run.val_ids, stride=stride, place=place, batch=batch)
+
+
+def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> None:
+    """Evaluate (the train loss on fixed batches; the validation loss over the whole split, in
+    non-overlapping windows, so that no sampling noise can pick the best checkpoint), log it,
+    checkpoint `latest` (and `best` if it is) and redraw the loss plot."""
+    read_losses(run, run.step, bar, t_start)
+    t0 = time.monotonic()
+    train_loss = float(mean_loss(run.model, run.eval_train_batches))
+    val_loss = validation_loss(run, stride=run.model_config.context_length).loss
+    if run.step > run.start:
+        run.plan.add_evaluation(time.monotonic() - t0)
+    if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+        raise TrainingError(
+            f"evaluation loss became non-finite at step {run.step}; stopped. {_last_good(run)}"
+        )
+    is_best = val_loss < run.best_val
+    run.best_val = min(run.best_val, val_loss)
+    run.last_eval = (run.step, val_loss)
+    elapsed = round(time.monotonic() - t_start, 2)
+    run.metrics.write(
+        {"step": run.step, "train_loss": train_loss, "val_loss": val_loss, "elapsed_s": elapsed}
+    )
+    save(run, "latest")
+    if is_best:
+        save(run, "best")
+    plot_losses(run.metrics.records, run.out_dir / "loss.png")
+    run.read_points.clear()  # keep evaluation time out of tokens/s
+    run.read_points.append((run.step, time.monotonic()))
+    bar.clear()
+    run.log(
+        f"step {run.step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
+        f"{' (best)' if is_best else ''} [{clock(time.monotonic() - t_start)}]"
+    )
+
+
+def fit_to_time(run: Run, *, announce: bool) -> None:
+    """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
+    eval_cost = 2 * run.config.eval_batches / 3  # until timed: an eval batch costs a third of a step
+    horizon = run.plan.fit(run.step, run.horizon, time.monotonic(), run.config.eval_interval, eval_cost)
+    if announce and horizon != run.horizon:
+        run.log(f"time plan: {horizon} steps fit in {run.config.max_minutes:g} min; schedule refitted")
+    run.horizon = horizon
+
+
+def sample_text(
+    model: GPT, tokenizer: Tokenizer, n_tokens: int, *, seed: int, temperature: float = 0.8
+) -> str:
+    """A short continuation of a newline (or of token 0, in a corpus without newlines), to show
+    what the model learned."""
+    try:
+        prompt = tokenizer.encode("\n")
+    except TokenizerError:
+        prompt = [0]
+    out = generate(model, prompt, n_tokens, key=jax.random.key(seed), temperature=temperature)
+    return tokenizer.decode(np.asarray(out).reshape(-1).tolist())
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+class _StopFlag:
+    """Set by SIGINT/SIGTERM so the loop stops between steps; a second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.set = False
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.set and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def train(
+    model_options: dict,
+    config: TrainConfig,
+    out_dir: str | Path = "out",
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    resume_flags: tuple[dict, dict] | None = None,
+    preset: str | None = None,
+    sample_tokens: int = 300,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> TrainResult:
+    """Train a GPT of `model_options` (GPTConfig fields except `vocab_size`) under `config`.
+
+    A folder that already holds a run is refused unless `resume` (continue it: the configs then
+    come from its checkpoint, and `resume_flags = (model_flags, train_flags)`, the options given
+    explicitly, must agree with it; see `resolve_resume`) or `overwrite` (delete it first). A
+    folder in use by a live run is refused. `preset` names the recipe, for the record. Raises one
+    of `RunError` (`ValueError`s with one-line messages) for bad input; Ctrl-C or SIGTERM saves a
+    checkpoint and returns with `interrupted`.
+    """
+    t_start = time.monotonic()
+    out_dir = Path(out_dir)
+    check_writable(out_dir)
+    with RunDirLock(out_dir) as lock:
+        check_run_dir(out_dir, resume=resume, overwrite=overwrite)
+        meta = read_metadata(out_dir / "latest.json") if resume else None
+        if meta is not None:
+            model_options, config = resolve_resume(meta, *(resume_flags or ({}, {})))
+        run = start_run(
+            model_options, config, out_dir, meta, log=log, extra_metadata={"preset": preset}, t_start=t_start
+        )
+        # Every check has passed: from here on the folder is this run's.
+        stale = lock.claim()
+        if stale:
+            log(f"took over {out_dir}/ from a run that is no longer running ({stale})")
+        if overwrite and not resume:
+            log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
+            delete_checkpoints(out_dir)
+        run.metrics = Metrics(out_dir / METRICS_NAME, keep_until=run.start if meta is not None else None)
+        try:
+            describe_run_start(run, Path(meta["path"]) if meta is not None else None)
+            return _loop(run, sample_tokens, progress, t_start)
+        finally:
+            run.metrics.close()
+
+
+def _loop(run: Run, sample_tokens: int, progress: bool, t_start: float) -> TrainResult:
+    c, bar = run.config, Progress(enabled=progress)
+    run.read_points.append((run.start, t_start))
+    try:
+        with _StopFlag() as stop:
+            if run.start == 0:
+                evaluate_and_save(run, bar, t_start)
+            while run.step < run.horizon and not stop.set:
+                # Up to STEPS_PER_CALL steps in one call, ending at the next evaluation (and the
+                # first step alone: it compiles, and the time plan starts after it).
+                next_eval = (run.step // c.eval_interval + 1) * c.eval_interval
+                first = run.step == run.start
+                n = 1 if first else min(STEPS_PER_CALL, run.horizon - run.step, next_eval - run.step)
+                dispatch_steps(run, n)
+                if first:  # the first step compiles: time the rest from here
+                    run.pending[-1][1].block_until_ready()
+                    now = time.monotonic()
+                    run.tokens_per_s = run.tokens_per_step / (now - t_start)  # includes compiling
+                    run.plan.start_timing(run.step, now)
+                    run.read_points.clear()
+                    run.read_points.append((run.step, now))
+                    bar.clear()
+                    run.log(f"compiled the training step in {now - t_start:.1f} s since start")
+                elif run.step - n < run.plan.timed_from[0] + PLAN_AFTER <= run.step:
+                    fit_to_time(run, announce=True)
+                if run.step // c.log_interval > (run.step - n) // c.log_interval or run.step == run.horizon:
+                    read_losses(run, run.step - READ_LAG, bar, t_start)
+                if run.plan.out_of_time(time.monotonic()) and run.step < run.horizon:
+                    run.horizon = run.step
+                    run.log(f"time limit reached at step {run.step}")
+                if run.step % c.eval_interval == 0 or run.step == run.horizon:
+                    evaluate_and_save(run, bar, t_start)
+                    if run.step < run.horizon:
+                        fit_to_time(run, announce=False)
+            read_losses(run, run.step, bar, t_start)
+    finally:
+        bar.clear()
+    elapsed = time.monotonic() - t_start
+    val = run.last_eval[1] if run.last_eval is not None else None
+    if stop.set and run.step < run.horizon:
+        if run.last_read is not None and run.last_logged != run.last_read["step"]:
+            run.metrics.write(run.last_read)  # the step the run stopped at is always logged
+        if run.last_saved is None or run.step > run.last_saved:
+            save(run, "latest")
+        run.log(
+            f"interrupted at step {run.step}; saved {run.out_dir}/latest.json. Resume with: "
+            f"uv run train.py --resume --out-dir {run.out_dir}"
+        )
+        return TrainResult(run.step, val, run.best_val, elapsed, True, None, run.out_dir)
+    return finish(run, sample_tokens, t_start)
+
+
+def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
+    """The end of a run that reached its horizon: the final model's loss over the whole validation
+    split in overlapping windows (the figure to quote), a sample from the best checkpoint, the summary."""
+    t0 = time.monotonic()
+    final = validation_loss(run, stride=max(1, run.model_config.context_length // 2))
+    run.metrics.write({"step": run.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted})
+    run.log(
+        f"final validation: loss {final.loss:.4f} over all {final.n_predicted:,} predicted tokens of the "
+        f"split (windows of {run.model_config.context_length} every {final.stride}) "
+        f"in {time.monotonic() - t0:.1f} s"
+    )
+    sample = None
+    if sample_tokens > 0:
+        best = load_model(run.out_dir)[0] if (run.out_dir / "best.json").exists() else run.model
+        sample = sample_text(best, run.tokenizer, sample_tokens, seed=run.config.seed)
+    elapsed = time.monotonic() - t_start
+    val = run.last_eval[1]
+    run.log(
+        f"done: step {run.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
+        f"{run.best_val:.4f}) in {elapsed / 60:.1f} min; checkpoints in {run.out_dir}/"
+    )
+    if sample is not None:
+        run.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
+    return TrainResult(run.step, final.loss, run.best_val, elapsed, False, sample, run.out_dir)

@@ -1,0 +1,143 @@
+"""The run directory: who may write into it, whether it already holds a run, and its metrics log.
+
+A run directory holds at most one run. `RunDirLock` keeps two live processes out of one folder at
+once, and `check_run_dir` refuses to start afresh over a run already there unless told to replace
+it: a finished run is never lost to a repeated command.
+"""
+
+import fcntl
+import json
+import math
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from eqx_gpt.checkpoint import CheckpointError, atomic_write_bytes, checkpoint_paths, read_metadata
+
+LOCK_NAME = ".lock"
+METRICS_NAME = "metrics.jsonl"
+
+
+class RunDirError(ValueError):
+    """The run directory cannot be used as asked (one-line message naming the fix)."""
+
+
+def check_writable(out_dir: Path) -> None:
+    """Create `out_dir` and prove it writable, or raise a one-line `RunDirError`."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise RunDirError(
+            f"cannot write to output folder {out_dir} ({e.strerror or e}); "
+            f"pass --out-dir to a writable folder"
+        ) from None
+
+
+def describe_run(out_dir: Path) -> str | None:
+    """A few words on the run in `out_dir` ("step 7000, val loss 1.5913"), or None if there is none."""
+    for name in ("latest", "best"):
+        if (out_dir / f"{name}.json").exists():
+            try:
+                meta = read_metadata(out_dir / f"{name}.json")
+            except CheckpointError:
+                return f"an unreadable checkpoint {name}.json"
+            val = meta.get("val_loss")
+            return f"step {meta['step']}" + (f", val loss {val:.4f}" if isinstance(val, float) else "")
+    metrics = out_dir / METRICS_NAME
+    if checkpoint_paths(out_dir) or (metrics.exists() and metrics.stat().st_size > 0):
+        return "the files of an earlier run"
+    return None
+
+
+def check_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to start afresh in a folder that holds a run, unless `overwrite` asks to replace it."""
+    found = describe_run(out_dir)
+    if resume and found is None:
+        raise RunDirError(f"--resume but no checkpoint in {out_dir}/; run without --resume to start")
+    if not resume and not overwrite and found is not None:
+        raise RunDirError(
+            f"{out_dir}/ already holds a run ({found}); pass --resume to continue it, another --out-dir "
+            f"to start a new one, or --overwrite to delete it and start afresh"
+        )
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory for as long as a run writes into it.
+
+    `fcntl.flock` on the directory itself: the kernel releases it when the process ends, however
+    it ends, so a lock left by a killed run is simply taken over. Taking the lock writes nothing;
+    `claim` then records the holder's pid and host in `out_dir/.lock`, so that a refused run can
+    name the live one and a new run can say whose stale lock it took over.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.info = out_dir / LOCK_NAME
+        self.fd: int | None = None
+        self.claimed = False
+
+    def __enter__(self) -> "RunDirLock":
+        self.fd = os.open(self.out_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            holder = self._holder()
+            who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
+            raise RunDirError(
+                f"{self.out_dir}/ is in use by a live run ({who}); "
+                f"wait for it to end, or pass another --out-dir"
+            ) from None
+        return self
+
+    def _holder(self) -> dict | None:
+        try:
+            holder = json.loads(self.info.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def claim(self) -> str | None:
+        """Record this process as the holder; return "pid N" if a killed run's record was taken over."""
+        stale = self._holder()
+        atomic_write_bytes(self.info, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
+        self.claimed = True
+        if stale and stale.get("pid") != os.getpid():
+            return f"pid {stale.get('pid')} on {stale.get('host')}"
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self.claimed:
+            self.info.unlink(missing_ok=True)
+        os.close(self.fd)
+
+
+class Metrics:
+    """`metrics.jsonl`: one JSON object per line, appended and flushed; on resume, the lines up to
+    the checkpoint's step are kept and later ones (from after the checkpoint) dropped."""
+
+    def __init__(self, path: Path, keep_until: int | None):
+        self.path = path
+        self.records: list[dict] = []
+        if keep_until is not None and path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if isinstance(record, dict) and record.get("step", math.inf) <= keep_until:
+                    if "final_val_loss" not in record:  # a resumed run ends with its own
+                        self.records.append(record)
+        atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self.file = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

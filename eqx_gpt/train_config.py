@@ -1,0 +1,86 @@
+"""How to train: every setting of a run in one frozen dataclass (`presets.py` holds named recipes)."""
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from eqx_gpt.config import check_fields, config_from_dict
+
+TOKENIZERS = ("char", "gpt2")
+
+
+def _help(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
+
+    data: str | None = _help(
+        "UTF-8 text file to train on (default: the bundled Tiny Shakespeare)", default=None
+    )
+    tokenizer: str = _help(
+        "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
+    )
+    batch_size: int = _help("sequences per optimiser step", default=32)
+    grad_accum: int = _help(
+        "split each batch into this many micro-batches (same update, less memory)", default=1
+    )
+    max_steps: int = _help("optimiser steps; also the length of the cosine schedule", default=3000)
+    max_minutes: float = _help(
+        "stop after this many minutes of wall time, fitting the schedule to the steps that fit (0: no limit)",
+        default=0.0,
+    )
+    lr: float = _help("peak learning rate", default=1e-3)
+    min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
+    warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
+    weight_decay: float = _help("AdamW weight decay, applied to weight matrices only", default=0.1)
+    beta1: float = _help("AdamW beta1", default=0.9)
+    beta2: float = _help("AdamW beta2", default=0.99)
+    grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
+    eval_interval: int = _help("evaluate and checkpoint every this many steps", default=250)
+    eval_batches: int = _help(
+        "fixed training batches averaged for the train loss at each evaluation (validation always "
+        "covers the whole split)",
+        default=8,
+    )
+    log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
+    seed: int = _help("seed of initialisation, batches and dropout", default=0)
+    fsdp: bool = _help(
+        "split parameters and optimiser state over the devices too (FSDP), not only the batch",
+        default=False,
+    )
+
+    def __post_init__(self):
+        check_fields(
+            self,
+            positive=(
+                "batch_size",
+                "grad_accum",
+                "max_steps",
+                "eval_interval",
+                "eval_batches",
+                "log_interval",
+            ),
+            finite=("max_minutes", "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"),
+        )
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
+                f"each micro-batch must hold batch_size / grad_accum sequences"
+            )
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("warmup_steps, max_minutes, weight_decay and grad_clip must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return config_from_dict(cls, d)

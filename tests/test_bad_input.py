@@ -1,0 +1,200 @@
+"""Issue 15's classes of defect: each test reproduces one class of bad input across the whole class."""
+
+import dataclasses
+import json
+import math
+import os
+import typing
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sample_cli import load_cli, sample
+from test_train_cli import TINY, _fails, _records, train_cli
+
+from eqx_gpt import GPT, Block, GPTConfig, MultiHeadAttention, dropout, generate, naive_generate
+from eqx_gpt.train_config import TrainConfig
+
+
+def _float_fields(cls):
+    hints = typing.get_type_hints(cls)
+    return [
+        f.name for f in dataclasses.fields(cls) if float in typing.get_args(hints[f.name]) + (hints[f.name],)
+    ]
+
+
+# -- non-finite numbers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [GPTConfig, TrainConfig])
+def test_every_float_field_of_the_configs_refuses_nan_and_infinity(cls):
+    fields = _float_fields(cls)
+    assert fields, cls
+    base = {"vocab_size": 5} if cls is GPTConfig else {}
+    for name in fields:
+        for bad in (math.nan, math.inf, -math.inf):
+            with pytest.raises(ValueError, match=f"{cls.__name__}.{name} must be a finite number|{name}"):
+                cls(**base, **{name: bad})
+
+
+def test_every_float_flag_of_train_py_refuses_nan_and_infinity(capsys, tmp_path):
+    for name in _float_fields(GPTConfig) + _float_fields(TrainConfig):
+        for bad in ("nan", "inf", "-inf"):
+            flag = "--" + name.replace("_", "-")
+            _fails(
+                [*TINY, "--out-dir", str(tmp_path / "x"), f"{flag}={bad}"],
+                capsys,
+                f"must be a finite number, got {bad}",
+            )
+    assert not (tmp_path / "x").exists()
+
+
+def test_every_float_flag_of_sample_py_refuses_nan_and_infinity(capsys, tmp_path):
+    cli = load_cli()
+    for flag in ("--temperature", "--top-p"):
+        for bad in ("nan", "inf", "-inf"):
+            code, _, err = sample(cli, capsys, "--checkpoint", str(tmp_path), f"{flag}={bad}")
+            assert code == 2 and f"must be a finite number, got {bad}" in err and "Traceback" not in err
+
+
+# -- output paths -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--attention-png", "--positions-png"])
+def test_every_picture_path_of_sample_py_is_checked_before_any_work(capsys, tmp_path, flag):
+    cli = load_cli()
+    missing_checkpoint = str(tmp_path / "no-run")  # the path error must come first
+    for path, message in (
+        (tmp_path / "missing" / "a.png", "does not exist"),
+        (tmp_path / "a.txt", "unsupported picture format '.txt'"),
+        (tmp_path / "a", "unsupported picture format '(none)'"),
+        (tmp_path, "unsupported picture format"),
+    ):
+        code, _, err = sample(cli, capsys, "--checkpoint", missing_checkpoint, flag, str(path))
+        assert code == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+# -- keys: classic PRNGKey and typed keys ------------------------------------------------------
+
+
+KEY_STYLES = {"typed": jax.random.key, "classic": jax.random.PRNGKey}
+
+
+@pytest.mark.parametrize("style", sorted(KEY_STYLES))
+def test_every_module_taking_a_key_accepts_both_key_styles_with_the_same_result(style):
+    make = KEY_STYLES[style]
+    x = jnp.ones((2, 5, 8))
+    attention = MultiHeadAttention(8, 2, key=make(0), dropout=0.5)
+    block = Block(8, 2, 16, key=make(1), dropout=0.5)
+    config = GPTConfig(vocab_size=7, context_length=8, d_model=8, n_heads=2, n_layers=2, dropout=0.5)
+    model = GPT(config, key=make(2))
+    tokens = jnp.zeros((3, 4), jnp.int32)
+    outputs = [
+        attention(x[0], key=make(3)),
+        attention(x, key=make(3)),
+        block(x, key=make(4)),
+        dropout(x, 0.5, make(5)),
+        model(tokens, key=make(6)),
+        jax.vmap(lambda t, k: model(t, key=k))(tokens, jax.random.split(make(7), 3)),
+    ]
+    typed = KEY_STYLES["typed"]
+    reference = [
+        attention(x[0], key=typed(3)),
+        attention(x, key=typed(3)),
+        block(x, key=typed(4)),
+        dropout(x, 0.5, typed(5)),
+        model(tokens, key=typed(6)),
+        jax.vmap(lambda t, k: model(t, key=k))(tokens, jax.random.split(typed(7), 3)),
+    ]
+    for out, ref in zip(outputs, reference, strict=True):
+        np.testing.assert_array_equal(out, ref)
+
+
+# -- token ids and the cache -------------------------------------------------------------------
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_where_they_are_concrete():
+    model = GPT(
+        GPTConfig(vocab_size=65, context_length=8, d_model=8, n_heads=2, n_layers=1), key=jax.random.key(0)
+    )
+    assert model.config.padded_vocab_size > 65  # 64 is a real id; 65 .. padded are padding rows
+    for ids in ([65], [100], [-1], [[1, 2], [3, 70]]):
+        with pytest.raises(ValueError, match=r"outside \[0, vocab_size=65\)"):
+            model(jnp.asarray(ids))
+    model(jnp.asarray([0, 64]))  # the extremes of the vocabulary are fine
+    cache = model.init_cache(4)
+    with pytest.raises(ValueError, match="outside"):
+        model.decode(jnp.asarray([65]), cache, 0)
+
+
+def test_decoding_past_the_cache_and_empty_caches_are_refused():
+    model = GPT(
+        GPTConfig(vocab_size=7, context_length=8, d_model=8, n_heads=2, n_layers=1), key=jax.random.key(0)
+    )
+    for capacity in (0, -1):
+        with pytest.raises(ValueError, match="capacity >= 1"):
+            model.init_cache(capacity)
+    cache = model.init_cache(4)
+    _, cache = model.decode(jnp.arange(4), cache, 0)
+    for tokens, start in (([1], 4), ([1, 2], 3), ([1], -1)):
+        with pytest.raises(ValueError, match="does not fit a cache of capacity 4"):
+            model.decode(jnp.asarray(tokens), cache, start)
+    model.decode(jnp.asarray([1]), cache, 3)  # the last slot is fine
+
+
+# -- the smallest legal sizes ------------------------------------------------------------------
+
+
+def test_the_smallest_legal_model_generates_with_both_generators():
+    config = GPTConfig(vocab_size=1, context_length=1, d_model=2, n_heads=1, n_layers=1, d_hidden=1)
+    model = GPT(config, key=jax.random.key(0))
+    for fn in (generate, naive_generate):
+        assert fn(model, [0], 5, key=jax.random.key(0)).tolist() == [0] * 5
+
+
+def test_a_run_at_the_smallest_legal_sizes_trains_samples_and_resumes(tmp_path, capsys):
+    data = tmp_path / "tiny.txt"
+    data.write_text("ab" * 20)
+    out = tmp_path / "run"
+    argv = [
+        "--data", str(data), "--out-dir", str(out), "--context-length", "1", "--d-model", "2",
+        "--n-heads", "1", "--n-layers", "1", "--d-hidden", "1", "--batch-size", "1", "--grad-accum", "1",
+        "--max-steps", "1", "--eval-interval", "1", "--eval-batches", "1", "--log-interval", "1",
+        "--warmup-steps", "0", "--scan-unroll", "1", "--max-minutes", "0", "--sample-tokens", "5",
+    ]  # fmt: skip
+    assert train_cli.main(argv) == 0, capsys.readouterr().err
+    assert train_cli.main([*argv[:4], "--resume", "--max-steps", "2", "--sample-tokens", "3"]) == 0
+    capsys.readouterr()
+    code, text, err = sample(
+        load_cli(), capsys, "--checkpoint", str(out), "--prompt", "a", "--max-new-tokens", "5"
+    )
+    assert code == 0 and len(text) == len("a") + 5 + 1, err
+
+
+# -- resume from anywhere ----------------------------------------------------------------------
+
+
+def test_a_run_with_a_relative_data_path_resumes_from_another_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    text = (
+        Path(__file__).resolve().parents[1].joinpath("eqx_gpt/data/tinyshakespeare.txt").read_text()[:20_000]
+    )
+    (tmp_path / "a" / "tiny.txt").write_text(text)
+    (tmp_path / "b" / "copy.txt").write_text(text)
+    (tmp_path / "b" / "other.txt").write_text(text[::-1])
+    out = str(tmp_path / "run")
+    monkeypatch.chdir(tmp_path / "a")
+    assert train_cli.main([*TINY, "--data", "tiny.txt", "--out-dir", out, "--max-steps", "2"]) == 0
+    monkeypatch.chdir(tmp_path / "b")
+    assert train_cli.main(["--out-dir", out, "--resume", "--max-steps", "3"]) == 0
+    # Any path to the same corpus is accepted; another corpus is refused, naming the fix.
+    assert train_cli.main(["--out-dir", out, "--resume", "--max-steps", "4", "--data", "copy.txt"]) == 0
+    _fails(
+        ["--out-dir", out, "--resume", "--max-steps", "5", "--data", "other.txt"], capsys, "sha256 differs"
+    )
+    assert json.loads(Path(out, "latest.json").read_text())["step"] == 4
+    assert os.path.isabs(json.loads(Path(out, "latest.json").read_text())["train_config"]["data"])
+    assert [r["step"] for r in _records(out) if "loss" in r] == [1, 2, 3, 4]

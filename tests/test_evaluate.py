@@ -1,0 +1,97 @@
+"""`evaluate`: the loss over a whole text, against a brute-force computation."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, TokenizerError
+from eqx_gpt.evaluate import evaluate, evaluate_text, windows
+
+CONTEXT = 8
+MODEL = GPT(
+    GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=2), key=jax.random.key(0)
+)
+
+
+@jax.jit
+def _losses_at(windows, lengths, targets):
+    """The loss of `targets[i]` after the first `lengths[i]` tokens of `windows[i]` (padded: the
+    model is causal, so what follows position `lengths[i] - 1` cannot change its logits)."""
+    logits = jax.vmap(MODEL)(windows)[jnp.arange(len(lengths)), lengths - 1]
+    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
+def _mean_loss_by_hand(ids, contexts):
+    """Mean loss of predicting each `ids[t]` from `contexts[t - 1]` (a slice of ids before t)."""
+    windows = np.zeros((len(contexts), CONTEXT), np.int32)
+    for i, c in enumerate(contexts):
+        windows[i, : len(c)] = c
+    lengths = np.array([len(c) for c in contexts])
+    return float(np.mean(_losses_at(windows, lengths, ids[1:])))
+
+
+def _window_start(t, n, stride):
+    """Where the window that predicts token t starts, by the rule in `evaluate`'s docstring."""
+    last_start = max(0, n - 1 - CONTEXT)
+    starts = [*range(0, last_start, stride), last_start]
+    return next(s for s in starts if t <= s + CONTEXT)  # the first window that reaches t
+
+
+@pytest.mark.parametrize("n", [2, 9, 37])
+@pytest.mark.parametrize("stride", [3, CONTEXT // 2, CONTEXT])
+def test_the_loss_is_every_tokens_loss_averaged_by_hand(n, stride):
+    ids = np.random.default_rng(n).integers(0, 7, n)
+    by_hand = _mean_loss_by_hand(ids, [ids[_window_start(t, n, stride) : t] for t in range(1, n)])
+    result = evaluate(MODEL, ids, stride=stride, batch=4)
+    assert result.n_predicted == n - 1
+    assert result.loss == pytest.approx(by_hand, rel=1e-5)
+
+
+def test_with_stride_1_every_token_after_the_first_window_sees_a_full_context():
+    ids = np.random.default_rng(0).integers(0, 7, 30)
+    by_hand = _mean_loss_by_hand(ids, [ids[max(0, t - CONTEXT) : t] for t in range(1, 30)])
+    assert evaluate(MODEL, ids, stride=1, batch=4).loss == pytest.approx(by_hand, rel=1e-5)
+
+
+@pytest.mark.parametrize("n", [2, 9, 10, 100])
+def test_windows_count_each_target_once(n):
+    for stride in (1, 2, 5, CONTEXT):
+        starts, counted = windows(n, CONTEXT, stride)
+        targets = [s + 1 + j for s, row in zip(starts, counted, strict=True) for j in np.flatnonzero(row)]
+        assert sorted(targets) == list(range(1, n))
+
+
+def test_bad_input_is_refused_with_the_fix():
+    tokenizer = CharTokenizer("abcdefg")
+    with pytest.raises(TokenizerError, match="'z'"):
+        evaluate_text(MODEL, tokenizer, "abcz")
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        evaluate(MODEL, [1])
+    with pytest.raises(ValueError, match="stride must be an integer in"):
+        evaluate(MODEL, [1, 2, 3], stride=CONTEXT + 1)
+
+
+def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_path, capsys):
+    import importlib.util
+
+    from eqx_gpt import save_checkpoint
+
+    spec = importlib.util.spec_from_file_location("evaluate_cli", Path(__file__).parents[1] / "evaluate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    tokenizer = CharTokenizer("abcdefg")
+    save_checkpoint(tmp_path, "best", MODEL, None, step=0, tokenizer=tokenizer, train_config={})
+    (tmp_path / "text.txt").write_text("abcdefgabc" * 5)
+    (tmp_path / "bad.txt").write_text("abcxyz")
+    assert cli.main(["--checkpoint", str(tmp_path), "--text", str(tmp_path / "text.txt")]) == 0
+    expected = evaluate(MODEL, tokenizer.encode("abcdefgabc" * 5))
+    assert f"loss {expected.loss:.4f} nats/token over 49 predicted tokens" in capsys.readouterr().out
+    assert cli.main(["--checkpoint", str(tmp_path), "--text", str(tmp_path / "bad.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'x', 'y', 'z'" in err
+    assert cli.main(["--checkpoint", str(tmp_path)]) == 2  # not the bundled corpus: --text is needed
+    assert "pass --text PATH" in capsys.readouterr().err
