@@ -85,14 +85,16 @@ def _read_prompt(args) -> str:
     return text
 
 
-def _check_numbers(args) -> None:
-    from eqx_gpt.sampling import check_sampling_args
+def _sampling_options(args):
+    """The `SamplingOptions` of the flags (a bad value raises a one-line `ValueError`)."""
+    from eqx_gpt.sampling import SamplingOptions
 
-    check_sampling_args(args.temperature, args.top_k, args.top_p)
+    options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
         raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    return options
 
 
 def _check_picture_paths(args) -> None:
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     from eqx_gpt.generate import stream_text
 
     try:
-        _check_numbers(args)
+        options = _sampling_options(args)
         _check_picture_paths(args)
         prompt = _read_prompt(args)
         model, tokenizer, _ = load_model(find_checkpoint(args.checkpoint))
@@ -150,9 +152,7 @@ def main(argv=None) -> int:
             tokens,
             args.max_new_tokens,
             key=jax.random.fold_in(seed_key, i),
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
+            options=options,
         )
         for text in pieces:
             sys.stdout.write(text)

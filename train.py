@@ -13,11 +13,11 @@ import types
 import typing
 
 from eqx_gpt._checks import finite_float
-from eqx_gpt.config import COMPUTE_DTYPES, GPTConfig
+from eqx_gpt.config import COMPUTE_DTYPES, NORM_KINDS, NORM_POSITIONS, GPTConfig
 from eqx_gpt.parallel import initialize_distributed
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
 from eqx_gpt.run import RunError, train
-from eqx_gpt.train_config import TOKENIZERS, TrainConfig
+from eqx_gpt.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
     "context_length": "tokens the model sees at once",
@@ -26,11 +26,19 @@ MODEL_HELP = {
     "n_layers": "decoder blocks",
     "d_hidden": "MLP width (default: 4 * d_model)",
     "dropout": "dropout rate while training",
-    "norm_eps": "RMSNorm epsilon",
+    "norm_eps": "epsilon of every norm",
     "scan_unroll": "layers per iteration of the layer scan (speed vs compile time)",
     "compute_dtype": "dtype of activations and matmuls; parameters stay float32",
+    "norm": "'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)",
+    "norm_position": "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)",
 }
-CHOICES = {"compute_dtype": COMPUTE_DTYPES, "tokenizer": TOKENIZERS}
+CHOICES = {
+    "compute_dtype": COMPUTE_DTYPES,
+    "tokenizer": TOKENIZERS,
+    "optimizer": OPTIMIZERS,
+    "norm": NORM_KINDS,
+    "norm_position": NORM_POSITIONS,
+}
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 

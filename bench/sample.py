@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_gpt import GPT, GPTConfig
+from eqx_gpt import GPT, GPTConfig, SamplingOptions
 from eqx_gpt.generate import _naive_step, generate, naive_generate, prompt_bucket
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
 
@@ -67,7 +67,7 @@ def compile_naive(model, key):
 
 def matvec_chain(model: GPT, tokens: int):
     """A jitted function running `tokens` steps of the model's weight matrix-vector products alone."""
-    layers = model.unstack().blocks
+    layers = model.unstack().blocks.layers
     layer_matrices = [w for b in layers for w in (b.attn.w_qkv, b.attn.w_out, b.mlp.w_in, b.mlp.w_out)]
 
     def run(x, layer_matrices, head):
@@ -91,7 +91,9 @@ def bench_shape(name, shape, new_tokens, reps, prompt_len):
     key = jax.random.key(2)
     run_cached = lambda: generate(model, prompt, new_tokens, key=key)
     # nanoGPT's policy: the window is always the last `context` tokens (keep = context).
-    run_naive = lambda: naive_generate(model, prompt, new_tokens, key=key, keep=context)
+    run_naive = lambda: naive_generate(
+        model, prompt, new_tokens, key=key, options=SamplingOptions(keep=context)
+    )
 
     # 40 tokens: the prefill, a slide (for a full prompt) and the decode loop all compile here.
     _, cached_compile = timed(lambda: generate(model, prompt, 40, key=key))

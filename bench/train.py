@@ -42,7 +42,7 @@ from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.run import STEPS_PER_CALL
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_config import OPTIMIZERS, TrainConfig
 from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step, make_train_steps
 
 VOCAB = 65  # Tiny Shakespeare's characters
@@ -83,7 +83,9 @@ def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
     """Model, optimiser state, and `advance(model, opt_state, first) -> (model, opt_state, loss)`
     running `args.steps_per_call` real jitted training steps in one dispatch (on sharded batches)."""
     config = GPTConfig(vocab_size=VOCAB, **model_options)
-    train_config = TrainConfig(batch_size=batch_size, grad_accum=args.grad_accum, seed=seed)
+    train_config = TrainConfig(
+        batch_size=batch_size, grad_accum=args.grad_accum, seed=seed, optimizer=args.optimizer_now
+    )
     mesh = data_mesh()
     check_batch(mesh, batch_size, args.grad_accum)
     optimizer = make_optimizer(train_config)
@@ -198,6 +200,17 @@ def machine() -> dict:
     }
 
 
+def _print_result(name: str, r: dict) -> None:
+    print(
+        f"{name:17s} {r['optimizer']:5s} L{r['n_layers']} d{r['d_model']} h{r['n_heads']} "
+        f"T{r['context_length']} B{r['batch_size']} {r['compute_dtype']} {r['steps_per_call']}/call: "
+        f"compile {r['compile_s']:.1f} s | step {r['step_ms']:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
+        f"{r['flops_per_token'] / 1e6:.2f} MFLOP/tok | {r['gflops']:.1f} GFLOP/s | "
+        f"peak {r['peak_gflops']:.1f} | MFU {r['mfu']:.2f}",
+        flush=True,
+    )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["default", "nanogpt-cpu", "shakespeare-char"],
@@ -220,7 +233,14 @@ def main(argv=None) -> int:
     p.add_argument("--compile-batch", type=int, default=8)
     p.add_argument("--compile-reps", type=int, default=2)
     p.add_argument("--json", type=Path, help="also write the results as JSON here")
+    p.add_argument(
+        "--optimizer", nargs="+", default=["adamw"], choices=OPTIMIZERS,
+        help="optimisers to time; with several, each config is timed with each in turn, --rounds times "
+        "in alternating order, and the step-time ratio to the first is printed",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=2, help="rounds per optimiser when several are timed")
     args = p.parse_args(argv)
+    args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)
     if args.peak_size < 2048:
         p.error("--peak-size must be at least 2048 (a small matmul underestimates the peak)")
 
@@ -237,21 +257,30 @@ def main(argv=None) -> int:
                                  ("dropout", args.dropout)):  # fmt: skip
                 if value is not None:
                     options[field] = value
-            try:
-                r = bench_config(name, options, args.batch_size or batch, args, peak)
-            except ValueError as e:
-                print(f"error: {name}: {e}", file=sys.stderr)
-                return 2
-            results.append(r)
-            print(
-                f"{name:17s} L{r['n_layers']} d{r['d_model']} h{r['n_heads']} T{r['context_length']} "
-                f"B{r['batch_size']} {r['compute_dtype']} {r['steps_per_call']}/call: "
-                f"compile {r['compile_s']:.1f} s | "
-                f"step {r['step_ms']:.1f} ms | {r['tokens_per_s']:,.0f} tok/s | "
-                f"{r['flops_per_token'] / 1e6:.2f} MFLOP/tok | {r['gflops']:.1f} GFLOP/s | "
-                f"peak {r['peak_gflops']:.1f} | MFU {r['mfu']:.2f}",
-                flush=True,
-            )
+            rounds = args.rounds if len(args.optimizer) > 1 else 1
+            order = [
+                o for i in range(rounds) for o in (args.optimizer if i % 2 == 0 else args.optimizer[::-1])
+            ]
+            per_optimizer = {opt: [] for opt in args.optimizer}
+            for opt in order:
+                args.optimizer_now = opt
+                try:
+                    r = bench_config(name, options, args.batch_size or batch, args, peak)
+                except ValueError as e:
+                    print(f"error: {name}: {e}", file=sys.stderr)
+                    return 2
+                r["optimizer"] = opt
+                results.append(r)
+                per_optimizer[opt].append(r["step_ms"])
+                _print_result(name, r)
+            if len(args.optimizer) > 1:
+                med = {opt: statistics.median(ms) for opt, ms in per_optimizer.items()}
+                first = args.optimizer[0]
+                steps = ", ".join(f"{opt} {m:.1f} ms" for opt, m in med.items())
+                ratios = ", ".join(
+                    f"{opt}/{first} {m / med[first]:.3f}" for opt, m in med.items() if opt != first
+                )
+                print(f"{name}: median step {steps}; {ratios}", flush=True)
     compile_result = None
     if args.compile_layers or args.compile_only:
         compile_seconds(1, args)  # one-time costs (first traces of helpers) land on neither depth

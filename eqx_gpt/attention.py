@@ -18,6 +18,37 @@ def causal_mask(seq_len: int) -> Bool[Array, "{seq_len} {seq_len}"]:
     return jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
 
 
+def padding_mask(
+    lengths: Int[Array, "*batch"] | None = None,
+    *,
+    tokens: Int[Array, "*batch kv_seq"] | None = None,
+    pad_id: int | None = None,
+    kv_seq: int | None = None,
+) -> Bool[Array, "*batch kv_seq"]:
+    """`mask[..., j]` True where key `j` is a real token, False where it is padding.
+
+    From `lengths` `(*batch,)` of sequences padded at the end to `kv_seq` positions, or from
+    `tokens` `(*batch, kv_seq)` and their `pad_id`. Add a query axis to combine it with other masks:
+
+        padding_mask(lengths=src_len, kv_seq=S)[..., None, :]              # encoder self-attention
+        causal_mask(T) & padding_mask(lengths=tgt_len, kv_seq=T)[..., None, :]  # decoder self-attention
+        padding_mask(lengths=src_len, kv_seq=S)[..., None, :]              # decoder cross-attention
+
+    (the first and last broadcast over the `seq` query rows: `jnp.broadcast_to(m, (*batch, T, S))`
+    gives the explicit mask). A query row that sees no key at all stays finite: it attends
+    uniformly (see `attention_weights`), and its output is usually ignored as padding itself.
+    """
+    if (lengths is None) == (tokens is None):
+        raise ValueError("padding_mask takes either lengths= (with kv_seq=) or tokens= (with pad_id=)")
+    if tokens is not None:
+        if pad_id is None:
+            raise ValueError("padding_mask(tokens=...) needs pad_id=, the id that marks padding")
+        return tokens != pad_id
+    if kv_seq is None:
+        raise ValueError("padding_mask(lengths=...) needs kv_seq=, the padded length")
+    return jnp.arange(kv_seq) < jnp.asarray(lengths)[..., None]
+
+
 @typechecked
 def attention_weights(
     q: Float[Array, "q_seq d_head"],
@@ -33,6 +64,58 @@ def attention_weights(
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(scores, axis=-1)
+
+
+def head_attention(
+    q: Float[Array, "q_seq d_head"],
+    k: Float[Array, "kv_seq d_head"],
+    v: Float[Array, "kv_seq d_head"],
+    mask: Bool[Array, "q_seq kv_seq"] | None,
+    rate: float = 0.0,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, "q_seq d_head"], Float[Array, "q_seq kv_seq"]]:
+    """One head's scaled dot-product attention: `dropout(attention_weights(q, k, mask)) @ v`.
+
+    The per-head core of every path: self- and cross-attention, cached decoding and the weights
+    drawn in pictures all run this function (`jax.vmap`ped over heads and sequences). Returns the
+    output and the attention weights (before dropout's zeros, after its rescaling).
+    """
+    w = dropout(attention_weights(q, k, mask), rate, key)
+    return w.astype(v.dtype) @ v, w
+
+
+def multi_head_attention(
+    q: Float[Array, "*batch q_seq heads d_head"],
+    k: Float[Array, "*batch kv_seq heads d_head"],
+    v: Float[Array, "*batch kv_seq heads d_head"],
+    mask: Bool[Array, "..."] | None,
+    rate: float = 0.0,
+    key: PRNGKeyArray | None = None,
+) -> tuple[Float[Array, "*batch q_seq heads*d_head"], Float[Array, "*batch heads q_seq kv_seq"]]:
+    """Every head's `head_attention`, with `jax.vmap` over the heads and then over sequences.
+
+    `mask` is `(q_seq, kv_seq)` for every sequence, or `(*batch, q_seq, kv_seq)` for one each.
+    `key` is one key per sequence (`*batch`), or one key split into those; each sequence splits
+    its key into one per head.
+    """
+
+    def one_sequence(q, k, v, mask, key):
+        keys = None if key is None else jax.random.split(key, q.shape[-2])
+        one_head = lambda q, k, v, key: head_attention(q, k, v, mask, rate, key)
+        return jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
+
+    batch, (q_seq, heads, d_head) = q.shape[:-3], q.shape[-3:]
+    if not batch:
+        out, weights = one_sequence(q, k, v, mask, key)
+    else:
+        flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
+        per_sequence_mask = mask is not None and mask.ndim > 2
+        masks = mask.reshape(-1, *mask.shape[-2:]) if per_sequence_mask else mask
+        keys = None if key is None else keys_per_sequence(key, batch).reshape(-1)
+        in_axes = (0, 0, 0, 0 if per_sequence_mask else None, 0)
+        out, weights = jax.vmap(one_sequence, in_axes=in_axes)(*flat, masks, keys)
+        out, weights = out.reshape(*batch, *out.shape[1:]), weights.reshape(*batch, *weights.shape[1:])
+    return out.reshape(*batch, q_seq, heads * d_head), weights
 
 
 def fused_attention(
@@ -73,13 +156,18 @@ class KVCache(eqx.Module):
 
 
 class MultiHeadAttention(eqx.Module):
-    """Multi-head self-attention on one sequence (or a batch of them: see `__call__`).
+    """Multi-head attention on one sequence (or a batch of them: see `__call__`).
 
-    A fused projection computes queries, keys and values for all heads in one matrix multiply;
-    `jax.vmap` over the head axis runs scaled dot-product attention per head; the concatenated
-    heads are projected back to `d_model`. Without a `mask` every position attends everywhere
-    (as in an encoder); pass `causal_mask(seq)` for a decoder. When `key` is given and
-    `dropout > 0`, attention weights are dropped out (training); without a key it is deterministic.
+    Queries come from `x`; keys and values from `x` too (self-attention) or from another sequence,
+    the `context` (cross-attention: a decoder attending to its encoder's output). A fused
+    projection `w_qkv` holds the query, key and value weights side by side, so self-attention
+    projects all three in one matrix multiply and cross-attention splits it into the query part
+    and the key/value part. `multi_head_attention` runs the per-head core (`head_attention`) over
+    every head; the concatenated heads are projected back to `d_model`. Without a `mask` every
+    position attends everywhere (an encoder); pass `causal_mask(seq)` for a decoder,
+    `padding_mask(...)` to hide padding, or both combined (see `padding_mask`). When `key` is given
+    and `dropout > 0`, attention weights are dropped out (training); without a key it is
+    deterministic.
     """
 
     w_qkv: Float[Array, "d_model 3*d_model"]
@@ -113,6 +201,21 @@ class MultiHeadAttention(eqx.Module):
     def d_head(self) -> int:
         return self.d_model // self.n_heads
 
+    def _heads(self, x, n: int):
+        """A projection `(..., n * d_model)` as `n` arrays' heads `(..., n, heads, d_head)`."""
+        return x.reshape(*x.shape[:-1], n, self.n_heads, self.d_head)
+
+    def project_q(self, x):
+        """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `w_qkv`)."""
+        check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
+        return self._heads(linear(x, self.w_qkv[:, : self.d_model]), 1)[..., 0, :, :]
+
+    def _project(self, x, context):
+        """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`."""
+        if context is None:
+            return self.project_qkv(x)
+        return self.project_q(x), *self.project_kv(context)
+
     @typechecked
     def project_qkv(
         self, x: Float[Array, "*batch seq d_model"]
@@ -123,69 +226,92 @@ class MultiHeadAttention(eqx.Module):
     ]:
         """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        qkv = linear(x, self.w_qkv).reshape(*x.shape[:-1], 3, self.n_heads, self.d_head)
+        qkv = self._heads(linear(x, self.w_qkv), 3)
         return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
+    @typechecked
+    def project_kv(
+        self, context: Float[Array, "*batch kv_seq d_model"]
+    ) -> tuple[Float[Array, "*batch kv_seq heads d_head"], Float[Array, "*batch kv_seq heads d_head"]]:
+        """Keys and values of `context` for cross-attention. A decoder computes them once per
+        source sequence and passes them to `attend` at every step."""
+        check_last_dim(context, self.d_model, "MultiHeadAttention context", "d_model")
+        kv = self._heads(linear(context, self.w_qkv[:, self.d_model :]), 2)
+        return kv[..., 0, :, :], kv[..., 1, :, :]
+
+    def _full_mask(self, mask, q_shape, kv_seq: int):
+        """`mask` broadcast to `(seq, kv_seq)`, or to `(*batch, seq, kv_seq)` if it has batch axes
+        (so `padding_mask(...)[..., None, :]` works as it is); a one-line error if it cannot be."""
+        if mask is None:
+            return None
+        batch, seq = q_shape[:-3], q_shape[-3]
+        target = (*batch, seq, kv_seq) if mask.ndim > 2 else (seq, kv_seq)
+        try:
+            fits = mask.dtype == jnp.bool_ and jnp.broadcast_shapes(mask.shape, target) == target
+        except ValueError:
+            fits = False
+        if not fits:
+            shape = f"({seq}, {kv_seq})" + (f" or {(*batch, seq, kv_seq)}" if batch else "")
+            raise ValueError(
+                f"attention mask has shape {tuple(mask.shape)} and dtype {mask.dtype}; pass a boolean "
+                f"mask of shape {shape} (queries x keys), or one that broadcasts to it"
+            )
+        return jnp.broadcast_to(mask, target)
+
+    def attend(self, x, k, v, *, mask=None, key=None):
+        """Attention of the queries of `x` `(*batch, seq, d_model)` over given keys and values
+        `(*batch, kv_seq, heads, d_head)` (from `project_kv`); returns `(*batch, seq, d_model)`."""
+        q = self.project_q(x)
+        mask = self._full_mask(mask, q.shape, k.shape[-3])
+        return linear(self._attend(q, k, v, mask, key), self.w_out)
+
     def _attend(self, q, k, v, mask, key):
-        """Every head's attention; returns `(output (*batch, seq, d_model), weights)`.
-
-        One sequence runs its heads with `jax.vmap` over the head axis; a batch `jax.vmap`s that
-        over its sequences, each with its own dropout key (`key` is one per sequence, or one split
-        into those).
-        """
-
-        def one_sequence(q, k, v, key):
-            def one_head(q, k, v, key):
-                w = dropout(attention_weights(q, k, mask), self.dropout, key)
-                return w.astype(v.dtype) @ v, w
-
-            keys = None if key is None else jax.random.split(key, self.n_heads)
-            return jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
-
-        batch, (seq, heads, d_head) = q.shape[:-3], q.shape[-3:]
-        if batch:
-            flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
-            keys = None if key is None else keys_per_sequence(key, batch).reshape(-1)
-            out, weights = jax.vmap(one_sequence)(*flat, keys)
-            out, weights = out.reshape(*batch, *out.shape[1:]), weights.reshape(*batch, *weights.shape[1:])
-        else:
-            out, weights = one_sequence(q, k, v, key)
-        return out.reshape(*batch, seq, heads * d_head), weights
+        """All heads' outputs `(*batch, seq, d_model)`: cuDNN's fused kernel on a GPU with 16-bit
+        activations and no attention dropout (the same function, see `fused_attention`), else
+        `multi_head_attention`."""
+        if _cudnn_attention_available(q.dtype) and (key is None or self.dropout == 0.0):
+            per_sequence = mask is not None and mask.ndim > 2  # (batch, q, kv) -> (batch, heads=1, q, kv)
+            try:
+                out = fused_attention(q, k, v, mask[..., None, :, :] if per_sequence else mask, "cudnn")
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass  # an unsupported shape or cuDNN version: the vmap path below
+            else:
+                return out.reshape(*q.shape[:-2], self.d_model)
+        return multi_head_attention(q, k, v, mask, self.dropout, key)[0]
 
     @typechecked
     def __call__(
         self,
         x: Float[Array, "*batch seq d_model"],
+        context: Float[Array, "*batch kv_seq d_context"] | None = None,
         *,
-        mask: Bool[Array, "seq seq"] | None = None,
+        mask: Bool[Array, "..."] | None = None,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
-        """Self-attention over `x` of shape `(seq, d_model)`; `mask[i, j]` True lets `i` see `j`.
+        """Attention of `x` `(seq, d_model)` over itself, or over `context` `(kv_seq, d_model)`.
 
-        `x` may also be a batch `(batch, seq, d_model)`: the same as `jax.vmap` over its sequences,
-        but the projections then run as one matrix multiply for the whole batch, which is faster
-        (see `linear`). For a batch, `key` is one key per sequence (shape `(batch,)`) or one key.
-
-        On a GPU with bf16/fp16 activations and no attention dropout, the heads run in cuDNN's
-        fused attention kernel (same result; see `fused_attention`) when cuDNN supports the shape.
+        `mask[i, j]` True lets query `i` see key `j`; shape `(seq, kv_seq)`, or
+        `(*batch, seq, kv_seq)` for a different mask per sequence of a batch. `x` may be a batch
+        `(batch, seq, d_model)` (with `context` `(batch, kv_seq, d_model)`): the same as `jax.vmap`
+        over its sequences, but the projections then run as one matrix multiply for the whole
+        batch, which is faster (see `linear`). For a batch, `key` is one key per sequence (shape
+        `(batch,)`) or one key.
         """
-        q, k, v = self.project_qkv(x)
-        if _cudnn_attention_available(q.dtype) and (key is None or self.dropout == 0.0):
-            try:
-                out = fused_attention(q, k, v, mask, implementation="cudnn")
-            except (RuntimeError, ValueError, NotImplementedError):
-                pass  # an unsupported shape or cuDNN version: the vmap path below
-            else:
-                return linear(out.reshape(x.shape), self.w_out)
-        return linear(self._attend(q, k, v, mask, key)[0], self.w_out)
+        q, k, v = self._project(x, context)
+        mask = self._full_mask(mask, q.shape, k.shape[-3])
+        return linear(self._attend(q, k, v, mask, key), self.w_out)
 
     @typechecked
     def weights(
-        self, x: Float[Array, "seq d_model"], *, mask: Bool[Array, "seq seq"] | None = None
-    ) -> Float[Array, "heads seq seq"]:
-        """The attention weights `(n_heads, seq, seq)` that `__call__` uses (no dropout)."""
-        q, k, v = self.project_qkv(x)
-        return self._attend(q, k, v, mask, None)[1]
+        self,
+        x: Float[Array, "seq d_model"],
+        context: Float[Array, "kv_seq d_model"] | None = None,
+        *,
+        mask: Bool[Array, "..."] | None = None,
+    ) -> Float[Array, "heads seq kv_seq"]:
+        """The attention weights `(n_heads, seq, kv_seq)` that `__call__` uses (no dropout)."""
+        q, k, v = self._project(x, context)
+        return multi_head_attention(q, k, v, self._full_mask(mask, q.shape, k.shape[-3]))[1]
 
     @typechecked
     def decode(
@@ -194,7 +320,7 @@ class MultiHeadAttention(eqx.Module):
         cache: KVCache,
         start: Int[Array, ""] | int,
     ) -> tuple[Float[Array, "*batch new d_model"], KVCache]:
-        """Causal attention for `new` positions `start, ..., start + new - 1`, using a cache.
+        """Causal self-attention for `new` positions `start, ..., start + new - 1`, using a cache.
 
         Writes the keys and values of `x` into `cache` at `start`, then lets each new position
         attend to every cached position up to and including itself. Prefill a prompt with
@@ -214,8 +340,8 @@ class MultiHeadAttention(eqx.Module):
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
 
-        def one_head(q, k_t, v):
-            return attention_weights(q, k_t.T, mask).astype(v.dtype) @ v
+        def one_head(q, k_t, v):  # the cache stores K^T: the matrix `q @ K^T` reads
+            return head_attention(q, k_t.T, v, mask)[0]
 
         heads = jax.vmap(one_head, in_axes=(1, 0, 0), out_axes=1)
         for _ in lead:

@@ -1,4 +1,5 @@
-"""One pre-norm transformer decoder block."""
+"""One transformer block: self-attention, optionally cross-attention, and the MLP, each a residual
+sub-layer with its norm before it (pre-norm) or after the sum (post-norm, the paper's Add & Norm)."""
 
 import equinox as eqx
 import jax
@@ -6,23 +7,33 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
 from eqx_gpt.attention import KVCache, MultiHeadAttention
+from eqx_gpt.config import NORM_POSITIONS
 from eqx_gpt.dropout import dropout, split_key
 from eqx_gpt.mlp import MLP
-from eqx_gpt.norm import RMSNorm
+from eqx_gpt.norm import LayerNorm, RMSNorm, make_norm
 
 
 class Block(eqx.Module):
-    """`x + attn(norm(x))`, then `x + mlp(norm(x))`, with dropout on each sub-layer's output.
+    """Residual sub-layers with dropout on each sub-layer's output:
 
-    Normalising *before* each sub-layer (rather than after, as in the paper) keeps the residual
-    stream an identity path, which is what lets deep stacks train without warm-up tricks.
+    pre-norm (default):  `x + attn(norm(x))`, [`x + cross(norm(x), context)`], `x + mlp(norm(x))`
+    post-norm (paper):   `norm(x + attn(x))`, [`norm(x + cross(x, context))`], `norm(x + mlp(x))`
+
+    Normalising *before* each sub-layer keeps the residual stream an identity path, which is what
+    lets deep stacks train without warm-up tricks; post-norm is the original Transformer's
+    placement. `norm` is `"rms"` (`RMSNorm`) or `"layer"` (`LayerNorm`). With
+    `cross_attention=True` the block is a decoder block of an encoder-decoder: between
+    self-attention and the MLP it attends to a `context` (the encoder's output).
     """
 
-    attn_norm: RMSNorm
+    attn_norm: RMSNorm | LayerNorm
     attn: MultiHeadAttention
-    mlp_norm: RMSNorm
+    cross_norm: RMSNorm | LayerNorm | None
+    cross_attn: MultiHeadAttention | None
+    mlp_norm: RMSNorm | LayerNorm
     mlp: MLP
     dropout: float = eqx.field(static=True)
+    norm_position: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -33,36 +44,90 @@ class Block(eqx.Module):
         key: PRNGKeyArray,
         dropout: float = 0.0,
         norm_eps: float = 1e-5,
+        norm: str = "rms",
+        norm_position: str = "pre",
+        cross_attention: bool = False,
     ):
-        k_attn, k_mlp = jax.random.split(key)
-        self.attn_norm = RMSNorm(d_model, eps=norm_eps)
+        if norm_position not in NORM_POSITIONS:
+            raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {norm_position!r}")
+        k_attn, k_mlp, k_cross = jax.random.split(key, 3)
+        self.attn_norm = make_norm(norm, d_model, norm_eps)
         self.attn = MultiHeadAttention(d_model, n_heads, key=k_attn, dropout=dropout)
-        self.mlp_norm = RMSNorm(d_model, eps=norm_eps)
+        self.cross_norm = make_norm(norm, d_model, norm_eps) if cross_attention else None
+        self.cross_attn = (
+            MultiHeadAttention(d_model, n_heads, key=k_cross, dropout=dropout) if cross_attention else None
+        )
+        self.mlp_norm = make_norm(norm, d_model, norm_eps)
         self.mlp = MLP(d_model, d_hidden, key=k_mlp)
         self.dropout = dropout
+        self.norm_position = norm_position
+
+    def _residual(self, x, norm, sublayer, key):
+        """One sub-layer with its residual connection and norm, in this block's placement."""
+        if self.norm_position == "pre":
+            return x + dropout(sublayer(norm(x)), self.dropout, key)
+        return norm(x + dropout(sublayer(x), self.dropout, key))
 
     @typechecked
     def __call__(
         self,
         x: Float[Array, "*batch seq d_model"],
+        context: Float[Array, "*batch kv_seq d_context"] | None = None,
         *,
-        mask: Bool[Array, "seq seq"] | None = None,
+        mask: Bool[Array, "..."] | None = None,
+        context_mask: Bool[Array, "..."] | None = None,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """Map `x` of shape `(seq, d_model)` to the same shape; dropout only when `key` is given.
 
-        A batch `(batch, seq, d_model)` works too, with one key per sequence (shape `(batch,)`) or one key.
+        `mask` is the self-attention mask, `(seq, seq)` or per sequence `(*batch, seq, seq)`;
+        `context` `(kv_seq, d_model)` and `context_mask` `(seq, kv_seq)` feed the cross-attention
+        of a block built with `cross_attention=True`. A batch `(batch, seq, d_model)` works too,
+        with one key per sequence (shape `(batch,)`) or one key.
         """
-        k_attn, k_res1, k_res2 = (None,) * 3 if key is None else split_key(key, 3)
-        x = x + dropout(self.attn(self.attn_norm(x), mask=mask, key=k_attn), self.dropout, k_res1)
-        return x + dropout(self.mlp(self.mlp_norm(x)), self.dropout, k_res2)
+        if (context is None) != (self.cross_attn is None):
+            raise ValueError(
+                "a block built with cross_attention=True needs a context, and one without takes none"
+            )
+        if key is None:
+            k_attn, k_res1, k_cross, k_res2, k_res3 = (None,) * 5
+        elif self.cross_attn is None:  # three keys, as before cross-attention existed: same masks
+            k_attn, k_res1, k_res3 = split_key(key, 3)
+        else:
+            k_attn, k_res1, k_cross, k_res2, k_res3 = split_key(key, 5)
+        x = self._residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask, key=k_attn), k_res1)
+        if self.cross_attn is not None:
+            cross = lambda h: self.cross_attn(h, context, mask=context_mask, key=k_cross)
+            x = self._residual(x, self.cross_norm, cross, k_res2)
+        return self._residual(x, self.mlp_norm, self.mlp, k_res3)
+
+    def cross_attention_weights(self, x, context, *, mask=None, context_mask=None):
+        """The cross-attention weights `(heads, seq, kv_seq)` that `__call__` uses on `x`
+        `(seq, d_model)` and `context` `(kv_seq, d_model)` (no dropout)."""
+        x = self._residual(x, self.attn_norm, lambda h: self.attn(h, mask=mask), None)
+        query = self.cross_norm(x) if self.norm_position == "pre" else x
+        return self.cross_attn.weights(query, context, mask=context_mask)
 
     @typechecked
     def decode(
-        self, x: Float[Array, "*batch new d_model"], cache: KVCache, start: Int[Array, ""] | int
+        self,
+        x: Float[Array, "*batch new d_model"],
+        cache: KVCache,
+        start: Int[Array, ""] | int,
+        context_kv: tuple[Array, Array] | None = None,
+        context_mask: Bool[Array, "..."] | None = None,
     ) -> tuple[Float[Array, "*batch new d_model"], KVCache]:
-        """`__call__` for new positions starting at `start`, attending through a `KVCache`
-        (see `MultiHeadAttention.decode`)."""
-        h, cache = self.attn.decode(self.attn_norm(x), cache, start)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        """`__call__` for new positions starting at `start`, attending through a `KVCache` (see
+        `MultiHeadAttention.decode`); a decoder block attends to the context's keys and values
+        `context_kv` (from `cross_attn.project_kv`, computed once per source sequence)."""
+        attend = lambda h: self.attn.decode(h, cache, start)
+        if self.norm_position == "pre":
+            h, cache = attend(self.attn_norm(x))
+            x = x + h
+        else:
+            h, cache = attend(x)
+            x = self.attn_norm(x + h)
+        if self.cross_attn is not None:
+            cross = lambda h: self.cross_attn.attend(h, *context_kv, mask=context_mask)
+            x = self._residual(x, self.cross_norm, cross, None)
+        return self._residual(x, self.mlp_norm, self.mlp, None), cache

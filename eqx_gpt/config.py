@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from eqx_gpt.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+NORM_KINDS = ("rms", "layer")
+NORM_POSITIONS = ("pre", "post")
 
 
 @dataclass(frozen=True)
@@ -20,9 +22,12 @@ class GPTConfig:
     n_layers: decoder blocks, stacked and run with `jax.lax.scan`.
     d_hidden: width of the MLP; None means 4 * d_model, as in the paper.
     dropout: rate on attention weights, sub-layer outputs and embeddings while training.
-    norm_eps: epsilon of every RMSNorm.
+    norm_eps: epsilon of every norm.
     scan_unroll: how many layers each iteration of the layer scan runs (speed vs compile time).
     compute_dtype: dtype of activations and matmuls; parameters stay float32 ("mixed precision").
+    norm: "rms" (RMSNorm, the default) or "layer" (LayerNorm, the paper's).
+    norm_position: "pre" (a norm before each sub-layer and one before the head, the default) or
+        "post" (the paper's Add & Norm after each residual sum, no final norm).
     """
 
     vocab_size: int
@@ -35,6 +40,8 @@ class GPTConfig:
     norm_eps: float = 1e-5
     scan_unroll: int = 1
     compute_dtype: str = "float32"
+    norm: str = "rms"
+    norm_position: str = "pre"
 
     def __post_init__(self):
         if self.d_hidden is None:
@@ -63,6 +70,11 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps > 0:
             raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if self.norm not in NORM_KINDS or self.norm_position not in NORM_POSITIONS:
+            raise ValueError(
+                f"GPTConfig: norm must be one of {NORM_KINDS} and norm_position one of {NORM_POSITIONS}, "
+                f"got {self.norm!r} and {self.norm_position!r}"
+            )
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"GPTConfig.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"

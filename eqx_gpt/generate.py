@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqx_gpt.attention import KVCache
 from eqx_gpt.gpt import GPT
-from eqx_gpt.sampling import check_sampling_args, sample_next_token
+from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
 
 # How many times each jitted function has been traced (compiled), so tests can prove the loop
 # does not recompile per token, prompt length or sampling setting.
@@ -101,8 +101,8 @@ def _prefill(
     trace_counts["prefill"] += 1
     batch, bucket = padded.shape
     logits, cache = model.decode(padded, model.init_cache(batch=batch), 0)
-    if not isinstance(cache, tuple):  # one buffer per layer, for the unstacked decode loop
-        cache = tuple(KVCache(cache.k[i], cache.v[i]) for i in range(model.config.n_layers))
+    if model.blocks.stacked:  # one buffer per layer, for the unstacked decode loop
+        cache = model.blocks.split(cache)
     token = _sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
     return GenerationState(cache, window, length, token, produced + 1)
@@ -160,13 +160,12 @@ def _cut_window(state: GenerationState, keep: int, bucket: int) -> Int[Array, "b
     return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept)
 
 
-def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
+def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
     """Validate arguments; return `(prompts (batch, seq) int32 cropped to the context, keep)`."""
-    check_sampling_args(temperature, top_k, top_p)
+    if not isinstance(options, SamplingOptions):
+        raise TypeError(f"options must be a SamplingOptions, got {type(options).__name__}")
     context = model.config.context_length
-    keep = max(1, context // 2) if keep is None else keep
-    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= context:
-        raise ValueError(f"keep must be an integer in [1, context_length={context}], got {keep!r}")
+    keep = options.window_keep(context)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     prompts = np.asarray(prompts)
@@ -187,13 +186,13 @@ def _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep):
     return prompts[:, -context:].astype(np.int32), keep
 
 
-def _sampling_arrays(temperature, top_k, top_p) -> dict:
+def _sampling_arrays(options: SamplingOptions) -> dict:
     """Sampling settings as traced arrays (no recompiles); greedy skips the filters entirely."""
-    greedy = temperature == 0
+    o, greedy = options, options.temperature == 0
     return dict(
-        temperature=jnp.asarray(temperature, jnp.float32),
-        top_k=None if greedy or top_k is None else jnp.asarray(top_k, jnp.int32),
-        top_p=None if greedy or top_p is None else jnp.asarray(top_p, jnp.float32),
+        temperature=jnp.asarray(o.temperature, jnp.float32),
+        top_k=None if greedy or o.top_k is None else jnp.asarray(o.top_k, jnp.int32),
+        top_p=None if greedy or o.top_p is None else jnp.asarray(o.top_p, jnp.float32),
     )
 
 
@@ -203,11 +202,7 @@ def stream_batch(
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    keep: int | None = None,
-    chunk_size: int = 32,
+    options: SamplingOptions = DEFAULT_SAMPLING,
 ) -> Iterator[np.ndarray]:
     """Generate from each row of `prompts` (equal lengths), yielding `(batch, <= chunk_size)`
     NumPy arrays of new token ids as they are ready; `max_new_tokens` in total.
@@ -218,16 +213,15 @@ def stream_batch(
     samples the next one) as its own step. Work is dispatched one chunk ahead of what is handed
     over, so the device keeps working while the caller prints. See the module docstring.
     """
-    prompts, keep = _prepare(model, prompts, max_new_tokens, temperature, top_k, top_p, keep)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    prompts, keep = _prepare(model, prompts, max_new_tokens, options)
+    chunk_size = options.chunk_size
     if max_new_tokens == 0:
         return
     context = model.config.context_length
     batch, length = prompts.shape
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
-    sampling = _sampling_arrays(temperature, top_k, top_p)
+    sampling = _sampling_arrays(options)
     state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
     yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
     unstacked = model.unstack() if max_new_tokens > 1 else model
@@ -258,17 +252,13 @@ def generate_batch(
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    keep: int | None = None,
-    chunk_size: int = 32,
+    options: SamplingOptions = DEFAULT_SAMPLING,
 ) -> np.ndarray:
     """`(batch, max_new_tokens)` new token ids, one row per prompt row (all rows equally long).
 
     For several samples of one prompt, repeat it: `np.tile(prompt, (n, 1))`; each row draws
-    its own randomness. `temperature=0` is greedy; `top_k`/`top_p` restrict sampling (see
-    `eqx_gpt.sampling.sample_next_token`). Only real vocabulary ids are produced.
+    its own randomness. `options` (a `SamplingOptions`) sets temperature (0: greedy), top-k, top-p,
+    the window's `keep` and the chunk size. Only real vocabulary ids are produced.
     """
     chunks = list(
         stream_batch(
@@ -276,11 +266,7 @@ def generate_batch(
             prompts,
             max_new_tokens,
             key=key,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            keep=keep,
-            chunk_size=chunk_size,
+            options=options,
         )
     )
     batch = np.asarray(prompts).shape[0]
@@ -293,17 +279,14 @@ def generate(
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    keep: int | None = None,
-    chunk_size: int = 32,
+    options: SamplingOptions = DEFAULT_SAMPLING,
 ) -> np.ndarray:
     """`max_new_tokens` new token ids `(max_new_tokens,)` continuing `prompt_tokens` `(seq,)`.
 
     KV-cached: the prompt is prefilled once, then each token costs one position. Past
     `context_length` the window slides as described in the module docstring (cut to the last
-    `keep` tokens, default `context_length // 2`, and re-prefilled). `temperature=0` is greedy.
+    `options.keep` tokens, default `max(1, context_length // 2)`, and re-prefilled).
+    `SamplingOptions(temperature=0)` is greedy.
     """
     prompts = np.asarray(prompt_tokens)[None]
     return generate_batch(
@@ -311,11 +294,7 @@ def generate(
         prompts,
         max_new_tokens,
         key=key,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        keep=keep,
-        chunk_size=chunk_size,
+        options=options,
     )[0]
 
 
@@ -332,10 +311,7 @@ def naive_generate(
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    keep: int | None = None,
+    options: SamplingOptions = DEFAULT_SAMPLING,
 ) -> np.ndarray:
     """The reference: rerun the model on the whole window for every token (as nanoGPT does).
 
@@ -343,12 +319,10 @@ def naive_generate(
     give the same tokens. The window is padded to a power-of-two bucket (causal attention makes
     the padding invisible), so the cost tracks the window length with a few compiled shapes.
     """
-    prompts, keep = _prepare(
-        model, np.asarray(prompt_tokens)[None], max_new_tokens, temperature, top_k, top_p, keep
-    )
+    prompts, keep = _prepare(model, np.asarray(prompt_tokens)[None], max_new_tokens, options)
     context = model.config.context_length
     window = list(prompts[0])
-    sampling = _sampling_arrays(temperature, top_k, top_p)
+    sampling = _sampling_arrays(options)
     out = []
     for i in range(max_new_tokens):
         padded = np.zeros(prompt_bucket(len(window), context), np.int32)
@@ -369,11 +343,7 @@ def stream_text(
     max_new_tokens: int,
     *,
     key: PRNGKeyArray,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    keep: int | None = None,
-    chunk_size: int = 32,
+    options: SamplingOptions = DEFAULT_SAMPLING,
 ) -> Iterator[str]:
     """`generate`, yielding the continuation as text, a chunk of tokens at a time.
 
@@ -385,11 +355,7 @@ def stream_text(
         np.asarray(prompt_tokens)[None],
         max_new_tokens,
         key=key,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        keep=keep,
-        chunk_size=chunk_size,
+        options=options,
     )
     yield from decode_incrementally(tokenizer, (chunk[0] for chunk in chunks))
 

@@ -13,8 +13,9 @@ from eqx_gpt.block import Block
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.dropout import dropout, keys_per_sequence, split_key
 from eqx_gpt.linear import linear
-from eqx_gpt.norm import RMSNorm
+from eqx_gpt.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.stack import LayerStack
 
 
 class GPT(eqx.Module):
@@ -23,18 +24,17 @@ class GPT(eqx.Module):
     tokens -> `embed[tokens] * sqrt(d_model)` + sinusoidal positions -> `n_layers` pre-norm
     causal blocks -> RMSNorm -> `@ head` -> logits.
 
-    The blocks are one `Block` whose arrays carry a leading `n_layers` axis (built with
-    `eqx.filter_vmap`) and are run with `jax.lax.scan`, so the compiled program does not grow
-    with depth. (`unstack` gives the same model with a tuple of separate blocks, run as a Python
-    loop: faster for decoding one token at a time.) The embedding and head have
-    `config.padded_vocab_size` rows/columns; the logits of the padding ids are **sliced off**, so
-    `__call__` returns exactly `config.vocab_size` logits per position and a padding id can never
-    be predicted or sampled.
+    The blocks are a `LayerStack`: one `Block` whose arrays carry a leading `n_layers` axis, run
+    with `jax.lax.scan`, so the compiled program does not grow with depth. (`unstack` gives the
+    same model with separate blocks run as a Python loop: faster for decoding one token at a time.)
+    The embedding and head have `config.padded_vocab_size` rows/columns; the logits of the padding
+    ids are **sliced off**, so `__call__` returns exactly `config.vocab_size` logits per position
+    and a padding id can never be predicted or sampled.
     """
 
     embed: Float[Array, "padded_vocab d_model"]
-    blocks: Block | tuple[Block, ...]
-    final_norm: RMSNorm
+    blocks: LayerStack  # of Blocks
+    final_norm: RMSNorm | LayerNorm | None  # None with post-norm blocks: their output is normed
     head: Float[Array, "d_model padded_vocab"]
     config: GPTConfig = eqx.field(static=True)
 
@@ -46,18 +46,21 @@ class GPT(eqx.Module):
         self.embed = jax.random.normal(k_embed, (c.padded_vocab_size, c.d_model)) / math.sqrt(c.d_model)
 
         def make_block(k):
-            return Block(c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps)
+            return Block(
+                c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
+                norm=c.norm, norm_position=c.norm_position,
+            )  # fmt: skip
 
-        blocks = eqx.filter_vmap(make_block)(jax.random.split(k_blocks, c.n_layers))
+        blocks = LayerStack(make_block, jax.random.split(k_blocks, c.n_layers), unroll=c.scan_unroll)
         # GPT-2's scaled init: each residual branch adds variance, so shrink the projections that
         # write into the residual stream by 1/sqrt(2 * n_layers).
         scale = 1.0 / math.sqrt(2 * c.n_layers)
         self.blocks = eqx.tree_at(
-            lambda b: (b.attn.w_out, b.mlp.w_out),
+            lambda s: (s.layers.attn.w_out, s.layers.mlp.w_out),
             blocks,
-            (blocks.attn.w_out * scale, blocks.mlp.w_out * scale),
+            (blocks.layers.attn.w_out * scale, blocks.layers.mlp.w_out * scale),
         )
-        self.final_norm = RMSNorm(c.d_model, eps=c.norm_eps)
+        self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_position == "pre" else None
         self.head = 0.02 * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
 
     def _embed(self, tokens, positions):
@@ -66,7 +69,7 @@ class GPT(eqx.Module):
         return x.astype(c.compute_dtype)
 
     def _logits(self, x):
-        logits = linear(self.final_norm(x), self.head)
+        logits = linear(x if self.final_norm is None else self.final_norm(x), self.head)
         return logits[..., : self.config.vocab_size].astype(jnp.float32)
 
     def _check_ids(self, tokens) -> None:
@@ -116,7 +119,7 @@ class GPT(eqx.Module):
         )
         mask = causal_mask(seq)
         layer_keys = None if k_blocks is None else split_key(k_blocks, self.config.n_layers)
-        x, _ = self._run_layers(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
+        x, _ = self.blocks.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
         return self._logits(x)
 
     @typechecked
@@ -133,30 +136,8 @@ class GPT(eqx.Module):
         def layer(block, x, _):
             return block(x, mask=mask), block.attn.weights(block.attn_norm(x), mask=mask)
 
-        _, weights = self._run_layers(layer, x, None)
-        return jnp.stack(weights) if isinstance(weights, tuple) else weights
-
-    def _run_layers(self, layer, x, per_layer):
-        """`x, out = layer(block, x, per_layer[i])` for each block in order; returns `x` and the outs.
-
-        Stacked blocks run as one `jax.lax.scan` (`per_layer` and the outs are pytrees with a leading
-        `n_layers` axis, or None); unstacked ones (see `unstack`) as a Python loop (`per_layer` and
-        the outs are then tuples with an item per layer, or None).
-        """
-        n = self.config.n_layers
-        if isinstance(self.blocks, tuple):
-            outs = []
-            for i, block in enumerate(self.blocks):
-                x, out = layer(block, x, None if per_layer is None else per_layer[i])
-                outs.append(out)
-            return x, tuple(outs)
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def step(x, xs):
-            block_arrays, xs_i = xs
-            return layer(eqx.combine(block_arrays, static), x, xs_i)
-
-        return jax.lax.scan(step, x, (dynamic, per_layer), length=n, unroll=self.config.scan_unroll)
+        _, weights = self.blocks.run(layer, x)
+        return self.blocks.as_array(weights)
 
     def unstack(self) -> "GPT":
         """The same model with its blocks as a tuple of `n_layers` separate `Block`s (a copy).
@@ -167,12 +148,7 @@ class GPT(eqx.Module):
         the memory traffic of a step that is bound by memory. The unstacked model's caches
         (`init_cache`, `decode`) are tuples of per-layer `KVCache`s.
         """
-        if isinstance(self.blocks, tuple):
-            return self
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        n = self.config.n_layers
-        layers = tuple(eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static) for i in range(n))
-        return eqx.tree_at(lambda m: m.blocks, self, layers)
+        return eqx.tree_at(lambda m: m.blocks, self, self.blocks.unstack())
 
     def init_cache(
         self, capacity: int | None = None, *, batch: int | None = None
@@ -189,10 +165,13 @@ class GPT(eqx.Module):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"init_cache needs a capacity >= 1 (positions to hold), got {capacity!r}")
         self._check_length(capacity)
-        lead = (() if isinstance(self.blocks, tuple) else (c.n_layers,)) + (() if batch is None else (batch,))
-        k = jnp.zeros((*lead, c.n_heads, c.d_head, capacity), c.compute_dtype)
-        v = jnp.zeros((*lead, c.n_heads, capacity, c.d_head), c.compute_dtype)
-        return tuple(KVCache(k, v) for _ in self.blocks) if isinstance(self.blocks, tuple) else KVCache(k, v)
+        rows = () if batch is None else (batch,)
+
+        def empty(layers: tuple[int, ...]) -> KVCache:
+            k = jnp.zeros((*layers, *rows, c.n_heads, c.d_head, capacity), c.compute_dtype)
+            return KVCache(k, jnp.zeros((*layers, *rows, c.n_heads, capacity, c.d_head), c.compute_dtype))
+
+        return self.blocks.per_layer(empty)
 
     @typechecked
     def decode(
@@ -209,7 +188,7 @@ class GPT(eqx.Module):
         `(batch, new)` sharing `start` takes a cache from `init_cache(batch=batch)`.
         """
         c = self.config
-        capacity = (cache[0] if isinstance(cache, tuple) else cache).v.shape[-2]
+        capacity = self.blocks.first(cache).v.shape[-2]
         if not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= capacity - tokens.shape[-1]:
             raise ValueError(
                 f"decode of {tokens.shape[-1]} token(s) at position {int(start)} does not fit a cache of "
@@ -219,5 +198,5 @@ class GPT(eqx.Module):
         positions = sinusoidal_positions(capacity, c.d_model)
         new_positions = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1])
         x = self._embed(tokens, new_positions)
-        x, cache = self._run_layers(lambda block, x, cache_i: block.decode(x, cache_i, start), x, cache)
+        x, cache = self.blocks.run(lambda block, x, cache_i: block.decode(x, cache_i, start), x, cache)
         return self._logits(x), cache

@@ -1,10 +1,11 @@
-"""Root-mean-square layer normalisation (Zhang & Sennrich 2019)."""
+"""The normalisations: RMSNorm (Zhang & Sennrich 2019) and LayerNorm (Ba et al. 2016)."""
 
 import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt.config import NORM_KINDS
 
 
 class RMSNorm(eqx.Module):
@@ -32,3 +33,43 @@ class RMSNorm(eqx.Module):
         x32 = x.astype(jnp.float32)
         inv_rms = jnp.reciprocal(jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps))
         return (x32 * inv_rms * self.scale).astype(x.dtype)
+
+
+class LayerNorm(eqx.Module):
+    """`(x - mean(x)) / sqrt(var(x) + eps) * scale + bias` over the last axis (Ba et al. 2016).
+
+    The norm of "Attention Is All You Need" (its "Add & Norm"). Learned `scale` (ones) and `bias`
+    (zeros); statistics are computed in float32 whatever the input dtype, as in `RMSNorm`.
+    """
+
+    scale: Float[Array, " dim"]
+    bias: Float[Array, " dim"]
+    dim: int = eqx.field(static=True)
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        if dim < 1:
+            raise ValueError(f"LayerNorm needs dim >= 1, got {dim}")
+        self.dim = dim
+        self.eps = eps
+        self.scale = jnp.ones((dim,), jnp.float32)
+        self.bias = jnp.zeros((dim,), jnp.float32)
+
+    @typechecked
+    def __call__(self, x: Float[Array, "*seq dim"]) -> Float[Array, "*seq dim"]:
+        """Normalise `x` of shape `(..., dim)`; returns the same shape and dtype."""
+        check_last_dim(x, self.dim, "LayerNorm", "dim")
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        inv_std = jnp.reciprocal(jnp.sqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps))
+        return (centred * inv_std * self.scale + self.bias).astype(x.dtype)
+
+
+NORMS = dict(zip(NORM_KINDS, (RMSNorm, LayerNorm), strict=True))
+
+
+def make_norm(kind: str, dim: int, eps: float) -> RMSNorm | LayerNorm:
+    """`RMSNorm(dim, eps)` for `"rms"`, `LayerNorm(dim, eps)` for `"layer"`."""
+    if kind not in NORMS:
+        raise ValueError(f"norm must be one of {tuple(NORMS)}, got {kind!r}")
+    return NORMS[kind](dim, eps=eps)

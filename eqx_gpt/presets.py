@@ -24,47 +24,56 @@ class Preset:
         return {**self.model, **self.train}
 
 
+_CPU_MODEL = dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4)
+_NANOGPT_MODEL = dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2)
+_NANOGPT_TRAIN = dict(
+    batch_size=64, max_steps=5000, max_minutes=0.0, lr=1e-3, min_lr=1e-4, warmup_steps=100, weight_decay=0.1,
+    beta2=0.99, eval_interval=250, eval_batches=20,
+)  # fmt: skip
+
+# The AdamW recipe of the cpu-adamw preset; the cpu preset changes what the speedrun changed.
+_CPU_ADAMW_TRAIN = dict(
+    batch_size=16, max_steps=7000, max_minutes=9.0, lr=4e-3, min_lr=4e-4, warmup_steps=30, weight_decay=0.1,
+    beta2=0.99, eval_interval=500, eval_batches=16,
+)  # fmt: skip
+
 PRESETS = {
     "cpu": Preset(
-        "the default: a 0.8M-parameter model, its schedule fitted to 9 minutes on a 2-core laptop CPU",
+        "the default: a 0.8M-parameter model trained with Muon, its schedule fitted to 9 minutes on a "
+        "2-core CPU",
+        # The CPU speedrun (README, "Speedrun"): Muon on the block matrices (lr 0.02, momentum 0.95,
+        # Nesterov) and AdamW at 4e-3 on the embedding, head and norm scales, batch 32, one cosine
+        # fitted to the time. scan_unroll=4 runs the 4 layers in one scan iteration (5-10% faster
+        # steps on 2 cores, no slower compile).
+        model=_CPU_MODEL,
+        train={
+            **_CPU_ADAMW_TRAIN,
+            "optimizer": "muon",
+            "batch_size": 32,
+            "max_steps": 20_000,
+            "lr": 0.02,
+            "min_lr": 0.002,
+            "adam_lr": 4e-3,
+        },  # fmt: skip
+    ),
+    "cpu-adamw": Preset(
+        "the previous default: the same model with AdamW, stopping at 7,000 steps or 9 minutes",
         # Tuned by short runs on 2 cores: at equal tokens, batch 16 beat batch 32 (more updates) at
         # the same tokens/s, and lr 5e-3 beat 2e-3 and 1e-2 (the preset kept 4e-3, just below it);
-        # context 64 runs about twice the tokens/s of context 128 on CPU.
-        # scan_unroll=4 runs the 4 layers in one scan iteration: measured 5-10% faster steps on 2
-        # cores than a rolled scan (measured side by side), with no slower compile at this depth.
-        # With the batched step (about 65 ms), 9 minutes bought about 6,800 steps: val 1.58. With 8
-        # steps per call (about 55 ms a step) all 8,000 fit in 7.7 minutes but ended at val 1.596
-        # (best 1.586 at 7,500): past ~7,000 steps this model overfits the 1M training characters
-        # faster than the longer schedule helps, so it stops at 7,000.
-        model=dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
-        train=dict(
-            batch_size=16,
-            max_steps=7000,
-            max_minutes=9.0,
-            lr=4e-3,
-            min_lr=4e-4,
-            warmup_steps=30,
-            weight_decay=0.1,
-            beta2=0.99,
-            eval_interval=500,
-            eval_batches=16,
-        ),
+        # context 64 runs about twice the tokens/s of context 128 on CPU. Past ~7,000 steps this
+        # model overfits the 1M training characters faster than a longer schedule helps.
+        model=_CPU_MODEL,
+        train=_CPU_ADAMW_TRAIN,
     ),
     "shakespeare-char": Preset(
         "nanoGPT's GPU recipe for Tiny Shakespeare characters (val loss about 1.47)",
-        model=dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2),
-        train=dict(
-            batch_size=64,
-            max_steps=5000,
-            max_minutes=0.0,
-            lr=1e-3,
-            min_lr=1e-4,
-            warmup_steps=100,
-            weight_decay=0.1,
-            beta2=0.99,
-            eval_interval=250,
-            eval_batches=20,
-        ),
+        model=_NANOGPT_MODEL,
+        train=_NANOGPT_TRAIN,
+    ),
+    "shakespeare-char-muon": Preset(
+        "nanoGPT's GPU recipe with Muon on the block matrices (not yet run on a GPU)",
+        model=_NANOGPT_MODEL,
+        train={**_NANOGPT_TRAIN, "optimizer": "muon", "lr": 0.02, "min_lr": 0.002, "adam_lr": 1e-3},
     ),
 }
 

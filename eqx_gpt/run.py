@@ -59,6 +59,7 @@ from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
 from eqx_gpt.progress import Progress, clock
 from eqx_gpt.run_dir import METRICS_NAME, Metrics, RunDirError, RunDirLock, check_run_dir, check_writable
+from eqx_gpt.sampling import SamplingOptions
 from eqx_gpt.schedule import TimePlan, describe_schedule, learning_rate
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.train_config import TrainConfig
@@ -139,7 +140,9 @@ def optimizer_and_step(config: TrainConfig, *, dropout: bool):
     Only the fields the step reads are part of the key, so a resumed run (or a second run in the
     same process, e.g. in tests) reuses the compiled step instead of compiling it again.
     """
-    fields = ("grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed")
+    fields = ["grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed", "optimizer"]
+    if config.optimizer == "muon":  # the AdamW group's rate is a fraction of the scheduled one
+        fields += ["lr", "min_lr", "adam_lr", "adam_weight_decay", "muon_momentum"]
     return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
 
 
@@ -426,7 +429,8 @@ def sample_text(
         prompt = tokenizer.encode("\n")
     except TokenizerError:
         prompt = [0]
-    out = generate(model, prompt, n_tokens, key=jax.random.key(seed), temperature=temperature)
+    options = SamplingOptions(temperature=temperature)
+    out = generate(model, prompt, n_tokens, key=jax.random.key(seed), options=options)
     return tokenizer.decode(np.asarray(out).reshape(-1).tolist())
 
 

@@ -6,6 +6,7 @@ Python-level choice), so changing a setting does not recompile.
 """
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,44 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
         raise ValueError(f"top_k must be an integer >= 1 (or None to keep every token), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How `generate` and its relatives choose and stream tokens; checked on construction.
+
+    temperature: 0 means greedy (`argmax`); otherwise logits are divided by it.
+    top_k: sample among the `top_k` most likely tokens only (None: all).
+    top_p: sample from the smallest set of tokens whose probability reaches `top_p` (None: all).
+    keep: past `context_length`, the window is cut to its last `keep` tokens and re-run
+        (None: `max(1, context_length // 2)`; `context_length` is nanoGPT's true sliding window).
+    chunk_size: tokens per jitted decode call, i.e. per streamed chunk.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    keep: int | None = None
+    chunk_size: int = 32
+
+    def __post_init__(self):
+        check_sampling_args(self.temperature, self.top_k, self.top_p)
+        if self.keep is not None and (
+            isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1
+        ):
+            raise ValueError(f"keep must be an integer >= 1 (or None), got {self.keep!r}")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+
+    def window_keep(self, context_length: int) -> int:
+        """The tokens kept when the window slides, for a model of `context_length`."""
+        keep = max(1, context_length // 2) if self.keep is None else self.keep
+        if keep > context_length:
+            raise ValueError(f"keep must be an integer in [1, context_length={context_length}], got {keep}")
+        return keep
+
+
+DEFAULT_SAMPLING = SamplingOptions()  # temperature 1, no filters, the default window and chunks
 
 
 def _rank(logits):

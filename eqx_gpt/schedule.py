@@ -40,10 +40,19 @@ def describe_schedule(config: TrainConfig, horizon: int) -> str:
     shortened = (
         f" (--warmup-steps {c.warmup_steps} shortened to half the run)" if warmup < c.warmup_steps else ""
     )
+    if c.optimizer == "adamw":
+        return (
+            f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, cosine to {c.min_lr:g} at step "
+            f"{horizon}; betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
+            f"gradient clip {c.grad_clip:g}"
+        )
+    adam_lr = c.adam_lr or c.lr
     return (
-        f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, cosine to {c.min_lr:g} at step "
-        f"{horizon}; betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
-        f"gradient clip {c.grad_clip:g}"
+        f"Muon (momentum {c.muon_momentum:g}, Nesterov) on the block matrices: lr {c.lr:g}, weight decay "
+        f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}, betas "
+        f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
+        f"warmed up over {warmup} steps{shortened}, then a cosine to {c.min_lr / c.lr:g} of their peak "
+        f"at step {horizon}; gradient clip {c.grad_clip:g}"
     )
 
 
@@ -56,8 +65,9 @@ class TimePlan:
     told and can be tested without waiting.
     """
 
-    def __init__(self, max_minutes: float, max_steps: int, t_start: float):
+    def __init__(self, max_minutes: float, max_steps: int, t_start: float, reserve_s: float = RESERVE_S):
         self.max_steps = max_steps
+        self.reserve_s = reserve_s  # kept before the deadline for what follows the last step
         self.deadline = t_start + 60 * max_minutes if max_minutes else math.inf
         self.timed_from: tuple[int, float] | None = None  # (step, time) after compilation
         self.eval_seconds = 0.0
@@ -82,7 +92,7 @@ class TimePlan:
 
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
-        return now > self.deadline - RESERVE_S
+        return now > self.deadline - self.reserve_s
 
     def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
         """The horizon that ends the run at the deadline, within `[step, max_steps]`.
@@ -94,5 +104,5 @@ class TimePlan:
             return horizon
         evals_left = max(0, (horizon - step) // eval_interval)
         per_eval = self.eval_seconds / self.n_evals if self.n_evals else eval_cost_steps / rate
-        budget = self.deadline - now - RESERVE_S - evals_left * per_eval
+        budget = self.deadline - now - self.reserve_s - evals_left * per_eval
         return max(step, min(self.max_steps, step + int(budget * rate)))

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from eqx_gpt.config import check_fields, config_from_dict
 
 TOKENIZERS = ("char", "gpt2")
+OPTIMIZERS = ("adamw", "muon")
 
 
 def _help(text: str, **kwargs):
@@ -31,10 +32,26 @@ class TrainConfig:
         "stop after this many minutes of wall time, fitting the schedule to the steps that fit (0: no limit)",
         default=0.0,
     )
-    lr: float = _help("peak learning rate", default=1e-3)
+    optimizer: str = _help(
+        "'adamw' for every parameter, or 'muon': Muon (optax.contrib.muon) on the blocks' weight "
+        "matrices and AdamW (at --adam-lr) on the embedding, head and norm scales",
+        default="adamw",
+    )
+    lr: float = _help("peak learning rate (of the Muon group under --optimizer muon)", default=1e-3)
+    adam_lr: float | None = _help(
+        "under --optimizer muon: peak learning rate of the AdamW group (default: --lr)", default=None
+    )
+    adam_weight_decay: float = _help(
+        "under --optimizer muon: weight decay of the AdamW group (embedding and head, never norm scales)",
+        default=0.0,
+    )
+    muon_momentum: float = _help("under --optimizer muon: Muon's (Nesterov) momentum", default=0.95)
     min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
     warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
-    weight_decay: float = _help("AdamW weight decay, applied to weight matrices only", default=0.1)
+    weight_decay: float = _help(
+        "weight decay of the weight matrices (AdamW's; under --optimizer muon, of the Muon group)",
+        default=0.1,
+    )
     beta1: float = _help("AdamW beta1", default=0.9)
     beta2: float = _help("AdamW beta2", default=0.99)
     grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
@@ -62,12 +79,32 @@ class TrainConfig:
                 "eval_batches",
                 "log_interval",
             ),
-            finite=("max_minutes", "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip"),
+            finite=(
+                "max_minutes",
+                "lr",
+                "min_lr",
+                "weight_decay",
+                "beta1",
+                "beta2",
+                "grad_clip",
+                "adam_weight_decay",
+                "muon_momentum",
+                *(("adam_lr",) if self.adam_lr is not None else ()),
+            ),
         )
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
                 f"each micro-batch must hold batch_size / grad_accum sequences"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.adam_lr is not None and not self.adam_lr > 0:
+            raise ValueError(f"adam_lr must be > 0, got {self.adam_lr}")
+        if not 0 <= self.muon_momentum < 1 or self.adam_weight_decay < 0:
+            raise ValueError(
+                f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "
+                f"{self.adam_weight_decay}"
             )
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")

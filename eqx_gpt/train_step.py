@@ -10,37 +10,72 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqx_gpt.block import Block
 from eqx_gpt.data import DROPOUT, batch_key
 from eqx_gpt.gpt import GPT
-from eqx_gpt.norm import RMSNorm
+from eqx_gpt.norm import LayerNorm, RMSNorm
 from eqx_gpt.train_config import TrainConfig
 
 
 def decay_mask(params: PyTree) -> PyTree:
-    """True for the leaves AdamW decays: weight matrices and embeddings, not RMSNorm scales.
+    """True for the leaves AdamW decays: weight matrices and embeddings, not norm scales and biases.
 
     Decided by what owns a leaf rather than by `ndim`: the blocks are stacked with a leading
-    `n_layers` axis, so their RMSNorm scales are 2-D too.
+    `n_layers` axis, so their norm scales are 2-D too.
     """
 
     def mark(node):
-        if isinstance(node, RMSNorm):
+        if isinstance(node, RMSNorm | LayerNorm):
             return jax.tree.map(lambda _: False, node)
         return True
 
-    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm))
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm | LayerNorm))
+
+
+def muon_labels(params: PyTree) -> PyTree:
+    """ "muon" for the hidden weight matrices (inside the blocks, not norm scales), "adamw" for the
+    rest: the embedding, the head and every norm scale, as the speedruns do."""
+
+    def label(node):
+        if isinstance(node, Block):
+            matrices = decay_mask(node)
+            return jax.tree.map(lambda is_matrix: "muon" if is_matrix else "adamw", matrices)
+        return jax.tree.map(lambda _: "adamw", node)
+
+    return jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
+
+
+def _matrix_axes(params: PyTree) -> PyTree:
+    """Muon's axes for our `x @ W` layout: the input (reduction) axis is `-2`, the output axis
+    `-1`, and a leading `n_layers` axis of the stacked blocks is a batch axis of the
+    orthogonalisation (each layer's matrix is orthogonalised on its own)."""
+    return jax.tree.map(lambda w: optax.contrib.MuonDimensionNumbers(w.ndim - 2, w.ndim - 1), params)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """Gradient clipping, then AdamW with a unit learning rate; the step scales by the schedule.
+    """Gradient clipping, then AdamW (or Muon and AdamW) with a unit learning rate; the step
+    scales by the schedule.
 
     optax's `adamw` is `scale_by_adam`, `add_decayed_weights`, then `scale(-learning_rate)`; with
     `learning_rate=1` the step multiplies by the scheduled rate itself, so the schedule's length can
-    be fitted to the time a run has without rebuilding the optimiser or recompiling.
+    be fitted to the time a run has without rebuilding the optimiser or recompiling. Under
+    `optimizer="muon"` the scheduled rate is Muon's; the AdamW group runs at `adam_lr / lr` of it,
+    so one schedule drives both rates.
     """
     c = config
-    adamw = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(c.grad_clip), adamw) if c.grad_clip > 0 else adamw
+    if c.optimizer == "adamw":
+        opt = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
+    else:
+        muon = optax.contrib.muon(
+            1.0, beta=c.muon_momentum, weight_decay=c.weight_decay, nesterov=True,
+            muon_weight_dimension_numbers=_matrix_axes,
+        )  # fmt: skip
+        adam_scale = (c.adam_lr or c.lr) / c.lr
+        adamw = optax.adamw(
+            adam_scale, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
+        )
+        opt = optax.partition({"muon": muon, "adamw": adamw}, muon_labels)
+    return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
@@ -63,11 +98,11 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
     return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool):
+def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool, loss):
     """The un-jitted optimiser step `(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`
     that `make_train_step` and `make_train_steps` compile."""
     n_micro = config.grad_accum
-    grad_of_loss = eqx.filter_value_and_grad(loss_fn)
+    grad_of_loss = eqx.filter_value_and_grad(loss)
 
     def step_fn(model, opt_state, batch, step, lr):
         n, window = batch.shape
@@ -95,7 +130,9 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
     return step_fn
 
 
-def make_train_step(optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool):
+def make_train_step(
+    optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
+):
     """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted.
 
     `batch` is `(batch_size, context_length + 1)` token ids; `step` (int32) and `lr` (float32) are
@@ -103,8 +140,10 @@ def make_train_step(optimizer: optax.GradientTransformation, config: TrainConfig
     donated (updated in place); the batch is not. With `grad_accum > 1` the batch is split into
     micro-batches whose gradients are averaged by `lax.scan`; each sequence keeps its dropout key,
     so the update is the full batch's (up to float rounding). Dropout keys are a function of `(seed, step)`.
+    `loss(model, batch, keys)` is `loss_fn` (the GPT's next-token loss) unless another model's
+    loss is given (`examples/translate.py` trains an encoder-decoder with this same step).
     """
-    body = _step_body(optimizer, config, dropout)
+    body = _step_body(optimizer, config, dropout, loss)
 
     # The first argument (the inputs) is not donated: callers may reuse a batch.
     @eqx.filter_jit(donate="all-except-first")
@@ -117,7 +156,9 @@ def make_train_step(optimizer: optax.GradientTransformation, config: TrainConfig
     return train_step
 
 
-def make_train_steps(optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool):
+def make_train_steps(
+    optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
+):
     """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, losses)`: the
     first `n` of a stack of `make_train_step` steps in one dispatch.
 
@@ -127,7 +168,7 @@ def make_train_steps(optimizer: optax.GradientTransformation, config: TrainConfi
     of a small model's step carries a fixed cost (about 15 ms at the default preset, a quarter of
     the step) that a loop inside one program does not pay.
     """
-    body = _step_body(optimizer, config, dropout)
+    body = _step_body(optimizer, config, dropout, loss)
 
     @eqx.filter_jit(donate="all-except-first")
     def steps_fn(inputs, model, opt_state):

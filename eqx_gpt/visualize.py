@@ -82,21 +82,33 @@ def token_labels(pieces: list[str]) -> list[str]:
     return labels
 
 
-def plot_attention(weights: np.ndarray, labels: list[str], path: str | Path, *, title: str = "") -> Path:
-    """Write a grid of heatmaps, one per (layer, head), of `weights` `(layers, heads, seq, seq)`.
+def plot_attention(
+    weights: np.ndarray,
+    labels: list[str],
+    path: str | Path,
+    *,
+    title: str = "",
+    key_labels: list[str] | None = None,
+) -> Path:
+    """Write a grid of heatmaps, one per (layer, head), of `weights` `(layers, heads, seq, kv_seq)`.
 
-    Row `l`, column `h` shows `weights[l, h, query, key]`: queries down the side, keys along the
-    top, each labelled with its token. Returns the path written.
+    Row `l`, column `h` shows `weights[l, h, query, key]`: queries down the side (`labels`), keys
+    along the top (`key_labels`, default the same: self-attention). Returns the path written.
     """
     weights = np.asarray(weights)
-    n_layers, n_heads, seq, _ = weights.shape
-    if len(labels) != seq:
-        raise ValueError(f"plot_attention got {len(labels)} labels for {seq} positions")
-    cell = min(max(1.6, 0.14 * seq), 3.5)  # inches per heatmap: readable labels, bounded image size
+    n_layers, n_heads, seq, kv_seq = weights.shape
+    key_labels = labels if key_labels is None else key_labels
+    if len(labels) != seq or len(key_labels) != kv_seq:
+        raise ValueError(
+            f"plot_attention got {len(labels)} x {len(key_labels)} labels for {seq} x {kv_seq} weights"
+        )
+    cell = min(
+        max(1.6, 0.14 * max(seq, kv_seq)), 3.5
+    )  # inches per heatmap: readable labels, bounded image size
     fig = Figure(figsize=(cell * n_heads + 0.8, cell * n_layers + 0.6), layout="constrained")
     axes = fig.subplots(n_layers, n_heads, squeeze=False)
-    show_ticks = seq <= 48
-    font = max(4, min(8, 220 // max(seq, 1)))
+    show_ticks = max(seq, kv_seq) <= 48
+    font = max(4, min(8, 220 // max(seq, kv_seq, 1)))
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer, head]
@@ -105,7 +117,7 @@ def plot_attention(weights: np.ndarray, labels: list[str], path: str | Path, *, 
             )
             ax.set_title(f"layer {layer} head {head}", fontsize=8)
             if show_ticks:
-                ax.set_xticks(range(seq), labels, fontsize=font, rotation=90)
+                ax.set_xticks(range(kv_seq), key_labels, fontsize=font, rotation=90)
                 ax.set_yticks(range(seq), labels, fontsize=font)
                 ax.tick_params(length=0, labeltop=True, labelbottom=False)
             else:

@@ -79,19 +79,15 @@ def test_every_picture_path_of_sample_py_is_checked_before_any_work(capsys, tmp_
 # -- keys: classic PRNGKey and typed keys ------------------------------------------------------
 
 
-KEY_STYLES = {"typed": jax.random.key, "classic": jax.random.PRNGKey}
-
-
-@pytest.mark.parametrize("style", sorted(KEY_STYLES))
-def test_every_module_taking_a_key_accepts_both_key_styles_with_the_same_result(style):
-    make = KEY_STYLES[style]
+def _outputs_with_keys(make):
+    """What every key-taking module gives with keys made by `make(seed)`."""
     x = jnp.ones((2, 5, 8))
     attention = MultiHeadAttention(8, 2, key=make(0), dropout=0.5)
     block = Block(8, 2, 16, key=make(1), dropout=0.5)
     config = GPTConfig(vocab_size=7, context_length=8, d_model=8, n_heads=2, n_layers=2, dropout=0.5)
     model = GPT(config, key=make(2))
     tokens = jnp.zeros((3, 4), jnp.int32)
-    outputs = [
+    return [
         attention(x[0], key=make(3)),
         attention(x, key=make(3)),
         block(x, key=make(4)),
@@ -99,16 +95,11 @@ def test_every_module_taking_a_key_accepts_both_key_styles_with_the_same_result(
         model(tokens, key=make(6)),
         jax.vmap(lambda t, k: model(t, key=k))(tokens, jax.random.split(make(7), 3)),
     ]
-    typed = KEY_STYLES["typed"]
-    reference = [
-        attention(x[0], key=typed(3)),
-        attention(x, key=typed(3)),
-        block(x, key=typed(4)),
-        dropout(x, 0.5, typed(5)),
-        model(tokens, key=typed(6)),
-        jax.vmap(lambda t, k: model(t, key=k))(tokens, jax.random.split(typed(7), 3)),
-    ]
-    for out, ref in zip(outputs, reference, strict=True):
+
+
+def test_every_module_taking_a_key_accepts_classic_keys_with_the_result_of_typed_ones():
+    classic, typed = _outputs_with_keys(jax.random.PRNGKey), _outputs_with_keys(jax.random.key)
+    for out, ref in zip(classic, typed, strict=True):
         np.testing.assert_array_equal(out, ref)
 
 

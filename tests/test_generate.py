@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from eqx_gpt import GPT, GPTConfig
+from eqx_gpt import GPT, GPTConfig, SamplingOptions
 from eqx_gpt.generate import (
     decode_incrementally,
     generate,
@@ -41,8 +41,8 @@ def test_greedy_cached_equals_naive_within_the_context(seed, prompt_len):
     prompt = random_prompt(seed, prompt_len)
     n = CFG.context_length - prompt_len  # fills the window exactly, never slides
     key = jax.random.key(seed)
-    cached = generate(model, prompt, n, key=key, temperature=0)
-    naive = naive_generate(model, prompt, n, key=key, temperature=0)
+    cached = generate(model, prompt, n, key=key, options=SamplingOptions(temperature=0))
+    naive = naive_generate(model, prompt, n, key=key, options=SamplingOptions(temperature=0))
     assert len(cached) == n
     np.testing.assert_array_equal(cached, naive)
     assert len(set(cached.tolist())) > 1  # not a degenerate constant run
@@ -50,7 +50,7 @@ def test_greedy_cached_equals_naive_within_the_context(seed, prompt_len):
 
 def test_sampled_cached_equals_naive_with_the_same_key(model):
     prompt = random_prompt(4, 5)
-    kw = dict(key=jax.random.key(7), temperature=1.3, top_k=20, top_p=0.95)
+    kw = dict(key=jax.random.key(7), options=SamplingOptions(temperature=1.3, top_k=20, top_p=0.95))
     np.testing.assert_array_equal(generate(model, prompt, 11, **kw), naive_generate(model, prompt, 11, **kw))
 
 
@@ -59,8 +59,8 @@ def test_sliding_past_the_context_matches_the_naive_policy(model, keep):
     prompt = random_prompt(5, 6)
     n = 3 * CFG.context_length + 3  # slides several times
     key = jax.random.key(1)
-    cached = generate(model, prompt, n, key=key, temperature=0, keep=keep)
-    naive = naive_generate(model, prompt, n, key=key, temperature=0, keep=keep)
+    cached = generate(model, prompt, n, key=key, options=SamplingOptions(temperature=0, keep=keep))
+    naive = naive_generate(model, prompt, n, key=key, options=SamplingOptions(temperature=0, keep=keep))
     assert cached.shape == (n,)
     np.testing.assert_array_equal(cached, naive)
 
@@ -69,13 +69,21 @@ def test_after_a_slide_the_model_sees_only_the_kept_window(model):
     # A full window plus one new token t is cut to its last keep = 8 tokens (t included) and
     # re-prefilled at position 0, so what follows equals starting afresh from that cut.
     prompt = random_prompt(6, CFG.context_length)
-    out = generate(model, prompt, 20, key=jax.random.key(0), temperature=0)
+    out = generate(model, prompt, 20, key=jax.random.key(0), options=SamplingOptions(temperature=0))
     cut = np.concatenate([prompt[-(CFG.context_length // 2 - 1) :], out[:1]])
-    np.testing.assert_array_equal(out[1:], generate(model, cut, 19, key=jax.random.key(0), temperature=0))
+    np.testing.assert_array_equal(
+        out[1:], generate(model, cut, 19, key=jax.random.key(0), options=SamplingOptions(temperature=0))
+    )
 
 
 def test_no_recompilation_per_token_prompt_length_or_setting(model):
-    generate(model, random_prompt(0, 3), 30, key=jax.random.key(0), temperature=1.0, top_k=5, top_p=0.9)
+    generate(
+        model,
+        random_prompt(0, 3),
+        30,
+        key=jax.random.key(0),
+        options=SamplingOptions(temperature=1.0, top_k=5, top_p=0.9),
+    )
     before = dict(trace_counts)
     for i, prompt_len in enumerate([1, 9, 16, 12]):  # one bucket (16 = the context here)
         out = generate(
@@ -83,9 +91,7 @@ def test_no_recompilation_per_token_prompt_length_or_setting(model):
             random_prompt(i, prompt_len),
             70,  # several chunks, several slides
             key=jax.random.key(i),
-            temperature=0.5 + i,
-            top_k=1 + i,
-            top_p=0.3 + 0.2 * i,
+            options=SamplingOptions(temperature=0.5 + i, top_k=1 + i, top_p=0.3 + 0.2 * i),
         )
         assert out.shape == (70,)
     assert dict(trace_counts) == before
@@ -109,7 +115,9 @@ def test_same_key_same_tokens_whatever_the_chunking(model):
     key = jax.random.key(3)
     a = generate(model, prompt, 45, key=key)
     np.testing.assert_array_equal(a, generate(model, prompt, 45, key=key))
-    np.testing.assert_array_equal(a, generate(model, prompt, 45, key=key, chunk_size=7))
+    np.testing.assert_array_equal(
+        a, generate(model, prompt, 45, key=key, options=SamplingOptions(chunk_size=7))
+    )
     assert not np.array_equal(a, generate(model, prompt, 45, key=jax.random.key(4)))
 
 
@@ -124,7 +132,9 @@ def test_batch_rows_are_independent_samples_and_row_zero_is_generate(model):
 
 def test_stream_yields_chunks_that_add_up(model):
     prompt = random_prompt(1, 3)
-    chunks = list(stream_batch(model, prompt[None], 70, key=jax.random.key(0), chunk_size=8))
+    chunks = list(
+        stream_batch(model, prompt[None], 70, key=jax.random.key(0), options=SamplingOptions(chunk_size=8))
+    )
     assert all(c.shape[0] == 1 and 1 <= c.shape[1] <= 8 for c in chunks)
     # The first token comes alone from the prefill; 13 fill the window (16); then each slide
     # gives one token, followed by 8 = 16 - 8 steps.
@@ -136,7 +146,9 @@ def test_stream_yields_chunks_that_add_up(model):
 def test_padded_vocabulary_ids_are_never_produced(model):
     assert CFG.padded_vocab_size > CFG.vocab_size
     rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
-    out = generate(rigged, random_prompt(2, 4), 40, key=jax.random.key(0), temperature=5.0)
+    out = generate(
+        rigged, random_prompt(2, 4), 40, key=jax.random.key(0), options=SamplingOptions(temperature=5.0)
+    )
     assert out.max() < CFG.vocab_size
 
 
@@ -144,8 +156,8 @@ def test_a_prompt_longer_than_the_context_is_cropped_to_its_end(model):
     long = random_prompt(3, 40)
     key = jax.random.key(0)
     np.testing.assert_array_equal(
-        generate(model, long, 10, key=key, temperature=0),
-        generate(model, long[-CFG.context_length :], 10, key=key, temperature=0),
+        generate(model, long, 10, key=key, options=SamplingOptions(temperature=0)),
+        generate(model, long[-CFG.context_length :], 10, key=key, options=SamplingOptions(temperature=0)),
     )
 
 
@@ -167,8 +179,10 @@ def test_zero_new_tokens(model):
     ],
 )
 def test_bad_arguments_raise_named_errors(model, prompt, kwargs, needle):
-    with pytest.raises(ValueError, match=needle):
-        generate(model, np.asarray(prompt, np.int32), 3, key=jax.random.key(0), **kwargs)
+    with pytest.raises(ValueError, match=needle):  # from SamplingOptions, or from generate
+        generate(
+            model, np.asarray(prompt, np.int32), 3, key=jax.random.key(0), options=SamplingOptions(**kwargs)
+        )
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [1], -1, key=jax.random.key(0))
 
@@ -179,7 +193,7 @@ def test_bad_shapes_and_chunk_sizes_raise_named_errors(model):
     with pytest.raises(ValueError, match=r"\(batch, seq\)"):
         generate_batch(model, np.ones(3, np.int32), 3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="chunk_size"):
-        generate(model, [1, 2], 3, key=jax.random.key(0), chunk_size=0)
+        generate(model, [1, 2], 3, key=jax.random.key(0), options=SamplingOptions(chunk_size=0))
 
 
 class BytesTokenizer:

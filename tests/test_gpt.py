@@ -46,7 +46,7 @@ def test_padded_ids_never_win_even_with_huge_head_weights(model):
 
 
 def test_layers_start_different(model):
-    w = model.blocks.attn.w_qkv
+    w = model.blocks.layers.attn.w_qkv
     assert w.shape[0] == CFG.n_layers
     assert not np.allclose(w[0], w[1])
 
@@ -92,8 +92,8 @@ def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
 
 def test_an_unstacked_model_is_the_same_function(model):
     unstacked = model.unstack()
-    assert isinstance(unstacked.blocks, tuple) and len(unstacked.blocks) == CFG.n_layers
-    np.testing.assert_array_equal(unstacked.blocks[1].mlp.w_in, model.blocks.mlp.w_in[1])
+    assert not unstacked.blocks.stacked and len(unstacked.blocks.layers) == CFG.n_layers
+    np.testing.assert_array_equal(unstacked.blocks.layers[1].mlp.w_in, model.blocks.layers.mlp.w_in[1])
     tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
     np.testing.assert_allclose(unstacked(tokens), model(tokens), atol=1e-6)
     np.testing.assert_allclose(
@@ -159,7 +159,7 @@ def test_gpt_rejects_sequences_longer_than_the_context(model):
 
 def test_attention_rejects_a_mask_of_the_wrong_size_under_jit():
     attn = MultiHeadAttention(8, 2, key=jax.random.key(0))
-    with pytest.raises(TypeCheckError):
+    with pytest.raises(ValueError, match=r"mask has shape \(6, 6\).*shape \(5, 5\)"):
         jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 8)), causal_mask(6))
 
 

@@ -30,8 +30,9 @@ WORKER = textwrap.dedent(
 
     config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
 
-    def run(devices, grad_accum, fsdp=False):
-        train_config = TrainConfig(batch_size=8, grad_accum=grad_accum, seed=0)
+    def run(devices, grad_accum, fsdp=False, optimizer="adamw"):
+        train_config = TrainConfig(batch_size=8, grad_accum=grad_accum, seed=0, optimizer=optimizer, lr=0.02,
+                                   min_lr=0.002, adam_lr=3e-3)
         mesh = data_mesh(devices)
         optimizer = make_optimizer(train_config)
         model = GPT(config, key=jax.random.key(0))
@@ -62,6 +63,10 @@ WORKER = textwrap.dedent(
         "two": run(jax.devices(), 1),
         "two_accum": run(jax.devices(), 2),
         "two_fsdp": run(jax.devices(), 1, fsdp=True),
+        "one_muon": run(jax.devices()[:1], 1, optimizer="muon"),
+        "two_muon": run(jax.devices(), 1, optimizer="muon"),
+        "two_accum_muon": run(jax.devices(), 2, optimizer="muon"),
+        "two_fsdp_muon": run(jax.devices(), 1, fsdp=True, optimizer="muon"),
     }))
     """
 )
@@ -130,6 +135,15 @@ def test_fsdp_on_two_devices_gives_the_losses_of_one_and_halves_the_state(two_de
     # The state stayed split through the steps: each device holds about half of it (the small
     # arrays that 2 does not divide, such as step counts, are whole on both).
     assert r["two_fsdp"]["bytes_on_one_device"] < 0.52 * r["two"]["bytes_on_one_device"]
+
+
+def test_under_muon_two_devices_grad_accum_and_fsdp_give_the_losses_of_one(two_device_runs):
+    r = two_device_runs
+    assert r["one_muon"]["losses"] != r["one"]["losses"]  # Muon really ran
+    for name in ("two_muon", "two_accum_muon", "two_fsdp_muon"):
+        assert _max_abs_diff(r["one_muon"]["losses"], r[name]["losses"]) <= 1e-5, name
+        assert _max_abs_diff(r["one_muon"]["head"], r[name]["head"]) <= 1e-5, name
+    assert r["two_fsdp_muon"]["bytes_on_one_device"] < 0.6 * r["two_muon"]["bytes_on_one_device"]
 
 
 def test_fsdp_splits_the_largest_axis_the_device_count_divides():

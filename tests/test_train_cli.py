@@ -53,7 +53,7 @@ def test_a_tiny_run_writes_metrics_plot_checkpoints_and_a_sample(tmp_path, corpu
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--max-steps", "12", "--eval-interval", "6"]
     assert train_cli.main([*argv, "--sample-tokens", "40"]) == 0
     stdout = capsys.readouterr().out
-    assert "parameters" in stdout and "schedule: AdamW, lr warm-up" in stdout and "sample" in stdout
+    assert "parameters" in stdout and "schedule: Muon (momentum 0.95" in stdout and "sample" in stdout
     records = _records(out)
     logged = [r for r in records if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 13))
@@ -106,6 +106,13 @@ def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, un
     assert 10 <= killed_at < 300
     assert train_cli.main([*argv, "--resume"]) == 0  # the killed run's lock is taken over
     assert "took over" in capsys.readouterr().out
+    # The default optimiser is Muon: its checkpoint loads in sample.py.
+    from test_sample_cli import load_cli, sample
+
+    code, text, err = sample(
+        load_cli(), capsys, "--checkpoint", str(out), "--prompt", "RO", "--max-new-tokens", "9"
+    )
+    assert code == 0 and text.startswith("RO") and len(text) == 2 + 9 + 1, err
     expected, resumed = _losses(uninterrupted), _losses(out)
     assert resumed == expected  # every step's loss and every evaluation, bit for bit
     assert sorted(resumed[0]) == list(range(1, 301))
@@ -275,3 +282,17 @@ def test_a_preset_run_records_its_configs_and_resume_keeps_them(tmp_path, corpus
     meta = json.loads((out / "latest.json").read_text())
     assert meta["step"] == 4 and meta["preset"] == "shakespeare-char"
     assert meta["train_config"]["lr"] == PRESETS["shakespeare-char"].train["lr"]
+
+
+ADAMW = ["--optimizer", "adamw", "--lr", "0.004", "--min-lr", "0.0004"]
+
+
+def test_an_adamw_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, capsys):
+    never, out = tmp_path / "never", tmp_path / "killed"
+    argv = [*TINY, *RESUME_STEPS, *ADAMW, "--data", str(corpus)]
+    assert train_cli.main([*argv, "--out-dir", str(never)]) == 0
+    assert "schedule: AdamW, lr warm-up 0 -> 0.004" in capsys.readouterr().out
+    rc, _, _ = _start_and_stop(out, corpus, signal.SIGKILL, extra=ADAMW)
+    assert rc == -signal.SIGKILL, "the run finished before it could be killed"
+    assert train_cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
+    assert _losses(out) == _losses(never)  # bit for bit: the AdamW state is in the checkpoint

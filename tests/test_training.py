@@ -14,6 +14,7 @@ from eqx_gpt.train_step import (
     make_optimizer,
     make_train_step,
     make_train_steps,
+    muon_labels,
 )
 
 CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
@@ -21,10 +22,14 @@ CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_la
 
 def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():
     model = GPT(CONFIG, key=jax.random.key(0))
-    assert model.blocks.attn_norm.scale.ndim == 2  # stacked over layers: ndim alone cannot decide
+    assert model.blocks.layers.attn_norm.scale.ndim == 2  # stacked over layers: ndim alone cannot decide
     mask = decay_mask(eqx.filter(model, eqx.is_inexact_array))
-    assert mask.embed and mask.head and mask.blocks.attn.w_qkv and mask.blocks.mlp.w_out
-    assert not mask.blocks.attn_norm.scale and not mask.blocks.mlp_norm.scale and not mask.final_norm.scale
+    assert mask.embed and mask.head and mask.blocks.layers.attn.w_qkv and mask.blocks.layers.mlp.w_out
+    assert (
+        not mask.blocks.layers.attn_norm.scale
+        and not mask.blocks.layers.mlp_norm.scale
+        and not mask.final_norm.scale
+    )
 
 
 def _step(config: TrainConfig, model_config=CONFIG):
@@ -107,3 +112,59 @@ def test_invalid_train_configs_are_rejected():
         TrainConfig(tokenizer="bpe")
     with pytest.raises(ValueError, match="min_lr"):
         TrainConfig(lr=1e-4, min_lr=1e-3)
+
+
+MUON = TrainConfig(batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=3e-3, weight_decay=0.0)
+
+
+def test_muon_takes_the_block_matrices_and_adamw_the_embedding_head_and_norm_scales():
+    labels = muon_labels(eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array))
+    blocks = labels.blocks.layers
+    assert blocks.attn.w_qkv == blocks.attn.w_out == blocks.mlp.w_in == blocks.mlp.w_out == "muon"
+    assert labels.embed == labels.head == labels.final_norm.scale == "adamw"
+    assert blocks.attn_norm.scale == blocks.mlp_norm.scale == "adamw"
+
+
+def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
+    config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0})
+    model = GPT(CONFIG, key=jax.random.key(0))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    optimizer = make_optimizer(config)
+    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    for name in ("w_qkv", "w_out"):
+        stacked = getattr(updates.blocks.layers.attn, name)
+        fan_in, fan_out = stacked.shape[-2:]
+        scale = max(1.0, fan_out / fan_in) ** 0.5  # optax's shape scaling, from the axes we name
+        for layer in np.asarray(stacked):  # one orthogonalisation per layer: singular values near 1
+            s = np.linalg.svd(layer / scale, compute_uv=False)  # (5 Newton-Schulz steps leave the
+            assert 0.5 < np.median(s) and s.max() < 1.3, (name, s)  # smallest few lower)
+    # The AdamW group runs at adam_lr / lr of the scheduled rate: its first step is about that size.
+    assert float(np.abs(updates.embed).mean()) == pytest.approx(3e-3 / 0.02, rel=0.05)
+
+
+def test_muon_steps_grouped_per_call_equal_single_steps_and_accumulation_the_full_batch():
+    batches = jax.random.randint(jax.random.key(2), (3, 8, 17), 0, CONFIG.vocab_size)
+    steps, lrs = np.arange(3, dtype=np.int32), np.asarray([0.02, 0.01, 0.005], np.float32)
+
+    def fresh():
+        model = GPT(CONFIG, key=jax.random.key(0))
+        return model, init_optimizer_state(make_optimizer(MUON), model)
+
+    model, opt_state, step = _step(MUON)
+    model, opt_state = fresh()
+    losses = []
+    for i in range(3):
+        model, opt_state, loss = step(model, opt_state, batches[i], steps[i], lrs[i])
+        losses.append(float(loss))
+    grouped, _, grouped_losses = make_train_steps(make_optimizer(MUON), MUON, dropout=False)(
+        *fresh(), batches, steps, lrs, np.int32(3)
+    )
+    np.testing.assert_array_equal(np.asarray(grouped_losses), losses)
+    np.testing.assert_array_equal(grouped.blocks.layers.mlp.w_in, model.blocks.layers.mlp.w_in)
+    accumulating = TrainConfig(**{**MUON.to_dict(), "grad_accum": 4})
+    accumulated, _, _ = make_train_step(make_optimizer(accumulating), accumulating, dropout=False)(
+        *fresh(), batches[0], steps[0], lrs[0]
+    )
+    single, _, _ = step(*fresh(), batches[0], steps[0], lrs[0])
+    np.testing.assert_allclose(accumulated.blocks.layers.mlp.w_in, single.blocks.layers.mlp.w_in, atol=2e-5)

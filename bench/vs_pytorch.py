@@ -1,0 +1,170 @@
+"""eqx_gpt against PyTorch on the same CPU: the same model and training step, timed side by side.
+
+    uv run python bench/vs_pytorch.py --configs nanogpt-cpu shakespeare-char [--compile]
+
+For each config, one set of initial weights and batches feeds both sides. The PyTorch side
+(`bench/torch_gpt.py`) runs in a throwaway environment (`uv run --no-project --with torch==...`),
+so torch never enters the project's dependencies or `uv.lock`; `--torch-wheel PATH` uses a local
+wheel instead of the index. Before timing, both sides must agree: the same parameter count and the
+same loss on the first batch from the same weights, to 1e-4 (a comparison of different work is
+worthless). The timings then alternate, eqx_gpt, PyTorch, eqx_gpt, PyTorch (`--rounds`), and each
+config prints one line: both median step times, their ratio (eqx_gpt / PyTorch; below 1 is
+faster), and the CPU model with its AVX-512 and AMX flags. `--compile` adds `torch.compile`.
+
+The eqx_gpt step is the trainer's (`make_train_steps`, `--steps-per-call` steps per dispatch; 1
+times one step per call, as nanoGPT runs). Both sides use every core (`--threads`, default all).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.parallel import data_mesh, replicate, shard_batch
+from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.run import STEPS_PER_CALL
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import count_params, init_optimizer_state, loss_fn, make_optimizer, make_train_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 65
+CONFIGS = {  # name: (GPTConfig fields except vocab_size, batch size), as issue 18 states them
+    "nanogpt-cpu": (
+        dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
+        12,
+    ),
+    "shakespeare-char": (dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2), 64),
+}
+
+
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"
+
+
+def export(model: GPT, batches: np.ndarray, path: Path) -> None:
+    """Our initial weights (stacked layers split per name) and the batches, for the torch side."""
+    b, layers = model.blocks.layers, model.config.n_layers
+    arrays = {
+        "embed": model.embed, "head": model.head, "final_norm": model.final_norm.scale,
+        "blocks.attn_norm": b.attn_norm.scale, "blocks.w_qkv": b.attn.w_qkv,
+        "blocks.w_attn_out": b.attn.w_out, "blocks.mlp_norm": b.mlp_norm.scale, "blocks.w_in": b.mlp.w_in,
+        "blocks.w_mlp_out": b.mlp.w_out, "batches": batches,
+        "positions": sinusoidal_positions(model.config.context_length, model.config.d_model),
+    }  # fmt: skip
+    assert all(np.asarray(arrays[k]).shape[0] == layers for k in arrays if k.startswith("blocks."))
+    np.savez(path, **{k: np.asarray(v) for k, v in arrays.items()})
+
+
+def jax_side(model, batches, train_config, steps_per_call: int):
+    """`time_block(n_calls) -> seconds per step` running the trainer's jitted steps."""
+    mesh = data_mesh()
+    optimizer = make_optimizer(train_config)
+    state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
+    steps_fn = make_train_steps(optimizer, train_config, dropout=model.config.dropout > 0)
+    k = steps_per_call
+    stack = shard_batch(np.stack([batches[i % len(batches)] for i in range(k)]), mesh, batch_axis=1)
+    lrs, counter = np.full(k, train_config.lr, np.float32), [0]
+
+    def time_block(n_calls: int) -> float:
+        nonlocal state
+        start = time.perf_counter()
+        for _ in range(n_calls):
+            steps = np.arange(counter[0], counter[0] + k, dtype=np.int32)
+            model, opt_state, losses = steps_fn(*state, stack, steps, lrs, np.int32(k))
+            state, counter[0] = (model, opt_state), counter[0] + k
+        jax.block_until_ready(state)
+        return (time.perf_counter() - start) / (n_calls * k)
+
+    time_block(1)  # compile
+    return time_block
+
+
+def torch_side(spec: dict, args, workdir: Path) -> dict:
+    path = workdir / "spec.json"
+    path.write_text(json.dumps(spec))
+    torch_req = args.torch_wheel or f"torch=={args.torch}"
+    cmd = ["uv", "run", "--no-project", "--python", f"{sys.version_info.major}.{sys.version_info.minor}"]
+    cmd += ["--with", torch_req, "--with", "numpy", "python", str(ROOT / "bench" / "torch_gpt.py"), str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
+    if out.returncode != 0:
+        raise SystemExit(f"the PyTorch side failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench(name: str, args, workdir: Path) -> str:
+    options, batch_size = CONFIGS[name]
+    config = GPTConfig(vocab_size=VOCAB, **options)
+    model = GPT(config, key=jax.random.key(0))
+    train_config = TrainConfig(batch_size=batch_size, lr=1e-4, seed=0)
+    rng = np.random.default_rng(0)
+    batches = rng.integers(0, VOCAB, (4, batch_size, config.context_length + 1), dtype=np.int32)
+    export(model, batches, workdir / "weights.npz")
+    spec = {
+        "weights": str(workdir / "weights.npz"), "threads": args.threads, "compile": False,
+        "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 2, "steps": args.steps,
+        "train": {k: getattr(train_config, k) for k in ("lr", "beta1", "beta2", "weight_decay", "grad_clip")},
+    }  # fmt: skip
+    loss0 = float(loss_fn(model, batches[0]))
+    time_block = jax_side(model, batches, train_config, args.steps_per_call)
+    calls = max(1, args.steps // args.steps_per_call)
+    ours, theirs, compiled = [], [], []
+    for _ in range(args.rounds):  # alternate, so that load on the machine hits both alike
+        ours.append(time_block(calls))
+        result = torch_side(spec, args, workdir)
+        theirs += result["step_s"]
+        if args.compile:
+            compiled += torch_side({**spec, "compile": True}, args, workdir)["step_s"]
+    if result["n_params"] != count_params(model) or abs(result["loss0"] - loss0) > 1e-4:
+        raise SystemExit(
+            f"{name}: the two models differ (parameters {count_params(model)} vs {result['n_params']}, "
+            f"first loss {loss0:.6f} vs {result['loss0']:.6f}); refusing to compare different work"
+        )
+    ours_ms, theirs_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
+    line = (
+        f"{name}: eqx_gpt {ours_ms:.1f} ms/step ({args.steps_per_call}/call), PyTorch {result['torch']} "
+        f"eager {theirs_ms:.1f} ms/step; eqx_gpt/PyTorch {ours_ms / theirs_ms:.2f}"
+    )
+    if compiled:
+        compiled_ms = 1e3 * statistics.median(compiled)
+        line += f"; torch.compile {compiled_ms:.1f} ms/step, eqx_gpt/compiled {ours_ms / compiled_ms:.2f}"
+    return line + f" | {count_params(model):,} parameters, first loss {loss0:.5f} both | {cpu_description()}"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=sorted(CONFIGS), choices=sorted(CONFIGS))
+    p.add_argument("--compile", action="store_true", help="also time torch.compile")
+    p.add_argument("--rounds", type=int, default=2, help="alternations of eqx_gpt and PyTorch timings")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per side per round")
+    p.add_argument("--steps-per-call", type=int, default=STEPS_PER_CALL)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--torch", default="2.13.*", help="torch version for the throwaway environment")
+    p.add_argument("--torch-wheel", help="a local torch wheel to use instead (path)")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.configs:
+            print(bench(name, args, Path(tmp)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

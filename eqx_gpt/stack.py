@@ -1,0 +1,79 @@
+"""A stack of identical layers, stored either stacked (scanned) or as separate modules (looped).
+
+The one place that knows the difference. Stacked, the layers are one module whose arrays carry a
+leading `n` axis (built with `eqx.filter_vmap`) and run with `jax.lax.scan`: the compiled program,
+and compile time, do not grow with depth. Unstacked (`unstack`), they are a tuple of `n` separate
+modules run as a Python loop: each weight is then read once per call, which is what a
+memory-bound one-token decode step wants. (Haliax's `Stacked` keeps scan, fold and unstack in one
+class the same way.)
+
+Values that travel with the layers (per-layer dropout keys in, KV caches in and out) follow the
+same form: pytrees with a leading `n` axis when stacked, tuples of `n` items when unstacked.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+class LayerStack(eqx.Module):
+    """`n` layers of the same structure; `run` applies them in order, whichever the storage."""
+
+    layers: Any  # one module with a leading `n` axis on its arrays, or a tuple of `n` modules
+    n: int = eqx.field(static=True)
+    unroll: int = eqx.field(static=True)
+
+    def __init__(self, make_layer: Callable, keys, *, unroll: int = 1):
+        """`make_layer(key)` built once per key of `keys` `(n,)`, stacked. `unroll`: layers per
+        iteration of the scan (speed against compile time)."""
+        self.layers = eqx.filter_vmap(make_layer)(keys)
+        self.n = int(keys.shape[0])
+        self.unroll = unroll
+
+    @property
+    def stacked(self) -> bool:
+        return not isinstance(self.layers, tuple)
+
+    def run(self, layer: Callable, x, per_layer=None):
+        """`x, out = layer(module, x, per_layer[i])` for each layer in order; returns `x` and the
+        outs (stacked or a tuple, like the storage; see the module docstring)."""
+        if not self.stacked:
+            outs = []
+            for i, module in enumerate(self.layers):
+                x, out = layer(module, x, None if per_layer is None else per_layer[i])
+                outs.append(out)
+            return x, tuple(outs)
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(x, xs):
+            arrays, xs_i = xs
+            return layer(eqx.combine(arrays, static), x, xs_i)
+
+        return jax.lax.scan(step, x, (dynamic, per_layer), length=self.n, unroll=self.unroll)
+
+    def unstack(self) -> "LayerStack":
+        """The same layers as a tuple of `n` separate modules (a copy; itself if already so)."""
+        if not self.stacked:
+            return self
+        return eqx.tree_at(lambda s: s.layers, self, self.split(self.layers))
+
+    def split(self, stacked_values):
+        """A pytree with a leading `n` axis as a tuple of its `n` slices."""
+        dynamic, static = eqx.partition(stacked_values, eqx.is_array)
+        return tuple(eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static) for i in range(self.n))
+
+    def per_layer(self, make: Callable[[tuple[int, ...]], Any]):
+        """One value per layer in the storage's form: `make((n,))` (arrays with a leading `n`
+        axis) when stacked, a tuple of `n` values `make(())` when unstacked."""
+        return make((self.n,)) if self.stacked else tuple(make(()) for _ in range(self.n))
+
+    def first(self, values):
+        """Layer 0's value of a per-layer pytree (a slice when stacked)."""
+        return jax.tree.map(lambda a: a[0], values) if self.stacked else values[0]
+
+    def as_array(self, outs):
+        """Per-layer outs with a leading `n` axis, whichever the storage."""
+        return outs if self.stacked else jax.tree.map(lambda *xs: jnp.stack(xs), *outs)

@@ -1,0 +1,269 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" (section 3), built from our parts.
+
+source ids -> `embed * sqrt(d_model)` + sinusoidal positions -> encoder `Block`s (self-attention
+that ignores source padding) -> memory
+target ids -> `embed * sqrt(d_model)` + positions -> decoder `Block`s (causal self-attention, then
+cross-attention to the memory) -> `@ head` -> logits
+
+With the paper's defaults the blocks are post-norm with `LayerNorm` ("Add & Norm"); pre-norm
+stacks get a final norm on each side. `translate` decodes with a KV cache: the source is encoded
+once, each decoder layer projects the memory's keys and values once, and every new target token
+costs one position.
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
+
+from eqx_gpt._checks import typechecked
+from eqx_gpt.attention import KVCache, causal_mask, padding_mask
+from eqx_gpt.block import Block
+from eqx_gpt.config import NORM_KINDS, NORM_POSITIONS, check_fields, config_from_dict
+from eqx_gpt.dropout import dropout, keys_per_sequence, split_key
+from eqx_gpt.linear import linear
+from eqx_gpt.norm import make_norm
+from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
+from eqx_gpt.stack import LayerStack
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of an encoder-decoder. `pad_id` marks padding in both vocabularies; `max_len` bounds
+    source and target lengths (the positions table). Invalid values raise `ValueError`."""
+
+    src_vocab_size: int
+    tgt_vocab_size: int
+    max_len: int = 128
+    d_model: int = 128
+    n_heads: int = 4
+    n_encoder_layers: int = 2
+    n_decoder_layers: int = 2
+    d_hidden: int | None = None
+    dropout: float = 0.0
+    norm: str = "layer"
+    norm_position: str = "post"
+    norm_eps: float = 1e-5
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.d_hidden is None:
+            object.__setattr__(self, "d_hidden", 4 * self.d_model)
+        sizes = ("src_vocab_size", "tgt_vocab_size", "max_len", "d_model", "n_heads", "d_hidden")
+        check_fields(
+            self, positive=(*sizes, "n_encoder_layers", "n_decoder_layers"), finite=("dropout", "norm_eps")
+        )
+        if self.d_model % self.n_heads or self.d_model % 2:
+            raise ValueError(
+                f"TransformerConfig: d_model={self.d_model} must be even and divisible by n_heads"
+            )
+        if not 0.0 <= self.dropout < 1.0 or not self.norm_eps > 0:
+            raise ValueError(f"TransformerConfig: need 0 <= dropout < 1 and norm_eps > 0, got {self.dropout}")
+        if self.norm not in NORM_KINDS or self.norm_position not in NORM_POSITIONS:
+            raise ValueError(f"TransformerConfig: norm in {NORM_KINDS}, norm_position in {NORM_POSITIONS}")
+        if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
+            raise ValueError(f"TransformerConfig.pad_id={self.pad_id} is not an id of both vocabularies")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TransformerConfig":
+        return config_from_dict(cls, d)
+
+
+class Transformer(eqx.Module):
+    """An encoder-decoder transformer on one (source, target) pair of id sequences, or a batch."""
+
+    src_embed: Float[Array, "src_vocab d_model"]
+    tgt_embed: Float[Array, "tgt_vocab d_model"]
+    encoder: LayerStack  # of Blocks
+    decoder: LayerStack  # of Blocks with cross-attention
+    encoder_norm: eqx.Module | None  # pre-norm only: the blocks' output is not normalised
+    decoder_norm: eqx.Module | None
+    head: Float[Array, "d_model tgt_vocab"]
+    config: TransformerConfig = eqx.field(static=True)
+
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+        c = self.config = config
+        k_src, k_tgt, k_enc, k_dec, k_head = jax.random.split(key, 5)
+        self.src_embed = jax.random.normal(k_src, (c.src_vocab_size, c.d_model)) / math.sqrt(c.d_model)
+        self.tgt_embed = jax.random.normal(k_tgt, (c.tgt_vocab_size, c.d_model)) / math.sqrt(c.d_model)
+
+        def make_block(cross: bool):
+            return lambda k: Block(
+                c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
+                norm=c.norm, norm_position=c.norm_position, cross_attention=cross,
+            )  # fmt: skip
+
+        self.encoder = LayerStack(make_block(False), jax.random.split(k_enc, c.n_encoder_layers))
+        self.decoder = LayerStack(make_block(True), jax.random.split(k_dec, c.n_decoder_layers))
+        pre = c.norm_position == "pre"
+        self.encoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
+        self.decoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
+        self.head = 0.02 * jax.random.normal(k_head, (c.d_model, c.tgt_vocab_size))
+
+    def _embed(self, table, ids, positions, key):
+        x = table[ids] * math.sqrt(self.config.d_model) + positions
+        return dropout(x, self.config.dropout, key)
+
+    def _check(self, ids, what: str) -> None:
+        if ids.shape[-1] > self.config.max_len:
+            raise ValueError(
+                f"Transformer got a {what} of {ids.shape[-1]} tokens but max_len={self.config.max_len}; "
+                f"shorten it or build the model with a larger max_len"
+            )
+
+    @typechecked
+    def encode(
+        self, src: Int[Array, "*batch src_seq"], *, key: PRNGKeyArray | Key[Array, "*batch"] | None = None
+    ) -> Float[Array, "*batch src_seq d_model"]:
+        """The memory: every source position after the encoder. Padding (`pad_id`) is invisible."""
+        self._check(src, "source")
+        c, seq = self.config, src.shape[-1]
+        k_embed, k_layers = (
+            (None, None) if key is None else split_key(keys_per_sequence(key, src.shape[:-1]), 2)
+        )
+        x = self._embed(self.src_embed, src, sinusoidal_positions(seq, c.d_model), k_embed)
+        mask = padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]  # every query sees the real keys
+        layer_keys = None if k_layers is None else split_key(k_layers, c.n_encoder_layers)
+        x, _ = self.encoder.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
+        return x if self.encoder_norm is None else self.encoder_norm(x)
+
+    @typechecked
+    def decode(
+        self,
+        tgt: Int[Array, "*batch tgt_seq"],
+        memory: Float[Array, "*batch src_seq d_model"],
+        src: Int[Array, "*batch src_seq"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+    ) -> Float[Array, "*batch tgt_seq tgt_vocab"]:
+        """Next-token logits for every target position, attending causally to the target and to
+        the memory of `src` (whose padding is hidden)."""
+        self._check(tgt, "target")
+        c, seq = self.config, tgt.shape[-1]
+        k_embed, k_layers = (
+            (None, None) if key is None else split_key(keys_per_sequence(key, tgt.shape[:-1]), 2)
+        )
+        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(seq, c.d_model), k_embed)
+        mask, context_mask = causal_mask(seq), padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]
+        layer_keys = None if k_layers is None else split_key(k_layers, c.n_decoder_layers)
+
+        def layer(block, x, k):
+            return block(x, memory, mask=mask, context_mask=context_mask, key=k), None
+
+        x, _ = self.decoder.run(layer, x, layer_keys)
+        return linear(x if self.decoder_norm is None else self.decoder_norm(x), self.head)
+
+    @typechecked
+    def __call__(
+        self,
+        src: Int[Array, "*batch src_seq"],
+        tgt: Int[Array, "*batch tgt_seq"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+    ) -> Float[Array, "*batch tgt_seq tgt_vocab"]:
+        """Logits `(tgt_seq, tgt_vocab)` for `tgt` given `src` (teacher forcing: position t sees
+        target tokens 0..t and the whole source). Dropout only with a `key`."""
+        k_enc, k_dec = (None, None) if key is None else split_key(keys_per_sequence(key, src.shape[:-1]), 2)
+        return self.decode(tgt, self.encode(src, key=k_enc), src, key=k_dec)
+
+    @typechecked
+    def cross_attention_weights(
+        self, src: Int[Array, " src_seq"], tgt: Int[Array, " tgt_seq"]
+    ) -> Float[Array, "layers heads tgt_seq src_seq"]:
+        """Every decoder layer's and head's cross-attention weights (target rows, source columns)."""
+        c, memory = self.config, self.encode(src)
+        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(tgt.shape[-1], c.d_model), None)
+        mask, context_mask = causal_mask(tgt.shape[-1]), padding_mask(tokens=src, pad_id=c.pad_id)[None, :]
+
+        def layer(block, x, _):
+            weights = block.cross_attention_weights(x, memory, mask=mask, context_mask=context_mask)
+            return block(x, memory, mask=mask, context_mask=context_mask), weights
+
+        _, weights = self.decoder.run(layer, x)
+        return self.decoder.as_array(weights)
+
+
+@eqx.filter_jit
+def _translate(model: Transformer, src, bos_id, eos_id, key, temperature, top_k, top_p, n_steps: int):
+    """The cached decoding loop: encode once, project each layer's cross keys/values once, then
+    one position per token. Returns `(batch, n_steps)` ids; after `eos_id` a row emits `pad_id`."""
+    c = model.config
+    batch = src.shape[0]
+    memory = model.encode(src)
+    context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
+    _, context_kv = model.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
+    head_dim = c.d_model // c.n_heads
+
+    def empty(layers):
+        k = jnp.zeros((*layers, batch, c.n_heads, head_dim, n_steps), jnp.float32)
+        return KVCache(k, jnp.zeros((*layers, batch, c.n_heads, n_steps, head_dim), jnp.float32))
+
+    cache = model.decoder.per_layer(empty)
+    positions = sinusoidal_positions(n_steps, c.d_model)
+
+    def step(i, carry):
+        cache, token, done, out = carry
+        x = model._embed(model.tgt_embed, token[:, None], positions[i][None], None)
+
+        def layer(block, x, per_layer):
+            cache_i, kv_i = per_layer
+            return block.decode(x, cache_i, i, kv_i, context_mask)
+
+        x, cache = model.decoder.run(layer, x, (cache, context_kv))
+        logits = linear(x if model.decoder_norm is None else model.decoder_norm(x), model.head)[:, 0]
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), i))(jnp.arange(batch))
+        sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
+        token = jnp.where(done, c.pad_id, jax.vmap(sample)(logits, keys))
+        return cache, token, done | (token == eos_id), out.at[:, i].set(token)
+
+    start = (cache, jnp.full((batch,), bos_id, jnp.int32), jnp.zeros((batch,), bool))
+    out = jnp.full((batch, n_steps), c.pad_id, jnp.int32)
+    return jax.lax.fori_loop(0, n_steps, step, (*start, out))[3]
+
+
+def translate(
+    model: Transformer,
+    src: Int[Array, "batch src_seq"] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    bos_id: int,
+    eos_id: int,
+    key: PRNGKeyArray | None = None,
+    options: SamplingOptions = DEFAULT_SAMPLING,
+) -> np.ndarray:
+    """`(batch, max_new_tokens)` target ids for each source row (padded with `pad_id`), starting
+    after `bos_id` and stopping (then padding) after `eos_id`; the `eos_id` itself is included.
+
+    KV-cached (see the module docstring); `SamplingOptions(temperature=0)` is greedy and equals
+    rerunning `model(src, target so far)` for every token. `key` is needed unless greedy.
+    """
+    c = model.config
+    src = np.asarray(src, np.int32)
+    if src.ndim != 2:
+        raise ValueError(f"translate takes sources of shape (batch, src_seq), got {src.shape}")
+    if not 1 <= max_new_tokens <= c.max_len:
+        raise ValueError(f"max_new_tokens must be in [1, max_len={c.max_len}], got {max_new_tokens}")
+    if src.size and (src.min() < 0 or src.max() >= c.src_vocab_size):
+        raise ValueError(f"source ids must be in [0, src_vocab_size={c.src_vocab_size})")
+    greedy = options.temperature == 0
+    if key is None and not greedy:
+        raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
+    key = jax.random.key(0) if key is None else key
+    filters = dict(
+        top_k=None if greedy or options.top_k is None else jnp.int32(options.top_k),
+        top_p=None if greedy or options.top_p is None else jnp.float32(options.top_p),
+    )
+    out = _translate(
+        model, jnp.asarray(src), jnp.int32(bos_id), jnp.int32(eos_id), key, jnp.float32(options.temperature),
+        n_steps=max_new_tokens, **filters,
+    )  # fmt: skip
+    return np.asarray(out)

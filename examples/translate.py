@@ -1,0 +1,312 @@
+"""Train the paper's encoder-decoder Transformer to translate, with eqx_gpt's own training pieces.
+
+    uv run python examples/translate.py                 # dates, as people write them -> ISO 8601
+    uv run python examples/translate.py --attention-png cross.png
+    uv run --group bleu python examples/translate.py --pairs fra.txt --minutes 30   # English -> French
+
+With no arguments (and no network) the task is generated on the fly, so every answer is known
+exactly: a date written in English or French in one of many formats ("3 March 2009",
+"March 3rd, 09", "3/3/2009", "mardi 3 mars 2009"; Babel's CLDR data formats them) maps to
+"2009-03-03". `--pairs FILE` trains on the tab-separated sentence pairs of the Tatoeba/Anki
+English-French file (`english<TAB>french[<TAB>attribution]`) and also reports BLEU (sacrebleu).
+Characters are the tokens. Batches are padded per batch, to a multiple of 16 (a few compiled
+shapes). The last line printed is the exact-match rate on held-out pairs. Bad input prints one
+line and exits with code 2.
+"""
+
+import argparse
+import datetime as dt
+import functools
+import random
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, save_checkpoint, translate
+from eqx_gpt.progress import Progress, clock
+from eqx_gpt.schedule import TimePlan, learning_rate
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_step
+
+PAD, BOS, EOS = 0, 1, 2
+BUCKET = 16  # sequences are padded to a multiple of this: few shapes, few compiles
+
+
+class CharVocab:
+    """Characters as ids, after three specials: padding 0, begin 1, end 2."""
+
+    def __init__(self, texts):
+        self.chars = sorted({ch for text in texts for ch in text})
+        self.ids = {ch: i + 3 for i, ch in enumerate(self.chars)}
+
+    @property
+    def size(self) -> int:
+        return len(self.chars) + 3
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids[ch] for ch in text if ch in self.ids]  # unseen characters are dropped
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            if i == EOS:
+                break
+            if i >= 3:
+                out.append(self.chars[i - 3])
+        return "".join(out)
+
+    def to_dict(self) -> dict:
+        return {"kind": "char-vocab", "chars": "".join(self.chars), "specials": ["<pad>", "<bos>", "<eos>"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 11 <= n % 100 <= 13 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+# (locale, CLDR pattern). Two-digit years read as 1950-2049, the range the dates are drawn from.
+# Numeric dates are written US-style only, so that no string means two dates.
+DATE_FORMATS = [
+    ("en", "MMMM d, y"), ("en", "EEEE, MMMM d, y"), ("en", "MMM d, y"), ("en", "MMM d, yy"),
+    ("en_GB", "d MMMM y"), ("en_GB", "d MMM y"), ("en_GB", "EEE, d MMM y"), ("en_GB", "EEEE d MMMM y"),
+    ("en", "M/d/y"), ("en", "MM/dd/yy"), ("en", "M/d/yy"), ("en", "y-MM-dd"),
+    ("fr", "EEEE d MMMM y"), ("fr", "d MMMM y"), ("fr", "d MMM y"), ("fr", "EEE d MMM y"),
+    ("fr", "d MMMM yy"),
+    ("en", "MMMM {ordinal}, yy"), ("en", "MMMM {ordinal}, y"), ("en_GB", "{ordinal} MMMM y"),
+]  # fmt: skip
+
+
+def write_date(date: dt.date, rng: random.Random) -> str:
+    from babel.dates import format_date  # the examples dependency group (`uv run` installs it)
+
+    locale, pattern = rng.choice(DATE_FORMATS)
+    text = format_date(date, pattern.replace("{ordinal}", "'#'"), locale=locale)
+    text = text.replace("#", _ordinal(date.day))
+    return text.lower() if rng.random() < 0.2 else text
+
+
+def date_pairs(n_train: int, n_held_out: int, seed: int) -> tuple[list, list]:
+    """(written date, ISO date) pairs between 1950 and 2049: `n_train` for training, written in
+    random formats, and `n_held_out` of other dates, never seen in training."""
+    rng = random.Random(seed)
+    first, n_days = dt.date(1950, 1, 1), (dt.date(2049, 12, 31) - dt.date(1950, 1, 1)).days + 1
+    days = rng.sample(range(n_days), n_days)
+    held, rest = days[:n_held_out], days[n_held_out:]
+    pair = lambda d: (write_date(first + dt.timedelta(d), rng), (first + dt.timedelta(d)).isoformat())
+    return [pair(rest[i % len(rest)]) for i in range(n_train)], [pair(d) for d in held]
+
+
+def read_pairs(path: Path, max_chars: int) -> list[tuple[str, str]]:
+    """(English, French) pairs of a Tatoeba/Anki file; one-line `ValueError`s for bad files."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read --pairs {path} ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"--pairs {path} is not UTF-8 (byte {e.start}); convert it with iconv -t UTF-8"
+        ) from None
+    pairs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) < 2:
+            raise ValueError(f"--pairs {path}, line {number}: no tab; each line must be english<TAB>french")
+        if 0 < len(fields[0]) <= max_chars and 0 < len(fields[1]) <= max_chars:
+            pairs.append((fields[0], fields[1]))
+    if not pairs:
+        raise ValueError(f"--pairs {path} holds no pairs of at most {max_chars} characters a side")
+    return list(dict.fromkeys(pairs))  # no pair twice, so none is in both training and held-out data
+
+
+def _padded(rows: list[list[int]], length: int | None = None) -> np.ndarray:
+    length = length or -(-max(len(r) for r in rows) // BUCKET) * BUCKET
+    out = np.full((len(rows), length), PAD, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+def make_batch(pairs, src_vocab, tgt_vocab, max_len: int) -> tuple[np.ndarray, int]:
+    """`(batch, src_len)`: each row the padded source then `BOS target EOS` padded, as one array
+    (the training step takes one array; the loss splits it at `src_len`)."""
+    src = _padded([src_vocab.encode(s)[:max_len] for s, _ in pairs])
+    tgt = _padded([[BOS, *tgt_vocab.encode(t)[: max_len - 1], EOS] for _, t in pairs])
+    return np.concatenate([src, tgt], axis=1), src.shape[1]
+
+
+def translation_loss(model: Transformer, batch, keys=None, *, src_len: int):
+    """Mean cross-entropy of the next target token over real (non-padding) target positions."""
+    src, tgt = batch[:, :src_len], batch[:, src_len:]
+    logits = model(src, tgt[:, :-1], key=keys)
+    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, tgt[:, 1:])
+    real = tgt[:, 1:] != PAD
+    return jnp.sum(losses * real) / jnp.maximum(jnp.sum(real), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training and evaluation
+
+
+def train(model, pairs, vocabs, args, log=print):
+    """Train under eqx_gpt's AdamW, schedule and jitted step, the schedule fitted to --minutes."""
+    config = TrainConfig(
+        batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10, warmup_steps=100, weight_decay=0.01,
+        max_steps=args.max_steps, max_minutes=args.minutes, beta2=0.98, seed=args.seed,
+    )  # fmt: skip
+    optimizer = make_optimizer(config)
+    opt_state = init_optimizer_state(optimizer, model)
+    steps_for = functools.lru_cache(maxsize=None)(
+        lambda src_len: make_train_step(
+            optimizer, config, dropout=model.config.dropout > 0,
+            loss=functools.partial(translation_loss, src_len=src_len),
+        )
+    )  # fmt: skip
+    rng, t_start = random.Random(args.seed), time.monotonic()
+    # Kept for translating the held-out set after training: 10 s (less in a short run).
+    plan = TimePlan(config.max_minutes, config.max_steps, t_start, reserve_s=min(10.0, 6 * args.minutes))
+    horizon, bar = config.max_steps, Progress()
+    for step in range(config.max_steps):
+        if step >= horizon:
+            break
+        batch, src_len = make_batch(rng.sample(pairs, config.batch_size), *vocabs, model.config.max_len)
+        lr = np.float32(learning_rate(step, config, horizon))
+        model, opt_state, loss = steps_for(src_len)(model, opt_state, batch, np.int32(step), lr)
+        if step == 0:
+            loss.block_until_ready()
+            plan.start_timing(1, time.monotonic())
+        elif step % 100 == 0:
+            horizon = plan.fit(step, horizon, time.monotonic(), config.max_steps, 0)
+            bar.update(
+                f"step {step}/{horizon} | loss {float(loss):.4f} | {clock(time.monotonic() - t_start)}"
+            )
+        if plan.out_of_time(time.monotonic()):
+            horizon = step + 1
+    bar.clear()
+    log(f"trained {horizon} steps in {clock(time.monotonic() - t_start)}; last batch loss {float(loss):.4f}")
+    return model, opt_state, horizon
+
+
+def translate_all(model, sources, vocabs, max_len: int, batch: int = 500) -> list[str]:
+    """Greedy translations of `sources` (KV-cached, batched)."""
+    src_vocab, tgt_vocab = vocabs
+    out = []
+    for i in range(0, len(sources), batch):
+        chunk = sources[i : i + batch]
+        src = _padded([src_vocab.encode(s)[:max_len] for s in chunk], length=max_len)
+        ids = translate(model, src, max_len, bos_id=BOS, eos_id=EOS, options=SamplingOptions(temperature=0))
+        out.extend(tgt_vocab.decode(row) for row in ids)
+    return out
+
+
+def draw_cross_attention(model, source: str, target: str, vocabs, path: Path) -> None:
+    from eqx_gpt.visualize import plot_attention, token_labels
+
+    src_vocab, tgt_vocab = vocabs
+    src, tgt = src_vocab.encode(source), [BOS, *tgt_vocab.encode(target)]
+    weights = jax.jit(Transformer.cross_attention_weights)(model, jnp.asarray(src), jnp.asarray(tgt))
+    plot_attention(
+        np.asarray(weights), token_labels(["<bos>", *target]), path, key_labels=token_labels(list(source)),
+        title="cross-attention (target ↓, source →)",
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--pairs", type=Path, help="Tatoeba/Anki english<TAB>french file (default: the dates task)"
+    )
+    p.add_argument(
+        "--minutes", type=float, default=2.4, help="training time, compile included (schedule fitted)"
+    )
+    p.add_argument("--max-steps", type=int, default=20_000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers each")
+    p.add_argument("--max-len", type=int, default=48, help="longest source or target, in characters")
+    p.add_argument("--held-out", type=int, default=1000, help="pairs kept out of training and scored")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=Path("out-translate"), help="its checkpoint goes here")
+    p.add_argument("--attention-png", type=Path, help="draw the cross-attention of one held-out example")
+    return p.parse_args(argv)
+
+
+def load_data(args) -> tuple[list, list]:
+    """`(training pairs, held-out pairs)`; held-out sources never occur in training."""
+    if args.pairs is None:
+        return date_pairs(50_000, args.held_out, args.seed)
+    pairs = read_pairs(args.pairs, args.max_len - 2)
+    random.Random(args.seed).shuffle(pairs)
+    if len(pairs) <= args.held_out:
+        raise ValueError(f"only {len(pairs)} pairs: fewer than --held-out {args.held_out} plus training data")
+    return pairs[args.held_out :], pairs[: args.held_out]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.attention_png is not None:
+            from eqx_gpt.visualize import check_figure_path
+
+            check_figure_path(args.attention_png, "--attention-png")
+        train_pairs, held_out = load_data(args)
+        if args.pairs is not None:
+            import sacrebleu  # noqa: F401  (checked before training: the run would be wasted without it)
+    except ModuleNotFoundError as e:
+        print(
+            f"translate.py: error: {e.name} is needed for --pairs; run with `uv run --group bleu`",
+            file=sys.stderr,
+        )
+        return 2
+    except ValueError as e:
+        print(f"translate.py: error: {e}", file=sys.stderr)
+        return 2
+    vocabs = CharVocab(s for s, _ in train_pairs), CharVocab(t for _, t in train_pairs)
+    config = TransformerConfig(
+        src_vocab_size=vocabs[0].size, tgt_vocab_size=vocabs[1].size, max_len=args.max_len,
+        d_model=args.d_model, n_heads=4, n_encoder_layers=args.layers, n_decoder_layers=args.layers,
+        pad_id=PAD,
+    )  # fmt: skip
+    model = Transformer(config, key=jax.random.key(args.seed))
+    layers = f"{args.layers}+{args.layers} layers, d_model {args.d_model}"
+    size = f"{count_params(model) / 1e6:.2f}M parameters ({layers})"
+    print(
+        f"{len(train_pairs):,} training pairs, {len(held_out):,} held out; model {size}, post-norm LayerNorm"
+    )
+    model, opt_state, steps = train(model, train_pairs, vocabs, args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(
+        args.out_dir, "latest", model, opt_state, step=steps, tokenizer=vocabs[0], train_config={}
+    )
+    predictions = translate_all(model, [s for s, _ in held_out], vocabs, args.max_len)
+    for (source, target), guess in list(zip(held_out, predictions, strict=True))[:3]:
+        print(f"  {source!r} -> {guess!r} (expected {target!r})")
+    if args.attention_png is not None:
+        draw_cross_attention(model, held_out[0][0], predictions[0], vocabs, args.attention_png)
+        print(f"wrote {args.attention_png}")
+    if args.pairs is not None:
+        import sacrebleu
+
+        bleu = sacrebleu.corpus_bleu(predictions, [[t for _, t in held_out]])
+        print(f"held-out BLEU {bleu.score:.1f} (sacrebleu, n={len(held_out)})")
+    exact = np.mean([guess == target for (_, target), guess in zip(held_out, predictions, strict=True)])
+    print(f"held-out exact match {exact:.3f} (n={len(held_out)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
