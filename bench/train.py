@@ -84,8 +84,9 @@ def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
     running `args.steps_per_call` real jitted training steps in one dispatch (on sharded batches)."""
     config = GPTConfig(vocab_size=VOCAB, **model_options)
     train_config = TrainConfig(
-        batch_size=batch_size, grad_accum=args.grad_accum, seed=seed, optimizer=args.optimizer_now
-    )
+        batch_size=batch_size, grad_accum=args.grad_accum, seed=seed, optimizer=args.optimizer_now,
+        muon_ns_steps=args.muon_ns_steps,
+    )  # fmt: skip
     mesh = data_mesh()
     check_batch(mesh, batch_size, args.grad_accum)
     optimizer = make_optimizer(train_config)
@@ -239,6 +240,7 @@ def main(argv=None) -> int:
         "in alternating order, and the step-time ratio to the first is printed",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds per optimiser when several are timed")
+    p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations under Muon")
     args = p.parse_args(argv)
     args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)
     if args.peak_size < 2048:

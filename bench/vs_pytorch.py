@@ -123,7 +123,7 @@ def bench(name: str, args, workdir: Path) -> str:
         "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 2, "steps": args.steps,
         "train": {k: getattr(train_config, k) for k in ("lr", "beta1", "beta2", "weight_decay", "grad_clip")},
     }  # fmt: skip
-    loss0 = float(loss_fn(model, batches[0]))
+    loss0 = float(loss_fn(model, jax.numpy.asarray(batches[0])))
     time_block = jax_side(model, batches, train_config, args.steps_per_call)
     calls = max(1, args.steps // args.steps_per_call)
     ours, theirs, compiled = [], [], []

@@ -54,6 +54,7 @@ PRESETS = {
             "lr": 0.02,
             "min_lr": 0.002,
             "adam_lr": 4e-3,
+            "muon_ns_steps": 3,
         },  # fmt: skip
     ),
     "cpu-adamw": Preset(

@@ -142,7 +142,7 @@ def optimizer_and_step(config: TrainConfig, *, dropout: bool):
     """
     fields = ["grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed", "optimizer"]
     if config.optimizer == "muon":  # the AdamW group's rate is a fraction of the scheduled one
-        fields += ["lr", "min_lr", "adam_lr", "adam_weight_decay", "muon_momentum"]
+        fields += ["lr", "min_lr", "adam_lr", "adam_weight_decay", "muon_momentum", "muon_ns_steps"]
     return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
 
 

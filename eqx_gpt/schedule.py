@@ -48,7 +48,8 @@ def describe_schedule(config: TrainConfig, horizon: int) -> str:
         )
     adam_lr = c.adam_lr or c.lr
     return (
-        f"Muon (momentum {c.muon_momentum:g}, Nesterov) on the block matrices: lr {c.lr:g}, weight decay "
+        f"Muon (momentum {c.muon_momentum:g}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
+        f"block matrices: lr {c.lr:g}, weight decay "
         f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}, betas "
         f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
         f"warmed up over {warmup} steps{shortened}, then a cosine to {c.min_lr / c.lr:g} of their peak "

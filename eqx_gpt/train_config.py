@@ -46,6 +46,9 @@ class TrainConfig:
         default=0.0,
     )
     muon_momentum: float = _help("under --optimizer muon: Muon's (Nesterov) momentum", default=0.95)
+    muon_ns_steps: int = _help(
+        "under --optimizer muon: Newton-Schulz iterations that orthogonalise each update", default=5
+    )
     min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
     warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
     weight_decay: float = _help(
@@ -76,6 +79,7 @@ class TrainConfig:
                 "grad_accum",
                 "max_steps",
                 "eval_interval",
+                "muon_ns_steps",
                 "eval_batches",
                 "log_interval",
             ),

@@ -67,7 +67,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         opt = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
     else:
         muon = optax.contrib.muon(
-            1.0, beta=c.muon_momentum, weight_decay=c.weight_decay, nesterov=True,
+            1.0, beta=c.muon_momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
             muon_weight_dimension_numbers=_matrix_axes,
         )  # fmt: skip
         adam_scale = (c.adam_lr or c.lr) / c.lr
