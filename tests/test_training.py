@@ -2,6 +2,7 @@
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -168,3 +169,15 @@ def test_muon_steps_grouped_per_call_equal_single_steps_and_accumulation_the_ful
     )
     single, _, _ = step(*fresh(), batches[0], steps[0], lrs[0])
     np.testing.assert_allclose(accumulated.blocks.layers.mlp.w_in, single.blocks.layers.mlp.w_in, atol=2e-5)
+
+
+def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_but_not_norm_scales():
+    config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "adam_weight_decay": 0.5})
+    params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
+    optimizer = make_optimizer(config)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    ratio = 3e-3 / 0.02  # the AdamW group's share of the scheduled rate
+    np.testing.assert_allclose(updates.embed, -ratio * 0.5 * params.embed, rtol=1e-5)
+    np.testing.assert_allclose(updates.head, -ratio * 0.5 * params.head, rtol=1e-5)
+    assert not np.any(updates.final_norm.scale) and not np.any(updates.blocks.layers.attn_norm.scale)
