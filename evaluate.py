@@ -11,14 +11,13 @@ import argparse
 import sys
 from pathlib import Path
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+from eqx_gpt._checks import OneLineParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="evaluate.py", description="Mean next-token loss of a checkpoint over a whole text.")
+    p = OneLineParser(
+        prog="evaluate.py", description="Mean next-token loss of a checkpoint over a whole text."
+    )
     p.add_argument(
         "--checkpoint",
         metavar="PATH",

@@ -13,16 +13,11 @@ import os
 import sys
 from pathlib import Path
 
-from eqx_gpt._checks import finite_float
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+from eqx_gpt._checks import OneLineParser, finite_float
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = _Parser(prog="sample.py", description="Generate text from a trained eqx_gpt checkpoint.")
+    p = OneLineParser(prog="sample.py", description="Generate text from a trained eqx_gpt checkpoint.")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", metavar="TEXT", help="text to continue (default: a newline)")
     source.add_argument(

@@ -12,7 +12,7 @@ import sys
 import types
 import typing
 
-from eqx_gpt._checks import finite_float
+from eqx_gpt._checks import OneLineParser, finite_float
 from eqx_gpt.config import COMPUTE_DTYPES, NORM_KINDS, NORM_POSITIONS, GPTConfig
 from eqx_gpt.parallel import initialize_distributed
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
@@ -43,11 +43,6 @@ MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != 
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit code 2
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def _flag_type(annotation):
     """`int`, `finite_float`, `str` or `bool` from a field annotation such as `int | None`."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -55,11 +50,11 @@ def _flag_type(annotation):
     return finite_float if annotation is float else annotation
 
 
-def build_parser(preset: str = DEFAULT_PRESET) -> Parser:
+def build_parser(preset: str = DEFAULT_PRESET) -> OneLineParser:
     """The parser. Parsed options hold only what was given explicitly (absent ones are left out);
     `--help` shows the values of `preset` as defaults (`--help --preset NAME` shows NAME's)."""
     shown = preset_values(preset if preset in PRESETS else DEFAULT_PRESET)
-    p = Parser(
+    p = OneLineParser(
         prog="train.py",
         description="Train a GPT on characters (or GPT-2 BPE); writes checkpoints, metrics.jsonl, loss.png.",
         argument_default=argparse.SUPPRESS,

@@ -22,6 +22,13 @@ def check_last_dim(x, expected: int, what: str, field: str) -> None:
         )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """The CLIs' argument parser: a bad argument is one line on stderr and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def finite_float(text: str) -> float:
     """argparse type of the CLIs: a float that is neither NaN nor infinite."""
     try:

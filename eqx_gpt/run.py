@@ -180,9 +180,9 @@ def resolve_resume(meta: dict, model_flags: dict, train_flags: dict) -> tuple[di
         raise CheckpointError(f"checkpoint {meta['path']} has an invalid train config: {e}") from None
 
 
-def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, TrainConfig]:
-    """`(text, source name, config)`: the corpus, checked against the checkpoint's on resume, and
-    the config with the data path made absolute (so a run resumes from any directory)."""
+def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, str, TrainConfig]:
+    """`(text, source name, sha256, config)`: the corpus, checked against the checkpoint's on
+    resume, and the config with the data path made absolute (so a run resumes from anywhere)."""
     text = load_text(config.data)
     source = config.data or "Tiny Shakespeare (bundled)"
     data_sha = hashlib.sha256(text.encode()).hexdigest()
@@ -193,7 +193,7 @@ def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, Trai
         )
     if config.data is not None:
         config = replace(config, data=str(Path(config.data).resolve()))
-    return text, source, config
+    return text, source, data_sha, config
 
 
 def start_run(
@@ -203,12 +203,12 @@ def start_run(
     meta: dict | None,
     *,
     log: Callable[[str], None],
-    extra_metadata: dict,
+    preset: str | None,
     t_start: float,
 ) -> Run:
     """Check the data, tokenizer, model and devices, and build the model and optimiser state
     (fresh, or from the checkpoint `meta` describes). Reads `out_dir` but writes nothing there."""
-    text, source, config = _load_corpus(config, meta)
+    text, source, data_sha, config = _load_corpus(config, meta)
     tokenizer = (
         make_tokenizer(config.tokenizer, text) if meta is None else tokenizer_from_dict(meta["tokenizer"])
     )
@@ -251,11 +251,11 @@ def start_run(
         ),
         mesh, batch_axis=1,
     )  # fmt: skip
-    preset = extra_metadata.get("preset") or (meta or {}).get("preset")
+    preset = preset or (meta or {}).get("preset")  # a resumed run keeps its preset unless given one
     checkpoint_meta = {
         **({"preset": preset} if preset else {}),
         "data": source,
-        "data_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "data_sha256": data_sha,
         "n_params": count_params(model),
     }
     log(f"data: {source}, {len(train_ids):,} train / {len(val_ids):,} validation tokens; "
@@ -413,7 +413,9 @@ def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> None:
 
 def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
-    eval_cost = 2 * run.config.eval_batches / 3  # until timed: an eval batch costs a third of a step
+    # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
+    # step's worth of tokens): the fixed training batches, then the whole validation split.
+    eval_cost = (run.config.eval_batches + len(run.val_ids) / run.tokens_per_step) / 3
     horizon = run.plan.fit(run.step, run.horizon, time.monotonic(), run.config.eval_interval, eval_cost)
     if announce and horizon != run.horizon:
         run.log(f"time plan: {horizon} steps fit in {run.config.max_minutes:g} min; schedule refitted")
@@ -491,9 +493,7 @@ def train(
         meta = read_metadata(out_dir / "latest.json") if resume else None
         if meta is not None:
             model_options, config = resolve_resume(meta, *(resume_flags or ({}, {})))
-        run = start_run(
-            model_options, config, out_dir, meta, log=log, extra_metadata={"preset": preset}, t_start=t_start
-        )
+        run = start_run(model_options, config, out_dir, meta, log=log, preset=preset, t_start=t_start)
         # Every check has passed: from here on the folder is this run's.
         stale = lock.claim()
         if stale:

@@ -214,9 +214,13 @@ def test_a_tiny_encoder_decoder_trained_for_seconds_beats_the_trivial_baseline_o
         "1",
         "--out-dir",
         str(tmp_path),
+        "--attention-png",
+        str(tmp_path / "cross.png"),
     ]
     assert example.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert (tmp_path / "cross.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the cross-attention
+    assert (tmp_path / "latest.json").is_file()  # its checkpoint
     assert last.startswith("held-out exact match ") and last.endswith("(n=200)")
     # The trivial baseline (always the most common ISO date) gets one in 200 at best; characters
     # right per position is a finer measure, but exact match is what the task asks for.
