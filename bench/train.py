@@ -10,13 +10,7 @@ the achieved rate by the rate of a dense fp32 `jnp` matmul (`--peak-size`, 2048 
 timed *in this process, interleaved with the steps*, so a busy or throttled machine slows both
 alike and the ratio stays meaningful; there is no datasheet number anywhere.
 
-Model FLOPs per token (forward; training is 3x: the backward pass costs two forwards), counted
-from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
-  per layer  2 * d * 3d (QKV) + 2 * d * d (output) + 2 * 2 * d * d_hidden (MLP)
-             + 2 * 2 * T * d (scores and weighted values over the whole T x T window)
-  head       2 * d * vocab_size
-Embedding lookups, norms, softmax, dropout and the optimiser are not counted (they are small), so
-MFU slightly undercounts the work done.
+Model FLOPs per token and the peak are `bench/mfu.py`'s (see its docstring for what is counted).
 
 The timed steps are `train.py`'s: `eqx_gpt.train_step.make_train_steps`, `--steps-per-call` steps
 per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
@@ -34,8 +28,8 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from mfu import MatmulPeak, flops_per_token  # bench/mfu.py
 
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
@@ -50,33 +44,12 @@ VOCAB = 65  # Tiny Shakespeare's characters
 CONFIGS = {
     # name: (GPTConfig fields except vocab_size, batch size)
     "default": (PRESETS[DEFAULT_PRESET].model, PRESETS[DEFAULT_PRESET].train["batch_size"]),
-    "nanogpt-cpu": (dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0), 12),
+    "nanogpt-cpu": (
+        dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
+        12,
+    ),
     "shakespeare-char": (PRESETS["shakespeare-char"].model, PRESETS["shakespeare-char"].train["batch_size"]),
 }
-
-
-def flops_per_token(c: GPTConfig) -> int:
-    """Model FLOPs of one training token (forward + backward = 3 forwards); see the module docstring."""
-    d, t = c.d_model, c.context_length
-    per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * c.d_hidden + 2 * 2 * t * d
-    return 3 * (c.n_layers * per_layer + 2 * d * c.vocab_size)
-
-
-class MatmulPeak:
-    """A jitted `(n, n) @ (n, n)` in fp32; `sample()` times one and records GFLOP/s."""
-
-    def __init__(self, n: int):
-        self.flops = 2 * n**3
-        self.a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-        self.b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
-        self.matmul = jax.jit(jnp.matmul)
-        self.matmul(self.a, self.b).block_until_ready()
-        self.rates: list[float] = []
-
-    def sample(self) -> None:
-        start = time.perf_counter()
-        self.matmul(self.a, self.b).block_until_ready()
-        self.rates.append(self.flops / (time.perf_counter() - start) / 1e9)
 
 
 def make_step(model_options: dict, batch_size: int, args, seed: int = 0):

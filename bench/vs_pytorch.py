@@ -11,8 +11,15 @@ worthless). The timings then alternate, eqx_gpt, PyTorch, eqx_gpt, PyTorch (`--r
 config prints one line: both median step times, their ratio (eqx_gpt / PyTorch; below 1 is
 faster), and the CPU model with its AVX-512 and AMX flags. `--compile` adds `torch.compile`.
 
+MFU: both sides do the same model FLOPs per step (`bench/mfu.py`'s `flops_per_token`), divided by
+the rate of a 2048 x 2048 fp32 `jnp` matmul timed in this run, twice over: isolated (five matmuls
+back to back before the config's timings) and interleaved (one after each timing block, so that
+load on the machine hits the peak as it hits the steps). Both are printed: their spread is how
+far a peak measured once can be trusted.
+
 The eqx_gpt step is the trainer's (`make_train_steps`, `--steps-per-call` steps per dispatch; 1
-times one step per call, as nanoGPT runs). Both sides use every core (`--threads`, default all).
+times one step per call, as nanoGPT runs). Its step time is the median over calls of each call's
+time per step; PyTorch's, the median over its steps. Both sides use every core (`--threads`, default all).
 """
 
 import argparse
@@ -27,6 +34,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from mfu import MatmulPeak, mfu  # bench/mfu.py
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.parallel import data_mesh, replicate, shard_batch
@@ -42,8 +50,13 @@ CONFIGS = {  # name: (GPTConfig fields except vocab_size, batch size), as issue 
         dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
         12,
     ),
-    "shakespeare-char": (dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2), 64),
+    "shakespeare-char": (
+        dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2, scan_unroll=6),
+        64,
+    ),
 }
+
+STEPS = {"nanogpt-cpu": 32, "shakespeare-char": 8}  # timed steps per side and round: about 1 minute
 
 
 def cpu_description() -> str:
@@ -75,7 +88,9 @@ def export(model: GPT, batches: np.ndarray, path: Path) -> None:
 
 
 def jax_side(model, batches, train_config, steps_per_call: int):
-    """`time_block(n_calls) -> seconds per step` running the trainer's jitted steps."""
+    """`time_block(n_calls) -> [seconds per step of each call]` running the trainer's jitted steps.
+
+    Each call's time counts until its results are ready, as the trainer reads each call's losses."""
     mesh = data_mesh()
     optimizer = make_optimizer(train_config)
     state = replicate((model, init_optimizer_state(optimizer, model)), mesh)
@@ -84,15 +99,16 @@ def jax_side(model, batches, train_config, steps_per_call: int):
     stack = shard_batch(np.stack([batches[i % len(batches)] for i in range(k)]), mesh, batch_axis=1)
     lrs, counter = np.full(k, train_config.lr, np.float32), [0]
 
-    def time_block(n_calls: int) -> float:
+    def time_block(n_calls: int) -> list[float]:
         nonlocal state
-        start = time.perf_counter()
+        times = []
         for _ in range(n_calls):
+            start = time.perf_counter()
             steps = np.arange(counter[0], counter[0] + k, dtype=np.int32)
             model, opt_state, losses = steps_fn(*state, stack, steps, lrs, np.int32(k))
-            state, counter[0] = (model, opt_state), counter[0] + k
-        jax.block_until_ready(state)
-        return (time.perf_counter() - start) / (n_calls * k)
+            state, counter[0] = jax.block_until_ready((model, opt_state)), counter[0] + k
+            times.append((time.perf_counter() - start) / k)
+        return times
 
     time_block(1)  # compile
     return time_block
@@ -110,7 +126,7 @@ def torch_side(spec: dict, args, workdir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench(name: str, args, workdir: Path) -> str:
+def bench(name: str, args, workdir: Path, peak: MatmulPeak) -> str:
     options, batch_size = CONFIGS[name]
     config = GPTConfig(vocab_size=VOCAB, **options)
     model = GPT(config, key=jax.random.key(0))
@@ -118,19 +134,24 @@ def bench(name: str, args, workdir: Path) -> str:
     rng = np.random.default_rng(0)
     batches = rng.integers(0, VOCAB, (4, batch_size, config.context_length + 1), dtype=np.int32)
     export(model, batches, workdir / "weights.npz")
+    steps = args.steps or STEPS[name]
     spec = {
         "weights": str(workdir / "weights.npz"), "threads": args.threads, "compile": False,
-        "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 2, "steps": args.steps,
+        "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 2, "steps": steps,
         "train": {k: getattr(train_config, k) for k in ("lr", "beta1", "beta2", "weight_decay", "grad_clip")},
     }  # fmt: skip
     loss0 = float(loss_fn(model, jax.numpy.asarray(batches[0])))
     time_block = jax_side(model, batches, train_config, args.steps_per_call)
-    calls = max(1, args.steps // args.steps_per_call)
+    calls = max(1, steps // args.steps_per_call)
     ours, theirs, compiled = [], [], []
+    isolated = statistics.median(peak.sample() for _ in range(5))
+    interleaved = []
     for _ in range(args.rounds):  # alternate, so that load on the machine hits both alike
-        ours.append(time_block(calls))
+        ours += time_block(calls)
+        interleaved.append(peak.sample())
         result = torch_side(spec, args, workdir)
         theirs += result["step_s"]
+        interleaved.append(peak.sample())
         if args.compile:
             compiled += torch_side({**spec, "compile": True}, args, workdir)["step_s"]
     if result["n_params"] != count_params(model) or abs(result["loss0"] - loss0) > 1e-4:
@@ -146,6 +167,12 @@ def bench(name: str, args, workdir: Path) -> str:
     if compiled:
         compiled_ms = 1e3 * statistics.median(compiled)
         line += f"; torch.compile {compiled_ms:.1f} ms/step, eqx_gpt/compiled {ours_ms / compiled_ms:.2f}"
+    interleaved = statistics.median(interleaved)
+    line += "; MFU eqx_gpt/PyTorch " + ", ".join(
+        f"{mfu(ours_ms / 1e3, config, batch_size, p):.2f}/{mfu(theirs_ms / 1e3, config, batch_size, p):.2f} "
+        f"against a {p:.0f} GFLOP/s matmul {how}"
+        for p, how in ((interleaved, "interleaved"), (isolated, "isolated"))
+    )
     return line + f" | {count_params(model):,} parameters, first loss {loss0:.5f} both | {cpu_description()}"
 
 
@@ -154,15 +181,16 @@ def main(argv=None) -> int:
     p.add_argument("--configs", nargs="+", default=sorted(CONFIGS), choices=sorted(CONFIGS))
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--rounds", type=int, default=2, help="alternations of eqx_gpt and PyTorch timings")
-    p.add_argument("--steps", type=int, default=16, help="timed steps per side per round")
+    p.add_argument("--steps", type=int, help="timed steps per side and round (default: STEPS)")
     p.add_argument("--steps-per-call", type=int, default=STEPS_PER_CALL)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--torch", default="2.13.*", help="torch version for the throwaway environment")
     p.add_argument("--torch-wheel", help="a local torch wheel to use instead (path)")
     args = p.parse_args(argv)
+    peak = MatmulPeak(2048)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
-            print(bench(name, args, Path(tmp)), flush=True)
+            print(bench(name, args, Path(tmp), peak), flush=True)
     return 0
 
 

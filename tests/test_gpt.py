@@ -127,6 +127,26 @@ def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
     assert n_equations(2) == n_equations(12)
 
 
+@pytest.mark.parametrize("unroll", [2, 3])
+def test_unrolling_the_layer_scan_changes_neither_loss_nor_gradients(unroll):
+    # The presets unroll the scan for speed (shakespeare-char: all 6 layers); dropout included,
+    # so each layer must still draw its own masks.
+    from eqx_gpt.train_step import loss_fn
+
+    config = dataclasses.replace(CFG, n_layers=3, dropout=0.2)
+    batch = jax.random.randint(jax.random.key(7), (2, CFG.context_length + 1), 0, CFG.vocab_size)
+    keys = jax.random.split(jax.random.key(8), 2)
+
+    def loss_and_grads(scan_unroll):
+        m = GPT(dataclasses.replace(config, scan_unroll=scan_unroll), key=jax.random.key(0))
+        return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(m, batch, keys)
+
+    (loss, grads), (loss_unrolled, grads_unrolled) = loss_and_grads(1), loss_and_grads(unroll)
+    np.testing.assert_allclose(loss_unrolled, loss, rtol=1e-6)
+    for g, g_unrolled in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_unrolled), strict=True):
+        np.testing.assert_allclose(g_unrolled, g, rtol=1e-5, atol=1e-7)
+
+
 # --- wrong shapes raise readable errors at trace time, under jit too ---
 
 

@@ -1,0 +1,50 @@
+"""Model FLOPs per token and a matmul peak timed in-process: the two halves of an MFU figure.
+
+Model FLOPs per token (forward; training is 3x: the backward pass costs two forwards), counted
+from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
+  per layer  2 * d * 3d (QKV) + 2 * d * d (output) + 2 * 2 * d * d_hidden (MLP)
+             + 2 * 2 * T * d (scores and weighted values over the whole T x T window)
+  head       2 * d * vocab_size
+Embedding lookups, norms, softmax, dropout and the optimiser are not counted (they are small), so
+MFU slightly undercounts the work done. The peak is a dense fp32 `jnp` matmul timed on this
+machine, in this process: there is no datasheet number anywhere.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from eqx_gpt.config import GPTConfig
+
+
+def flops_per_token(c: GPTConfig) -> int:
+    """Model FLOPs of one training token (forward + backward = 3 forwards); see the module docstring."""
+    d, t = c.d_model, c.context_length
+    per_layer = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * c.d_hidden + 2 * 2 * t * d
+    return 3 * (c.n_layers * per_layer + 2 * d * c.vocab_size)
+
+
+class MatmulPeak:
+    """A jitted `(n, n) @ (n, n)` in fp32; `sample()` times one and records GFLOP/s."""
+
+    def __init__(self, n: int):
+        self.flops = 2 * n**3
+        self.a = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+        self.b = jax.random.normal(jax.random.key(2), (n, n), jnp.float32)
+        self.matmul = jax.jit(jnp.matmul)
+        self.matmul(self.a, self.b).block_until_ready()
+        self.rates: list[float] = []
+
+    def sample(self) -> float:
+        """Time one matmul; record and return its GFLOP/s."""
+        start = time.perf_counter()
+        self.matmul(self.a, self.b).block_until_ready()
+        self.rates.append(self.flops / (time.perf_counter() - start) / 1e9)
+        return self.rates[-1]
+
+
+def mfu(step_s: float, config: GPTConfig, batch_size: int, peak_gflops: float) -> float:
+    """Model FLOPs utilisation of a training step of `batch_size` sequences taking `step_s`."""
+    tokens = batch_size * config.context_length
+    return flops_per_token(config) * tokens / step_s / 1e9 / peak_gflops
