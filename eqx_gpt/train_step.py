@@ -91,7 +91,7 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
 
     `keys` (one PRNG key per sequence) turns dropout on. The model takes the whole batch at once
     rather than `jax.vmap` over sequences: same result, but each projection is one matrix multiply
-    (see `eqx_gpt.linear`), about 1.5x faster per training step on CPU.
+    (see `eqx_gpt.linear`): 1.74x faster per training step at nanoGPT's CPU recipe (docs/PERFORMANCE.md).
     """
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs, key=keys)
@@ -165,8 +165,8 @@ def make_train_steps(
     `batches` is `(k, batch_size, context_length + 1)`, `steps` and `lrs` are `(k,)`, and `n <= k`
     is a 0-d int32 array, so one compiled program serves any count up to `k`; `losses[i]` for
     `i >= n` is 0. The result is exactly that of `n` calls of `train_step`. Why: on CPU each call
-    of a small model's step carries a fixed cost (about 15 ms at the default preset, a quarter of
-    the step) that a loop inside one program does not pay.
+    of a small model's step carries a cost that a loop inside one program does not pay (8 steps per
+    call ran 1.26-1.29x faster than 1 at d_model 128: docs/PERFORMANCE.md).
     """
     body = _step_body(optimizer, config, dropout, loss)
 
