@@ -13,6 +13,7 @@ import types
 import typing
 
 from eqx_gpt._checks import OneLineParser, finite_float
+from eqx_gpt.checkpoint import checkpoint_paths
 from eqx_gpt.config import COMPUTE_DTYPES, NORM_KINDS, NORM_POSITIONS, GPTConfig
 from eqx_gpt.parallel import initialize_distributed
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
@@ -156,12 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as e:  # bad input of any kind: a one-line message naming the fix
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(
-            "train.py: aborted; resume from the last checkpoint with: "
-            f"uv run train.py --resume --out-dir {out_dir}",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run
+        if any(p.suffix == ".json" for p in checkpoint_paths(out_dir)):
+            hint = f"resume from the last checkpoint with: uv run train.py --resume --out-dir {out_dir}"
+        else:
+            hint = f"no checkpoint was saved in {out_dir}, nothing to resume: run the command again"
+        print(f"train.py: aborted; {hint}", file=sys.stderr)
         return 130
     return 130 if result.interrupted else 0
 

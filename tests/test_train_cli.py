@@ -139,6 +139,22 @@ def test_ctrl_c_saves_and_says_how_to_resume(tmp_path, corpus, uninterrupted):
     assert meta["step"] in resumed[0] and set(range(meta["step"] + 1, 301)) <= set(resumed[0])
 
 
+def test_an_abort_says_whether_there_is_a_checkpoint_to_resume(tmp_path, corpus, monkeypatch, capsys):
+    # A Ctrl-C during start-up reaches train.py as KeyboardInterrupt, before any checkpoint exists.
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "train", interrupted)
+    out = tmp_path / "run"
+    assert train_cli.main([*TINY, "--data", str(corpus), "--out-dir", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "nothing to resume" in err and "--resume" not in err, err
+    out.mkdir()
+    (out / "latest.json").write_text("{}")
+    assert train_cli.main([*TINY, "--data", str(corpus), "--out-dir", str(out)]) == 130
+    assert f"uv run train.py --resume --out-dir {out}" in capsys.readouterr().err
+
+
 def _fails(argv, capsys, message):
     try:
         rc = train_cli.main(argv)
