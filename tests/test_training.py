@@ -181,3 +181,26 @@ def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_b
     np.testing.assert_allclose(updates.embed, -ratio * 0.5 * params.embed, rtol=1e-5)
     np.testing.assert_allclose(updates.head, -ratio * 0.5 * params.head, rtol=1e-5)
     assert not np.any(updates.final_norm.scale) and not np.any(updates.blocks.layers.attn_norm.scale)
+
+
+def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps():
+    # With momentum 0 Muon keeps no memory: the second update is the first update of its gradient
+    # alone. With the default 0.95 the first gradient still steers it.
+    params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
+    g1, g2 = (
+        jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params)
+        for k in jax.random.split(jax.random.key(3))
+    )
+
+    def second_update(momentum):
+        optimizer = make_optimizer(
+            TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": momentum})
+        )
+        _, state = optimizer.update(g1, optimizer.init(params), params)
+        return optimizer.update(g2, state, params)[0].blocks.layers.mlp.w_in, optimizer
+
+    memoryless, optimizer = second_update(0.0)
+    alone = optimizer.update(g2, optimizer.init(params), params)[0].blocks.layers.mlp.w_in
+    np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
+    remembering, _ = second_update(0.95)
+    assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
