@@ -5,11 +5,12 @@
 For each config, one set of initial weights and batches feeds both sides. The PyTorch side
 (`bench/torch_gpt.py`) runs in a throwaway environment (`uv run --no-project --with torch==...`),
 so torch never enters the project's dependencies or `uv.lock`; `--torch-wheel PATH` uses a local
-wheel instead of the index. Before timing, both sides must agree: the same parameter count and the
-same loss on the first batch from the same weights, to 1e-4 (a comparison of different work is
-worthless). The timings then alternate, eqx_gpt, PyTorch, eqx_gpt, PyTorch (`--rounds`), and each
-config prints one line: both median step times, their ratio (eqx_gpt / PyTorch; below 1 is
-faster), and the CPU model with its AVX-512 and AMX flags. `--compile` adds `torch.compile`.
+wheel instead of the index. Both sides must agree, checked on PyTorch's first run before any
+further timing: the same parameter count and the same loss on the first batch from the same
+weights, to 1e-4 (a comparison of different work is worthless). The timings alternate, eqx_gpt,
+PyTorch, eqx_gpt, PyTorch (`--rounds`), and each config prints one line: both median step
+times, their ratio (eqx_gpt / PyTorch; below 1 is faster), the MFU of both, and the CPU model
+with its AVX-512 and AMX flags. `--compile` adds `torch.compile`.
 
 MFU: both sides do the same model FLOPs per step (`bench/mfu.py`'s `flops_per_token`), divided by
 the rate of a 2048 x 2048 fp32 `jnp` matmul timed in this run, twice over: isolated (five matmuls
@@ -126,6 +127,15 @@ def torch_side(spec: dict, args, workdir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def check_same_work(name: str, model: GPT, loss0: float, result: dict) -> None:
+    """Refuse to compare models that differ in parameter count or in the loss of the same batch."""
+    if result["n_params"] != count_params(model) or abs(result["loss0"] - loss0) > 1e-4:
+        raise SystemExit(
+            f"{name}: the two models differ (parameters {count_params(model)} vs {result['n_params']}, "
+            f"first loss {loss0:.6f} vs {result['loss0']:.6f}); refusing to compare different work"
+        )
+
+
 def bench(name: str, args, workdir: Path, peak: MatmulPeak) -> str:
     options, batch_size = CONFIGS[name]
     config = GPTConfig(vocab_size=VOCAB, **options)
@@ -150,15 +160,11 @@ def bench(name: str, args, workdir: Path, peak: MatmulPeak) -> str:
         ours += time_block(calls)
         interleaved.append(peak.sample())
         result = torch_side(spec, args, workdir)
+        check_same_work(name, model, loss0, result)
         theirs += result["step_s"]
         interleaved.append(peak.sample())
         if args.compile:
             compiled += torch_side({**spec, "compile": True}, args, workdir)["step_s"]
-    if result["n_params"] != count_params(model) or abs(result["loss0"] - loss0) > 1e-4:
-        raise SystemExit(
-            f"{name}: the two models differ (parameters {count_params(model)} vs {result['n_params']}, "
-            f"first loss {loss0:.6f} vs {result['loss0']:.6f}); refusing to compare different work"
-        )
     ours_ms, theirs_ms = 1e3 * statistics.median(ours), 1e3 * statistics.median(theirs)
     line = (
         f"{name}: eqx_gpt {ours_ms:.1f} ms/step ({args.steps_per_call}/call), PyTorch {result['torch']} "
