@@ -10,7 +10,7 @@ the achieved rate by the rate of a dense fp32 `jnp` matmul (`--peak-size`, 2048 
 timed *in this process, interleaved with the steps*, so a busy or throttled machine slows both
 alike and the ratio stays meaningful; there is no datasheet number anywhere.
 
-Model FLOPs per token and the peak are `bench/mfu.py`'s (see its docstring for what is counted).
+Model FLOPs per token and the peak are `bench/common.py`'s (see its docstring for what is counted).
 
 The timed steps are `train.py`'s: `eqx_gpt.train_step.make_train_steps`, `--steps-per-call` steps
 per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
@@ -29,27 +29,16 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from mfu import MatmulPeak, flops_per_token  # bench/mfu.py
+from common import CONFIGS, MatmulPeak, flops_per_token  # bench/common.py
 
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.run import STEPS_PER_CALL
 from eqx_gpt.train_config import OPTIMIZERS, TrainConfig
 from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step, make_train_steps
 
 VOCAB = 65  # Tiny Shakespeare's characters
-
-CONFIGS = {
-    # name: (GPTConfig fields except vocab_size, batch size)
-    "default": (PRESETS[DEFAULT_PRESET].model, PRESETS[DEFAULT_PRESET].train["batch_size"]),
-    "nanogpt-cpu": (
-        dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
-        12,
-    ),
-    "shakespeare-char": (PRESETS["shakespeare-char"].model, PRESETS["shakespeare-char"].train["batch_size"]),
-}
 
 
 def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
@@ -148,8 +137,9 @@ def bench_config(name: str, model_options: dict, batch_size: int, args, peak: Ma
 
 
 def compile_seconds(n_layers: int, args) -> float:
-    """Seconds to trace and compile the training step of the shakespeare-char widths with `n_layers`."""
-    options = dict(CONFIGS["shakespeare-char"][0], n_layers=n_layers)
+    """Seconds to trace and compile the training step of the shakespeare-char widths with `n_layers`,
+    its layers scanned (not unrolled, as the preset runs them): what scanning keeps constant."""
+    options = dict(CONFIGS["shakespeare-char"][0], n_layers=n_layers, scan_unroll=1)
     _, model, opt_state, advance = make_step(options, args.compile_batch, args)
     lowered_at = time.perf_counter()
     out = advance(model, opt_state, 0)

@@ -12,7 +12,7 @@ PyTorch, eqx_gpt, PyTorch (`--rounds`), and each config prints one line: both me
 times, their ratio (eqx_gpt / PyTorch; below 1 is faster), the MFU of both, and the CPU model
 with its AVX-512 and AMX flags. `--compile` adds `torch.compile`.
 
-MFU: both sides do the same model FLOPs per step (`bench/mfu.py`'s `flops_per_token`), divided by
+MFU: both sides do the same model FLOPs per step (`bench/common.py`'s `flops_per_token`), divided by
 the rate of a 2048 x 2048 fp32 `jnp` matmul timed in this run, twice over: isolated (five matmuls
 back to back before the config's timings) and interleaved (one after each timing block, so that
 load on the machine hits the peak as it hits the steps). Both are printed: their spread is how
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from mfu import MatmulPeak, mfu  # bench/mfu.py
+from common import CONFIGS, MatmulPeak, mfu  # bench/common.py
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.parallel import data_mesh, replicate, shard_batch
@@ -46,18 +46,9 @@ from eqx_gpt.train_step import count_params, init_optimizer_state, loss_fn, make
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 65
-CONFIGS = {  # name: (GPTConfig fields except vocab_size, batch size), as issue 18 states them
-    "nanogpt-cpu": (
-        dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
-        12,
-    ),
-    "shakespeare-char": (
-        dict(context_length=256, d_model=384, n_heads=6, n_layers=6, dropout=0.2, scan_unroll=6),
-        64,
-    ),
-}
 
-STEPS = {"nanogpt-cpu": 32, "shakespeare-char": 8}  # timed steps per side and round: about 1 minute
+# The configs of issue 18 (`bench/common.py`) and their timed steps per side and round (~1 minute)
+STEPS = {"nanogpt-cpu": 32, "shakespeare-char": 8}
 
 
 def cpu_description() -> str:
@@ -184,7 +175,7 @@ def bench(name: str, args, workdir: Path, peak: MatmulPeak) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=sorted(CONFIGS), choices=sorted(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=sorted(STEPS), choices=sorted(STEPS))
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--rounds", type=int, default=2, help="alternations of eqx_gpt and PyTorch timings")
     p.add_argument("--steps", type=int, help="timed steps per side and round (default: STEPS)")

@@ -10,6 +10,7 @@ import pytest
 from jaxtyping import TypeCheckError
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
+from eqx_gpt.train_step import loss_fn
 
 CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
 
@@ -131,8 +132,6 @@ def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
 def test_unrolling_the_layer_scan_changes_neither_loss_nor_gradients(unroll):
     # The presets unroll the scan for speed (shakespeare-char: all 6 layers); dropout included,
     # so each layer must still draw its own masks.
-    from eqx_gpt.train_step import loss_fn
-
     config = dataclasses.replace(CFG, n_layers=3, dropout=0.2)
     batch = jax.random.randint(jax.random.key(7), (2, CFG.context_length + 1), 0, CFG.vocab_size)
     keys = jax.random.split(jax.random.key(8), 2)

@@ -1,4 +1,5 @@
-"""Model FLOPs per token and a matmul peak timed in-process: the two halves of an MFU figure.
+"""What the training benches share: their configs, model FLOPs per token, and a matmul peak timed
+in-process (the last two are the halves of an MFU figure).
 
 Model FLOPs per token (forward; training is 3x: the backward pass costs two forwards), counted
 from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
@@ -16,6 +17,18 @@ import jax
 import jax.numpy as jnp
 
 from eqx_gpt.config import GPTConfig
+from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+
+CONFIGS = {
+    # name: (GPTConfig fields except vocab_size, batch size)
+    "default": (PRESETS[DEFAULT_PRESET].model, PRESETS[DEFAULT_PRESET].train["batch_size"]),
+    # nanoGPT's CPU recipe, with its 4 layers unrolled as in the default preset
+    "nanogpt-cpu": (
+        dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4),
+        12,
+    ),
+    "shakespeare-char": (PRESETS["shakespeare-char"].model, PRESETS["shakespeare-char"].train["batch_size"]),
+}
 
 
 def flops_per_token(c: GPTConfig) -> int:
