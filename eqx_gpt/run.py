@@ -53,7 +53,7 @@ from eqx_gpt.data import (
     split_text,
     to_ids,
 )
-from eqx_gpt.evaluate import WINDOWS_PER_BATCH, Evaluation, evaluate
+from eqx_gpt.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
 from eqx_gpt.generate import generate
 from eqx_gpt.gpt import GPT
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
@@ -63,7 +63,7 @@ from eqx_gpt.sampling import SamplingOptions
 from eqx_gpt.schedule import TimePlan, describe_schedule, learning_rate
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.train_config import TrainConfig
-from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps, mean_loss
+from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
 from eqx_gpt.visualize import plot_losses
 
 # Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
@@ -71,6 +71,7 @@ from eqx_gpt.visualize import plot_losses
 RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval", "data")
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
+SECONDS_PER_CALL = 0.5  # fewer steps per call when steps are slower: a stop waits for the call in flight
 PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
 
 
@@ -107,11 +108,12 @@ class Run:
     model: GPT
     opt_state: object
     train_steps: Callable
-    eval_train_batches: jax.Array  # fixed training batches: the train loss at evaluations
+    eval_train_rows: np.ndarray  # fixed training windows: the train loss at evaluations
     metrics: Metrics
     plan: TimePlan
     checkpoint_meta: dict  # what every checkpoint of the run records besides the step and losses
     log: Callable[[str], None]
+    now: Callable[[], float]  # the clock (`time.monotonic`; tests pass a simulated one)
     start: int  # the step the run (or this resumption of it) started from
     step: int  # optimiser steps done
     horizon: int  # the schedule's length: the run ends here
@@ -124,6 +126,7 @@ class Run:
     # (steps, losses, lrs) of each dispatched call whose losses have not been read yet
     pending: list = field(default_factory=list)
     read_points: collections.deque = field(default_factory=lambda: collections.deque(maxlen=8))
+    stopping: Callable[[], bool] = lambda: False  # true once Ctrl-C or SIGTERM asked the run to stop
 
     @property
     def tokens_per_step(self) -> int:
@@ -204,6 +207,7 @@ def start_run(
     *,
     log: Callable[[str], None],
     preset: str | None,
+    now: Callable[[], float],
     t_start: float,
 ) -> Run:
     """Check the data, tokenizer, model and devices, and build the model and optimiser state
@@ -236,7 +240,7 @@ def start_run(
         start, best_val = meta["step"], meta.get("best_val_loss") or math.inf
         same_length = meta["train_config"]["max_steps"] == config.max_steps
         horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
-        if start >= horizon:
+        if start >= horizon and (_saved_evaluation(meta) or (None,))[0] == start:  # else: evaluate it
             raise TrainingError(
                 f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
             )
@@ -244,13 +248,10 @@ def start_run(
     # device, or (--fsdp) split over them too.
     place = shard_parameters if config.fsdp else replicate
     model, opt_state = place((model, opt_state), mesh)
-    eval_train_batches = shard_batch(
-        fixed_batches(
-            train_ids, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
-            batch_size=config.batch_size, length=model_config.context_length + 1,
-        ),
-        mesh, batch_axis=1,
-    )  # fmt: skip
+    eval_train_rows = np.asarray(fixed_batches(
+        train_ids, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
+        batch_size=config.batch_size, length=model_config.context_length + 1,
+    )).reshape(-1, model_config.context_length + 1)  # fmt: skip
     preset = preset or (meta or {}).get("preset")  # a resumed run keeps its preset unless given one
     checkpoint_meta = {
         **({"preset": preset} if preset else {}),
@@ -263,9 +264,10 @@ def start_run(
     return Run(
         config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer, train_ids=train_ids,
         val_ids=val_ids, mesh=mesh, model=model, opt_state=opt_state, train_steps=train_steps,
-        eval_train_batches=eval_train_batches,
+        eval_train_rows=eval_train_rows,
         metrics=None, plan=TimePlan(config.max_minutes, config.max_steps, t_start),
-        checkpoint_meta=checkpoint_meta, log=log, start=start, step=start, horizon=horizon, best_val=best_val,
+        checkpoint_meta=checkpoint_meta, log=log, now=now, start=start, step=start, horizon=horizon,
+        best_val=best_val,
         last_eval=_saved_evaluation(meta),
         last_saved=start if meta is not None else None,
     )  # fmt: skip
@@ -333,7 +335,7 @@ def read_losses(run: Run, until: int, bar: Progress, t_start: float) -> None:
             f"loss became {losses[bad[0]]} at step {ready[bad[0]][0]}; stopped. {_last_good(run)}. "
             f"Try a lower --lr or --grad-clip"
         )
-    now = time.monotonic()
+    now = run.now()
     run.read_points.append((ready[-1][0], now))
     (first_step, first_time), (last_step, _) = run.read_points[0], run.read_points[-1]
     if last_step > first_step:  # tokens/s over the last few reads, which smooths their jitter
@@ -370,45 +372,67 @@ def save(run: Run, name: str) -> None:
         run.last_saved = run.step
 
 
-def validation_loss(run: Run, stride: int) -> Evaluation:
-    """The loss over the whole validation split, in windows `stride` tokens apart (`evaluate`)."""
-    batch = -(-WINDOWS_PER_BATCH // run.mesh.size) * run.mesh.size  # whole windows per device
-    place = lambda x: shard_batch(x, run.mesh, batch_axis=1)
-    return evaluate(run.model, run.val_ids, stride=stride, place=place, batch=batch)
+def _place(run: Run):
+    """Puts one evaluation call's rows on the devices, split along the batch axis."""
+    return lambda x: shard_batch(x, run.mesh, batch_axis=0)
 
 
-def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> None:
-    """Evaluate (the train loss on fixed batches; the validation loss over the whole split, in
+def _eval_batch(run: Run) -> int:
+    """Windows per evaluation call: `windows_per_call`, rounded up to whole windows per device."""
+    return -(-windows_per_call(run.model_config.context_length) // run.mesh.size) * run.mesh.size
+
+
+def validation_loss(run: Run, stride: int) -> Evaluation | None:
+    """The loss over the whole validation split, in windows `stride` tokens apart (`evaluate`);
+    None if the run was asked to stop meanwhile."""
+    return evaluate(
+        run.model, run.val_ids, stride=stride, place=_place(run), batch=_eval_batch(run), stop=run.stopping
+    )
+
+
+def train_loss(run: Run) -> float | None:
+    """The mean loss over the run's fixed training windows (the same program as `validation_loss`)."""
+    rows = run.eval_train_rows
+    weight = np.ones((len(rows), rows.shape[1] - 1), np.float32)
+    total = summed_loss(run.model, rows, weight, batch=_eval_batch(run), place=_place(run), stop=run.stopping)
+    return None if total is None else total / weight.size
+
+
+def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> bool:
+    """Evaluate (the train loss on fixed windows; the validation loss over the whole split, in
     non-overlapping windows, so that no sampling noise can pick the best checkpoint), log it,
-    checkpoint `latest` (and `best` if it is) and redraw the loss plot."""
+    checkpoint `latest` (and `best` if it is) and redraw the loss plot. Returns False, having
+    recorded nothing, if the run was asked to stop before the evaluation finished."""
     read_losses(run, run.step, bar, t_start)
-    t0 = time.monotonic()
-    train_loss = float(mean_loss(run.model, run.eval_train_batches))
-    val_loss = validation_loss(run, stride=run.model_config.context_length).loss
+    t0 = run.now()
+    train = train_loss(run)
+    val = validation_loss(run, stride=run.model_config.context_length) if train is not None else None
+    if val is None:
+        return False
+    val_loss = val.loss
     if run.step > run.start:
-        run.plan.add_evaluation(time.monotonic() - t0)
-    if not (math.isfinite(train_loss) and math.isfinite(val_loss)):
+        run.plan.add_evaluation(run.now() - t0)
+    if not (math.isfinite(train) and math.isfinite(val_loss)):
         raise TrainingError(
             f"evaluation loss became non-finite at step {run.step}; stopped. {_last_good(run)}"
         )
     is_best = val_loss < run.best_val
     run.best_val = min(run.best_val, val_loss)
     run.last_eval = (run.step, val_loss)
-    elapsed = round(time.monotonic() - t_start, 2)
-    run.metrics.write(
-        {"step": run.step, "train_loss": train_loss, "val_loss": val_loss, "elapsed_s": elapsed}
-    )
+    elapsed = round(run.now() - t_start, 2)
+    run.metrics.write({"step": run.step, "train_loss": train, "val_loss": val_loss, "elapsed_s": elapsed})
     save(run, "latest")
     if is_best:
         save(run, "best")
     plot_losses(run.metrics.records, run.out_dir / "loss.png")
     run.read_points.clear()  # keep evaluation time out of tokens/s
-    run.read_points.append((run.step, time.monotonic()))
+    run.read_points.append((run.step, run.now()))
     bar.clear()
     run.log(
-        f"step {run.step}: train loss {train_loss:.4f}, val loss {val_loss:.4f}"
-        f"{' (best)' if is_best else ''} [{clock(time.monotonic() - t_start)}]"
+        f"step {run.step}: train loss {train:.4f}, val loss {val_loss:.4f}"
+        f"{' (best)' if is_best else ''} [{clock(run.now() - t_start)}]"
     )
+    return True
 
 
 def fit_to_time(run: Run, *, announce: bool) -> None:
@@ -416,7 +440,7 @@ def fit_to_time(run: Run, *, announce: bool) -> None:
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
     # step's worth of tokens): the fixed training batches, then the whole validation split.
     eval_cost = (run.config.eval_batches + len(run.val_ids) / run.tokens_per_step) / 3
-    horizon = run.plan.fit(run.step, run.horizon, time.monotonic(), run.config.eval_interval, eval_cost)
+    horizon = run.plan.fit(run.step, run.horizon, run.now(), run.config.eval_interval, eval_cost)
     if announce and horizon != run.horizon:
         run.log(f"time plan: {horizon} steps fit in {run.config.max_minutes:g} min; schedule refitted")
     run.horizon = horizon
@@ -475,6 +499,7 @@ def train(
     sample_tokens: int = 300,
     log: Callable[[str], None] = print,
     progress: bool = True,
+    now: Callable[[], float] = time.monotonic,
 ) -> TrainResult:
     """Train a GPT of `model_options` (GPTConfig fields except `vocab_size`) under `config`.
 
@@ -483,9 +508,10 @@ def train(
     explicitly, must agree with it; see `resolve_resume`) or `overwrite` (delete it first). A
     folder in use by a live run is refused. `preset` names the recipe, for the record. Raises one
     of `RunError` (`ValueError`s with one-line messages) for bad input; Ctrl-C or SIGTERM saves a
-    checkpoint and returns with `interrupted`.
+    checkpoint and returns with `interrupted`. `now` is the clock that `max_minutes` is measured
+    by (tests pass a simulated one).
     """
-    t_start = time.monotonic()
+    t_start = now()
     out_dir = Path(out_dir)
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
@@ -493,7 +519,9 @@ def train(
         meta = read_metadata(out_dir / "latest.json") if resume else None
         if meta is not None:
             model_options, config = resolve_resume(meta, *(resume_flags or ({}, {})))
-        run = start_run(model_options, config, out_dir, meta, log=log, preset=preset, t_start=t_start)
+        run = start_run(
+            model_options, config, out_dir, meta, log=log, preset=preset, now=now, t_start=t_start
+        )
         # Every check has passed: from here on the folder is this run's.
         stale = lock.claim()
         if stale:
@@ -509,75 +537,106 @@ def train(
             run.metrics.close()
 
 
+def steps_per_call(run: Run) -> int:
+    """Steps in the next call: 1 until the step rate is measured, then as many as run in about
+    `SECONDS_PER_CALL`, at most `STEPS_PER_CALL`. A stop waits for the call in flight, so slow steps
+    go one at a time. Every group size runs the same compiled program (`make_train_steps`), so the
+    grouping never changes what a step computes."""
+    rate = run.plan.steps_per_second(run.step, run.now())
+    return 1 if rate is None else max(1, min(STEPS_PER_CALL, int(SECONDS_PER_CALL * rate)))
+
+
+def _evaluated(run: Run) -> bool:
+    return run.last_eval is not None and run.last_eval[0] == run.step
+
+
 def _loop(run: Run, sample_tokens: int, progress: bool, t_start: float) -> TrainResult:
     c, bar = run.config, Progress(enabled=progress)
     run.read_points.append((run.start, t_start))
     try:
         with _StopFlag() as stop:
-            if run.start == 0:
+            run.stopping = lambda: stop.set
+            # The start of a run, and a resumption from a checkpoint whose evaluation was interrupted.
+            if (run.step % c.eval_interval == 0 or run.step == run.horizon) and not _evaluated(run):
                 evaluate_and_save(run, bar, t_start)
             while run.step < run.horizon and not stop.set:
-                # Up to STEPS_PER_CALL steps in one call, ending at the next evaluation (and the
-                # first step alone: it compiles, and the time plan starts after it).
+                # The first call is one step alone: it compiles, and the time plan starts after it.
+                # Calls end at the next evaluation.
                 next_eval = (run.step // c.eval_interval + 1) * c.eval_interval
                 first = run.step == run.start
-                n = 1 if first else min(STEPS_PER_CALL, run.horizon - run.step, next_eval - run.step)
+                n = min(steps_per_call(run), run.horizon - run.step, next_eval - run.step)
                 dispatch_steps(run, n)
-                if first:  # the first step compiles: time the rest from here
-                    run.pending[-1][1].block_until_ready()
-                    now = time.monotonic()
-                    run.tokens_per_s = run.tokens_per_step / (now - t_start)  # includes compiling
-                    run.plan.start_timing(run.step, now)
-                    run.read_points.clear()
-                    run.read_points.append((run.step, now))
-                    bar.clear()
-                    run.log(f"compiled the training step in {now - t_start:.1f} s since start")
+                if first:
+                    _time_first_step(run, bar, t_start)
                 elif run.step - n < run.plan.timed_from[0] + PLAN_AFTER <= run.step:
                     fit_to_time(run, announce=True)
                 if run.step // c.log_interval > (run.step - n) // c.log_interval or run.step == run.horizon:
                     read_losses(run, run.step - READ_LAG, bar, t_start)
-                if run.plan.out_of_time(time.monotonic()) and run.step < run.horizon:
+                if run.plan.out_of_time(run.now()) and run.step < run.horizon:
                     run.horizon = run.step
                     run.log(f"time limit reached at step {run.step}")
                 if run.step % c.eval_interval == 0 or run.step == run.horizon:
-                    evaluate_and_save(run, bar, t_start)
-                    if run.step < run.horizon:
+                    if evaluate_and_save(run, bar, t_start) and run.step < run.horizon:
                         fit_to_time(run, announce=False)
             read_losses(run, run.step, bar, t_start)
+            if stop.set and not (run.step == run.horizon and _evaluated(run)):
+                return interrupted(run, t_start)
+            return finish(run, sample_tokens, t_start)
     finally:
         bar.clear()
-    elapsed = time.monotonic() - t_start
+
+
+def _time_first_step(run: Run, bar: Progress, t_start: float) -> None:
+    """Wait for the first step (it compiles), then start timing the steps from here."""
+    run.pending[-1][1].block_until_ready()
+    now = run.now()
+    run.tokens_per_s = run.tokens_per_step / max(now - t_start, 1e-9)  # includes compiling
+    run.plan.start_timing(run.step, now)
+    run.read_points.clear()
+    run.read_points.append((run.step, now))
+    bar.clear()
+    run.log(f"compiled the training step in {now - t_start:.1f} s since start")
+
+
+def interrupted(run: Run, t_start: float) -> TrainResult:
+    """Ctrl-C or SIGTERM: log the step reached, checkpoint it, say how to resume."""
+    if run.last_read is not None and run.last_logged != run.last_read["step"]:
+        run.metrics.write(run.last_read)  # the step the run stopped at is always logged
+    if run.last_saved is None or run.step > run.last_saved:
+        save(run, "latest")
+    run.log(
+        f"interrupted at step {run.step}; saved {run.out_dir}/latest.json. Resume with: "
+        f"uv run train.py --resume --out-dir {run.out_dir}"
+    )
     val = run.last_eval[1] if run.last_eval is not None else None
-    if stop.set and run.step < run.horizon:
-        if run.last_read is not None and run.last_logged != run.last_read["step"]:
-            run.metrics.write(run.last_read)  # the step the run stopped at is always logged
-        if run.last_saved is None or run.step > run.last_saved:
-            save(run, "latest")
-        run.log(
-            f"interrupted at step {run.step}; saved {run.out_dir}/latest.json. Resume with: "
-            f"uv run train.py --resume --out-dir {run.out_dir}"
-        )
-        return TrainResult(run.step, val, run.best_val, elapsed, True, None, run.out_dir)
-    return finish(run, sample_tokens, t_start)
+    return TrainResult(run.step, val, run.best_val, run.now() - t_start, True, None, run.out_dir)
 
 
 def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
     """The end of a run that reached its horizon: the final model's loss over the whole validation
-    split in overlapping windows (the figure to quote), a sample from the best checkpoint, the summary."""
-    t0 = time.monotonic()
-    final = validation_loss(run, stride=max(1, run.model_config.context_length // 2))
+    split in overlapping windows (the figure to quote), a sample from the best checkpoint, the summary.
+    A stop during the final validation skips it and the sample: the checkpoints are complete."""
+    t0, stride = run.now(), max(1, run.model_config.context_length // 2)
+    final = validation_loss(run, stride=stride)
+    val = run.last_eval[1]
+    if final is None:
+        run.log(
+            f"interrupted during the final validation; the run is complete at step {run.step} (periodic "
+            f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
+            f"{run.out_dir}/latest.json --stride {stride}"
+        )
+        return TrainResult(run.step, val, run.best_val, run.now() - t_start, True, None, run.out_dir)
     run.metrics.write({"step": run.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted})
     run.log(
         f"final validation: loss {final.loss:.4f} over all {final.n_predicted:,} predicted tokens of the "
         f"split (windows of {run.model_config.context_length} every {final.stride}) "
-        f"in {time.monotonic() - t0:.1f} s"
+        f"in {run.now() - t0:.1f} s"
     )
     sample = None
-    if sample_tokens > 0:
+    if sample_tokens > 0 and not run.stopping():
         best = load_model(run.out_dir)[0] if (run.out_dir / "best.json").exists() else run.model
         sample = sample_text(best, run.tokenizer, sample_tokens, seed=run.config.seed)
-    elapsed = time.monotonic() - t_start
-    val = run.last_eval[1]
+    elapsed = run.now() - t_start
     run.log(
         f"done: step {run.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
         f"{run.best_val:.4f}) in {elapsed / 60:.1f} min; checkpoints in {run.out_dir}/"

@@ -185,9 +185,3 @@ def make_train_steps(
         return steps_fn((batches, steps, lrs, n), model, opt_state)
 
     return train_steps
-
-
-@eqx.filter_jit
-def mean_loss(model: GPT, batches: Int[Array, "k batch window"]) -> Float[Array, ""]:
-    """Mean loss (no dropout) over a stack of batches, one batch at a time."""
-    return jax.lax.map(lambda batch: loss_fn(model, batch), batches).mean()
