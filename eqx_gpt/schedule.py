@@ -10,7 +10,10 @@ import math
 
 from eqx_gpt.train_config import TrainConfig
 
-RESERVE_S = 15.0  # seconds kept before the deadline for the final evaluation, checkpoint and sample
+RESERVE_S = 15.0  # seconds kept before the deadline for the last checkpoint, the plot and the sample
+# The final validation reads the split in windows every context_length // 2 tokens: twice the
+# windows of a periodic evaluation, which also covers fixed training batches. Priced as two.
+FINAL_VALIDATION_EVALS = 2.0
 
 
 def warmup_steps(config: TrainConfig, horizon: int) -> int:
@@ -91,19 +94,26 @@ class TimePlan:
             return None
         return (step - self.timed_from[0]) / max(now - self.timed_from[1] - self.eval_seconds, 1e-9)
 
+    def _after_last_step(self, per_eval: float) -> float:
+        """Seconds a run needs after its last step: the evaluation there, the final validation and
+        the reserve (checkpoint, plot, sample)."""
+        return (1 + FINAL_VALIDATION_EVALS) * per_eval + self.reserve_s
+
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
-        return now > self.deadline - self.reserve_s
+        per_eval = self.eval_seconds / self.n_evals if self.n_evals else 0.0
+        return now > self.deadline - self._after_last_step(per_eval)
 
     def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
         """The horizon that ends the run at the deadline, within `[step, max_steps]`.
 
-        `eval_cost_steps` prices an evaluation in training steps until one has been timed.
+        Each step costs its measured time plus its share of the evaluations every `eval_interval`
+        steps; `eval_cost_steps` prices an evaluation in training steps until one has been timed.
         """
         rate = self.steps_per_second(step, now)
         if not self.limited or rate is None:
             return horizon
-        evals_left = max(0, (horizon - step) // eval_interval)
         per_eval = self.eval_seconds / self.n_evals if self.n_evals else eval_cost_steps / rate
-        budget = self.deadline - now - self.reserve_s - evals_left * per_eval
-        return max(step, min(self.max_steps, step + int(budget * rate)))
+        budget = self.deadline - now - self._after_last_step(per_eval)
+        seconds_per_step = 1 / rate + per_eval / eval_interval
+        return max(step, min(self.max_steps, step + int(budget / seconds_per_step)))

@@ -157,8 +157,9 @@ def translation_loss(model: Transformer, batch, keys=None, *, src_len: int):
 # Training and evaluation
 
 
-def train(model, pairs, vocabs, args, log=print):
-    """Train under eqx_gpt's AdamW, schedule and jitted step, the schedule fitted to --minutes."""
+def train(model, pairs, vocabs, args, log=print, now=time.monotonic):
+    """Train under eqx_gpt's AdamW, schedule and jitted step, the schedule fitted to --minutes as
+    measured by the clock `now`."""
     config = TrainConfig(
         batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10, warmup_steps=100, weight_decay=0.01,
         max_steps=args.max_steps, max_minutes=args.minutes, beta2=0.98, seed=args.seed,
@@ -171,7 +172,7 @@ def train(model, pairs, vocabs, args, log=print):
             loss=functools.partial(translation_loss, src_len=src_len),
         )
     )  # fmt: skip
-    rng, t_start = random.Random(args.seed), time.monotonic()
+    rng, t_start = random.Random(args.seed), now()
     # Kept for translating the held-out set after training: 10 s (less in a short run).
     plan = TimePlan(config.max_minutes, config.max_steps, t_start, reserve_s=min(10.0, 6 * args.minutes))
     horizon, bar = config.max_steps, Progress()
@@ -183,16 +184,14 @@ def train(model, pairs, vocabs, args, log=print):
         model, opt_state, loss = steps_for(src_len)(model, opt_state, batch, np.int32(step), lr)
         if step == 0:
             loss.block_until_ready()
-            plan.start_timing(1, time.monotonic())
+            plan.start_timing(1, now())
         elif step % 100 == 0:
-            horizon = plan.fit(step, horizon, time.monotonic(), config.max_steps, 0)
-            bar.update(
-                f"step {step}/{horizon} | loss {float(loss):.4f} | {clock(time.monotonic() - t_start)}"
-            )
-        if plan.out_of_time(time.monotonic()):
+            horizon = plan.fit(step, horizon, now(), config.max_steps, 0)
+            bar.update(f"step {step}/{horizon} | loss {float(loss):.4f} | {clock(now() - t_start)}")
+        if plan.out_of_time(now()):
             horizon = step + 1
     bar.clear()
-    log(f"trained {horizon} steps in {clock(time.monotonic() - t_start)}; last batch loss {float(loss):.4f}")
+    log(f"trained {horizon} steps in {clock(now() - t_start)}; last batch loss {float(loss):.4f}")
     return model, opt_state, horizon
 
 
@@ -230,7 +229,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--pairs", type=Path, help="Tatoeba/Anki english<TAB>french file (default: the dates task)"
     )
     p.add_argument(
-        "--minutes", type=float, default=2.4, help="training time, compile included (schedule fitted)"
+        "--minutes",
+        type=float,
+        default=2.4,
+        help="training time, compile included (schedule fitted); 0: no limit, train --max-steps",
     )
     p.add_argument("--max-steps", type=int, default=20_000)
     p.add_argument("--batch-size", type=int, default=64)

@@ -51,9 +51,15 @@ def test_the_time_plan_leaves_out_evaluation_time_and_prices_the_evaluations_lef
     plan.start_timing(0, now=0.0)
     plan.add_evaluation(5.0)  # 100 steps in 10 s, 5 of which were an evaluation: 20 steps/s
     assert plan.steps_per_second(100, now=10.0) == pytest.approx(20.0)
-    horizon = plan.fit(100, 1000, now=10.0, eval_interval=100, eval_cost_steps=0)
-    budget = 120 - 10 - RESERVE_S - (1000 - 100) // 100 * 5.0
-    assert horizon == 100 + int(budget * 20)
+    horizon = plan.fit(100, 10_000, now=10.0, eval_interval=100, eval_cost_steps=0)
+    # Left after the last step: its evaluation, the final validation (two evaluations) and the reserve.
+    budget = 120 - 10 - 3 * 5.0 - RESERVE_S
+    assert horizon == 100 + int(budget / (1 / 20 + 5.0 / 100))  # a step plus its share of evaluations
+    # The evaluations are priced by the steps that fit, not by the horizon before: a far-off
+    # max_steps (whose evaluations would never fit) changes nothing.
+    assert plan.fit(100, 10**7, now=10.0, eval_interval=100, eval_cost_steps=0) == horizon
+    assert plan.out_of_time(now=120 - 3 * 5.0 - RESERVE_S + 0.1)
+    assert not plan.out_of_time(now=120 - 3 * 5.0 - RESERVE_S - 0.1)
 
 
 @pytest.mark.parametrize("max_steps", [1, 7, 8, 9, 20, 24, 25])

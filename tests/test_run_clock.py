@@ -1,0 +1,194 @@
+"""A run against a simulated clock: `--max-minutes` fitting, and stops at any point (evaluations too).
+
+Nothing here reads the wall clock: time moves only when the run works, by fixed amounts, so each
+test asserts the same thing on a fast CPU and a slow one.
+"""
+
+import importlib
+import json
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import eqx_gpt.run
+from eqx_gpt.data import load_text
+from eqx_gpt.run import train
+from eqx_gpt.schedule import RESERVE_S
+from eqx_gpt.train_config import TrainConfig
+
+# The module, not the function `eqx_gpt.evaluate` that the package exports under its name.
+evaluate_module = importlib.import_module("eqx_gpt.evaluate")
+MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
+
+
+def _config(corpus, **changes) -> TrainConfig:
+    values = dict(
+        data=str(corpus), batch_size=4, eval_batches=2, warmup_steps=5, log_interval=1, max_steps=100_000,
+        eval_interval=50, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=4e-3,
+    )  # fmt: skip
+    return TrainConfig(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
+    path.write_text(load_text()[:30_000], encoding="utf-8")
+    return path
+
+
+class SimulatedClock:
+    """Seconds that pass only as the run works: `compile_s` for the first call of the training
+    step, `step_s` per optimiser step, `eval_s` per evaluation call (train and validation windows)."""
+
+    def __init__(self, monkeypatch, *, compile_s=5.0, step_s=0.1, eval_s=0.05):
+        self.t, self.steps, self.step_s, self.eval_s = 1000.0, 0, step_s, eval_s
+        self.compile_s = compile_s
+        dispatch, summed = eqx_gpt.run.dispatch_steps, evaluate_module._summed_loss
+
+        def timed_dispatch(run, n):
+            self.t += (self.compile_s if self.steps == 0 else 0.0) + n * self.step_s
+            self.steps += n
+            return dispatch(run, n)
+
+        def timed_summed(*args):
+            self.t += self.eval_s
+            return summed(*args)
+
+        monkeypatch.setattr(eqx_gpt.run, "dispatch_steps", timed_dispatch)
+        monkeypatch.setattr(evaluate_module, "_summed_loss", timed_summed)
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(corpus, out, clock, sample_tokens=0, **changes):
+    lines = []
+    result = train(
+        MODEL, _config(corpus, **changes), out, log=lines.append, progress=False, now=clock,
+        sample_tokens=sample_tokens,
+    )  # fmt: skip
+    return result, lines
+
+
+def test_max_minutes_fits_the_schedule_to_the_steps_that_fit(tmp_path, corpus, monkeypatch):
+    clock = SimulatedClock(monkeypatch, step_s=0.1)
+    result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.75)  # 45 s
+    deadline = 1000.0 + 45
+    # The run ends in time for its final evaluation and sample, and uses nearly all of the rest.
+    assert clock() <= deadline, lines
+    assert clock() >= deadline - RESERVE_S - 3.0, lines
+    assert any(line.startswith("time plan: ") for line in lines)
+    meta = json.loads((tmp_path / "run" / "latest.json").read_text())
+    assert meta["step"] == meta["schedule_steps"] == result.step  # the cosine ends where the run does
+    assert 150 < result.step < 250  # about (45 - 15 - 5 - evaluations) / 0.1
+    lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
+    assert lrs[-1] == pytest.approx(0.002, rel=0.05) and max(lrs) == pytest.approx(0.02)
+
+
+def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
+    clock = SimulatedClock(monkeypatch, step_s=0.05)
+    dispatch = eqx_gpt.run.dispatch_steps
+
+    def slower_after_step_60(run, n):
+        clock.step_s = 0.05 if clock.steps < 60 else 0.5  # the machine got busy
+        return dispatch(run, n)
+
+    monkeypatch.setattr(eqx_gpt.run, "dispatch_steps", slower_after_step_60)
+    result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.5, eval_interval=1000)
+    assert clock() <= 1000.0 + 30 + 1.0, lines  # one call late at most
+    assert 60 < result.step < 150, lines
+    meta = json.loads((tmp_path / "run" / "latest.json").read_text())
+    assert meta["step"] == meta["schedule_steps"] == result.step
+
+
+def test_steps_go_one_per_call_when_slow_and_several_when_fast(tmp_path, corpus, monkeypatch):
+    for step_s, most in ((0.01, eqx_gpt.run.STEPS_PER_CALL), (1.0, 1)):
+        clock = SimulatedClock(monkeypatch, step_s=step_s)
+        sizes, dispatch = [], eqx_gpt.run.dispatch_steps
+        monkeypatch.setattr(
+            eqx_gpt.run, "dispatch_steps", lambda run, n, d=dispatch, s=sizes: (s.append(n), d(run, n))[1]
+        )
+        _run(corpus, tmp_path / f"run-{step_s}", clock, max_steps=40, eval_interval=40)
+        assert sizes[0] == 1 and max(sizes) == most and sum(sizes) == 40, sizes
+        monkeypatch.undo()
+
+
+def _signal_at_eval_call(monkeypatch, clock, call: int | None) -> list[bool]:
+    """Send SIGTERM to this process at the start of evaluation call number `call` (0-based,
+    counted over the whole run; None: never). Returns a list that records, for every evaluation
+    call, whether the signal had been sent before it."""
+    summed, calls = evaluate_module._summed_loss, []  # `summed` is already timed by `clock`
+
+    def signalling(*args):
+        if len(calls) == call:
+            signal.raise_signal(signal.SIGTERM)  # the run's handler only sets its stop flag
+        calls.append(call is not None and len(calls) >= call)
+        return summed(*args)
+
+    monkeypatch.setattr(evaluate_module, "_summed_loss", signalling)
+    monkeypatch.setattr(evaluate_module, "TOKENS_PER_CALL", 256)  # 16 windows a call: several calls
+    return calls
+
+
+def _without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("elapsed_s", "tokens_per_s")} for r in records]
+
+
+def test_sigterm_during_an_evaluation_stops_after_the_call_in_flight_and_resume_redoes_it(
+    tmp_path, corpus, monkeypatch
+):
+    changes = dict(max_steps=100, eval_interval=50)
+    never, out = tmp_path / "never", tmp_path / "stopped"
+    clock = SimulatedClock(monkeypatch)
+    calls = _signal_at_eval_call(monkeypatch, clock, None)
+    _run(corpus, never, clock, **changes)
+    per_evaluation = len(calls) // 4  # steps 0, 50, 100 and the final validation (twice the windows)
+    assert per_evaluation >= 4
+    monkeypatch.undo()
+
+    clock = SimulatedClock(monkeypatch)
+    calls = _signal_at_eval_call(monkeypatch, clock, per_evaluation + 2)  # mid-way through step 50's
+    result, lines = _run(corpus, out, clock, **changes)
+    assert result.interrupted and result.step == 50, lines
+    assert calls.count(True) == 1  # the call the signal came in, and no other
+    meta = json.loads((out / "latest.json").read_text())
+    assert meta["step"] == 50 and meta["val_loss_step"] == 0  # the evaluation at 50 is not recorded
+    assert not any(r["step"] == 50 and "val_loss" in r for r in _records(out))
+
+    monkeypatch.undo()  # resume redoes the evaluation at 50: the metrics are those of a run never stopped
+    monkeypatch.setattr(evaluate_module, "TOKENS_PER_CALL", 256)  # the same calls sum the same floats
+    resumed = train({}, TrainConfig(), out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    assert not resumed.interrupted and resumed.step == 100
+    assert _without_timing(_records(out)) == _without_timing(_records(never))
+
+
+def test_sigterm_during_the_final_validation_ends_a_complete_run_without_the_figure(
+    tmp_path, corpus, monkeypatch
+):
+    changes = dict(max_steps=20, eval_interval=20, sample_tokens=5)
+    clock = SimulatedClock(monkeypatch)
+    calls = _signal_at_eval_call(monkeypatch, clock, None)
+    finish, before_final = eqx_gpt.run.finish, []
+    monkeypatch.setattr(eqx_gpt.run, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1])
+    result, _ = _run(corpus, tmp_path / "never", clock, **changes)
+    assert not result.interrupted and result.sample
+    assert len(calls) - before_final[0] >= 4  # the final validation is several calls
+    monkeypatch.undo()
+
+    out = tmp_path / "stopped"
+    clock = SimulatedClock(monkeypatch)
+    calls = _signal_at_eval_call(monkeypatch, clock, before_final[0] + 1)
+    result, lines = _run(corpus, out, clock, **changes)
+    assert result.interrupted and result.step == 20 and result.sample is None, lines
+    assert calls.count(True) == 1
+    assert "interrupted during the final validation" in lines[-1] and "evaluate.py --checkpoint" in lines[-1]
+    meta = json.loads((out / "latest.json").read_text())
+    assert meta["step"] == meta["val_loss_step"] == 20  # the run's last checkpoint is complete
+    assert not any("final_val_loss" in r for r in _records(out))
+    assert np.isfinite(meta["val_loss"])
