@@ -95,9 +95,16 @@ TRAINER_WORKER = textwrap.dedent(
 )
 
 
+def _xla_flags(*flags: str) -> str:
+    """The XLA flags of this process (CI's `--xla_cpu_max_isa=AVX2` run sets some) and `flags`."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 @pytest.fixture(scope="module")
 def two_device_runs():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS=_xla_flags("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu"
+    )
     out = subprocess.run(
         [sys.executable, "-c", WORKER], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
     )
@@ -111,6 +118,8 @@ def _max_abs_diff(a, b):
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_device_runs")  # one worker runs the module fixture
 def test_two_devices_give_the_losses_of_one(two_device_runs):
     r = two_device_runs
     assert r["n_devices"] == 2
@@ -122,12 +131,16 @@ def test_two_devices_give_the_losses_of_one(two_device_runs):
     assert r["one"]["losses"][-1] != r["one"]["losses"][0]  # the steps did train
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_device_runs")  # one worker runs the module fixture
 def test_gradient_accumulation_on_two_devices_gives_the_full_batch_losses(two_device_runs):
     r = two_device_runs
     assert _max_abs_diff(r["two"]["losses"], r["two_accum"]["losses"]) <= 1e-5
     assert _max_abs_diff(r["two"]["head"], r["two_accum"]["head"]) <= 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_device_runs")  # one worker runs the module fixture
 def test_fsdp_on_two_devices_gives_the_losses_of_one_and_halves_the_state(two_device_runs):
     r = two_device_runs
     assert _max_abs_diff(r["one"]["losses"], r["two_fsdp"]["losses"]) <= 1e-5
@@ -137,6 +150,8 @@ def test_fsdp_on_two_devices_gives_the_losses_of_one_and_halves_the_state(two_de
     assert r["two_fsdp"]["bytes_on_one_device"] < 0.52 * r["two"]["bytes_on_one_device"]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_device_runs")  # one worker runs the module fixture
 def test_under_muon_two_devices_grad_accum_and_fsdp_give_the_losses_of_one(two_device_runs):
     r = two_device_runs
     assert r["one_muon"]["losses"] != r["one"]["losses"]  # Muon really ran
@@ -174,8 +189,11 @@ def test_distributed_start_only_when_the_environment_asks(monkeypatch):
         initialize_distributed()
 
 
+@pytest.mark.slow
 def test_the_trainer_on_two_devices_logs_the_losses_of_one_with_and_without_fsdp(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(
+        os.environ, XLA_FLAGS=_xla_flags("--xla_force_host_platform_device_count=2"), JAX_PLATFORMS="cpu"
+    )
     out = subprocess.run(
         [sys.executable, "-c", TRAINER_WORKER, str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
@@ -217,6 +235,7 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_train_and_checkpoint_with_and_without_fsdp(tmp_path):
     """Two hosts, simulated: two processes of one CPU device each, joined by `initialize_distributed`
     (train.py's start) from the environment variables. Checkpoints of FSDP-split arrays must gather
@@ -230,8 +249,9 @@ def test_two_processes_train_and_checkpoint_with_and_without_fsdp(tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    # One device per process: this process's flags, less any device count.
+    flags = [f for f in _xla_flags().split() if "device_count" not in f]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", MULTI_PROCESS_WORKER, str(port), str(pid), str(tmp_path)],

@@ -92,6 +92,8 @@ def _start_and_stop(out, corpus, sig, while_running=None, extra=()):
     return proc.returncode, stdout, stderr
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
 def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, uninterrupted, capsys):
     out = tmp_path / "killed"
     argv = [*TINY, *RESUME_STEPS, "--data", str(corpus), "--out-dir", str(out)]
@@ -118,6 +120,8 @@ def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, un
     assert sorted(resumed[0]) == list(range(1, 301))
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
 def test_ctrl_c_saves_and_says_how_to_resume(tmp_path, corpus, uninterrupted):
     out = tmp_path / "interrupted"
     # Steps logged every 7 (a flag a resume may change): the interrupted step is logged anyway.
@@ -192,6 +196,7 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     _fails([*TINY, "--batch-size", "6", "--grad-accum", "4"], capsys, "not divisible by grad_accum")
 
 
+@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
 def test_resume_rejects_flags_that_contradict_the_checkpoint(uninterrupted, corpus, capsys):
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(uninterrupted), "--resume"]
     _fails([*argv, "--d-model", "64"], capsys, "--d-model 64 contradicts the checkpoint")
@@ -303,6 +308,7 @@ def test_a_preset_run_records_its_configs_and_resume_keeps_them(tmp_path, corpus
 ADAMW = ["--optimizer", "adamw", "--lr", "0.004", "--min-lr", "0.0004"]
 
 
+@pytest.mark.slow
 def test_an_adamw_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, capsys):
     never, out = tmp_path / "never", tmp_path / "killed"
     argv = [*TINY, *RESUME_STEPS, *ADAMW, "--data", str(corpus)]
