@@ -101,6 +101,12 @@ class Block(eqx.Module):
             x = self._residual(x, self.cross_norm, cross, k_res2)
         return self._residual(x, self.mlp_norm, self.mlp, k_res3)
 
+    def attention_weights(self, x, *, mask=None):
+        """The self-attention weights `(heads, seq, seq)` that `__call__` uses on `x` `(seq,
+        d_model)` (no dropout): on `norm(x)` before a pre-norm sub-layer, on `x` itself in post-norm."""
+        query = self.attn_norm(x) if self.norm_position == "pre" else x
+        return self.attn.weights(query, mask=mask)
+
     def cross_attention_weights(self, x, context, *, mask=None, context_mask=None):
         """The cross-attention weights `(heads, seq, kv_seq)` that `__call__` uses on `x`
         `(seq, d_model)` and `context` `(kv_seq, d_model)` (no dropout)."""

@@ -126,7 +126,8 @@ class GPT(eqx.Module):
     def attention_weights(self, tokens: Int[Array, " seq"]) -> Float[Array, "layers heads seq seq"]:
         """Every layer's and head's attention weights for `tokens` (deterministic, no dropout).
 
-        Uses the very attention code of `__call__` (`MultiHeadAttention.weights`).
+        Uses the very attention code of `__call__` (`Block.attention_weights`: what each block
+        attends with, in pre-norm and post-norm alike).
         """
         seq = tokens.shape[0]
         self._check_length(seq)
@@ -134,7 +135,7 @@ class GPT(eqx.Module):
         mask = causal_mask(seq)
 
         def layer(block, x, _):
-            return block(x, mask=mask), block.attn.weights(block.attn_norm(x), mask=mask)
+            return block(x, mask=mask), block.attention_weights(x, mask=mask)
 
         _, weights = self.blocks.run(layer, x)
         return self.blocks.as_array(weights)

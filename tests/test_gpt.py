@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
+from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask, sinusoidal_positions
 from eqx_gpt.train_step import loss_fn
 
 CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
@@ -117,6 +117,33 @@ def test_attention_weights_of_every_layer(model):
     w = model.attention_weights(jnp.arange(6))
     assert w.shape == (CFG.n_layers, CFG.n_heads, 6, 6)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+def test_attention_pictures_are_the_weights_each_block_attends_with(norm_position):
+    # Rebuild each block's output from the pictures' weights, by the definition of its placement
+    # (pre-norm: x + attn(norm(x)); post-norm: norm(x + attn(x))), and compare with the block. A
+    # post-norm picture drawn from norm(x) (the bug this guards) fails here.
+    config = dataclasses.replace(CFG, norm_position=norm_position, norm="layer")
+    model = GPT(config, key=jax.random.key(3))
+    seq, d = 6, config.d_model
+    pictures = model.attention_weights(jnp.arange(seq))
+    x = model._embed(jnp.arange(seq), sinusoidal_positions(seq, d))
+    for layer, block in enumerate(model.unstack().blocks.layers):
+
+        def attend(h, block=block, weights=pictures[layer]):
+            _, _, v = block.attn.project_qkv(h)  # (seq, heads, d_head)
+            heads = jnp.einsum("hqk,khd->qhd", weights, v)
+            return heads.reshape(seq, d) @ block.attn.w_out
+
+        if norm_position == "pre":
+            h = x + attend(block.attn_norm(x))
+            rebuilt = h + block.mlp(block.mlp_norm(h))
+        else:
+            h = block.attn_norm(x + attend(x))
+            rebuilt = block.mlp_norm(h + block.mlp(h))
+        x = block(x, mask=causal_mask(seq))
+        np.testing.assert_allclose(rebuilt, x, atol=1e-5, err_msg=f"layer {layer}")
 
 
 def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
