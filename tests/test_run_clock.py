@@ -192,3 +192,23 @@ def test_sigterm_during_the_final_validation_ends_a_complete_run_without_the_fig
     assert meta["step"] == meta["val_loss_step"] == 20  # the run's last checkpoint is complete
     assert not any("final_val_loss" in r for r in _records(out))
     assert np.isfinite(meta["val_loss"])
+
+
+def test_a_run_stopped_in_its_last_evaluation_resumes_to_evaluate_and_finish(tmp_path, corpus, monkeypatch):
+    changes = dict(max_steps=20, eval_interval=20)
+    clock = SimulatedClock(monkeypatch)
+    calls = _signal_at_eval_call(monkeypatch, clock, None)
+    _run(corpus, tmp_path / "never", clock, **changes)
+    per_evaluation = len(calls) // 4  # steps 0 and 20, then the final validation (twice the windows)
+    monkeypatch.undo()
+
+    out = tmp_path / "stopped"
+    clock = SimulatedClock(monkeypatch)
+    _signal_at_eval_call(monkeypatch, clock, per_evaluation + 1)  # inside step 20's evaluation
+    result, _ = _run(corpus, out, clock, **changes)
+    meta = json.loads((out / "latest.json").read_text())
+    assert result.interrupted and meta["step"] == 20 and meta["val_loss_step"] == 0
+    # The steps are all done, but the run is not finished: --resume evaluates and finishes it.
+    resumed = train({}, TrainConfig(), out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    assert not resumed.interrupted and resumed.step == 20
+    assert _without_timing(_records(out)) == _without_timing(_records(tmp_path / "never"))
