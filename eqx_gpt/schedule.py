@@ -84,6 +84,11 @@ class TimePlan:
     def start_timing(self, step: int, now: float) -> None:
         self.timed_from = (step, now)
 
+    @property
+    def seconds_per_evaluation(self) -> float | None:
+        """The mean time of the evaluations timed so far (None before the first)."""
+        return self.eval_seconds / self.n_evals if self.n_evals else None
+
     def add_evaluation(self, seconds: float) -> None:
         self.eval_seconds += seconds
         self.n_evals += 1
@@ -101,8 +106,7 @@ class TimePlan:
 
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
-        per_eval = self.eval_seconds / self.n_evals if self.n_evals else 0.0
-        return now > self.deadline - self._after_last_step(per_eval)
+        return now > self.deadline - self._after_last_step(self.seconds_per_evaluation or 0.0)
 
     def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
         """The horizon that ends the run at the deadline, within `[step, max_steps]`.
@@ -113,7 +117,8 @@ class TimePlan:
         rate = self.steps_per_second(step, now)
         if not self.limited or rate is None:
             return horizon
-        per_eval = self.eval_seconds / self.n_evals if self.n_evals else eval_cost_steps / rate
+        measured = self.seconds_per_evaluation
+        per_eval = eval_cost_steps / rate if measured is None else measured
         budget = self.deadline - now - self._after_last_step(per_eval)
         seconds_per_step = 1 / rate + per_eval / eval_interval
         return max(step, min(self.max_steps, step + int(budget / seconds_per_step)))
