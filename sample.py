@@ -107,14 +107,19 @@ def main(argv=None) -> int:
     _enable_compile_cache()
     import jax
 
-    from eqx_gpt.checkpoint import find_checkpoint, load_model
+    from eqx_gpt.checkpoint import load_model
     from eqx_gpt.generate import stream_text
 
     try:
         options = _sampling_options(args)
         _check_picture_paths(args)
         prompt = _read_prompt(args)
-        model, tokenizer, _ = load_model(find_checkpoint(args.checkpoint))
+        model, tokenizer, _ = load_model(args.checkpoint)
+        if args.positions_png and model.config.positions != "sinusoidal":
+            raise ValueError(
+                f"--positions-png draws the sinusoidal table, and this model has {model.config.positions} "
+                f"positions; leave the flag out"
+            )
         tokens = tokenizer.encode(prompt)
         if not tokens:
             raise ValueError(f"the prompt {prompt!r} encodes to no tokens; pass some text")

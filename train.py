@@ -14,7 +14,14 @@ import typing
 
 from eqx_gpt._checks import OneLineParser, finite_float
 from eqx_gpt.checkpoint import checkpoint_paths
-from eqx_gpt.config import COMPUTE_DTYPES, NORM_KINDS, NORM_POSITIONS, GPTConfig
+from eqx_gpt.config import (
+    ACTIVATION_KINDS,
+    COMPUTE_DTYPES,
+    NORM_KINDS,
+    NORM_POSITIONS,
+    POSITION_KINDS,
+    GPTConfig,
+)
 from eqx_gpt.parallel import initialize_distributed
 from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
 from eqx_gpt.run import RunError, train
@@ -32,6 +39,10 @@ MODEL_HELP = {
     "compute_dtype": "dtype of activations and matmuls; parameters stay float32",
     "norm": "'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)",
     "norm_position": "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)",
+    "positions": "'sinusoidal' (the paper's table), 'learned' (GPT-2's) or 'rope' (rotary, in attention)",
+    "bias": "biases in every projection (GPT-2's)",
+    "activation": "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu' (exact) or 'relu' (the paper's)",
+    "tie_embeddings": "the head is the token embedding, transposed (GPT-2's)",
 }
 CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,
@@ -39,6 +50,8 @@ CHOICES = {
     "optimizer": OPTIMIZERS,
     "norm": NORM_KINDS,
     "norm_position": NORM_POSITIONS,
+    "positions": POSITION_KINDS,
+    "activation": ACTIVATION_KINDS,
 }
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

@@ -22,7 +22,7 @@ from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_ba
 from eqx_gpt.gpt import GPT
 from eqx_gpt.mlp import MLP
 from eqx_gpt.norm import LayerNorm, RMSNorm
-from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.stack import LayerStack
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
@@ -62,6 +62,7 @@ __all__ = [
     "evaluate_text",
     "pad_vocab",
     "sinusoidal_positions",
+    "rotary_embedding",
     "generate",
     "generate_batch",
     "naive_generate",

@@ -10,6 +10,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 from eqx_gpt._checks import check_last_dim, typechecked
 from eqx_gpt.dropout import dropout, keys_per_sequence
 from eqx_gpt.linear import linear
+from eqx_gpt.positions import rotary_embedding
 
 
 @typechecked
@@ -168,13 +169,20 @@ class MultiHeadAttention(eqx.Module):
     `padding_mask(...)` to hide padding, or both combined (see `padding_mask`). When `key` is given
     and `dropout > 0`, attention weights are dropped out (training); without a key it is
     deterministic.
+
+    Options: `bias=True` adds a bias to both projections (GPT-2's; zeros at first). `rope=True`
+    rotates the queries and keys of self-attention by their positions (`rotary_embedding`), so the
+    heads see relative positions; cross-attention is never rotated.
     """
 
     w_qkv: Float[Array, "d_model 3*d_model"]
+    qkv_bias: Float[Array, " 3*d_model"] | None
     w_out: Float[Array, "d_model d_model"]
+    out_bias: Float[Array, " d_model"] | None
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
+    rope: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -184,6 +192,8 @@ class MultiHeadAttention(eqx.Module):
         key: PRNGKeyArray,
         dropout: float = 0.0,
         init_std: float = 0.02,
+        bias: bool = False,
+        rope: bool = False,
     ):
         if n_heads < 1 or d_model < 1 or d_model % n_heads:
             raise ValueError(
@@ -196,6 +206,11 @@ class MultiHeadAttention(eqx.Module):
         self.d_model, self.n_heads, self.dropout = d_model, n_heads, dropout
         self.w_qkv = init_std * jax.random.normal(k_qkv, (d_model, 3 * d_model), jnp.float32)
         self.w_out = init_std * jax.random.normal(k_out, (d_model, d_model), jnp.float32)
+        self.qkv_bias = jnp.zeros((3 * d_model,), jnp.float32) if bias else None
+        self.out_bias = jnp.zeros((d_model,), jnp.float32) if bias else None
+        if rope and self.d_head % 2:
+            raise ValueError(f"rope needs an even d_head (feature pairs), got {self.d_head}")
+        self.rope = rope
 
     @property
     def d_head(self) -> int:
@@ -208,13 +223,19 @@ class MultiHeadAttention(eqx.Module):
     def project_q(self, x):
         """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `w_qkv`)."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        return self._heads(linear(x, self.w_qkv[:, : self.d_model]), 1)[..., 0, :, :]
+        bias = None if self.qkv_bias is None else self.qkv_bias[: self.d_model]
+        return self._heads(linear(x, self.w_qkv[:, : self.d_model], bias), 1)[..., 0, :, :]
 
-    def _project(self, x, context):
-        """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`."""
-        if context is None:
-            return self.project_qkv(x)
-        return self.project_q(x), *self.project_kv(context)
+    def _project(self, x, context, start: Int[Array, ""] | int = 0):
+        """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`.
+        Under `rope`, self-attention's queries and keys are rotated as positions `start, ...`."""
+        if context is not None:
+            return self.project_q(x), *self.project_kv(context)
+        q, k, v = self.project_qkv(x)
+        if self.rope:
+            positions = start + jnp.arange(x.shape[-2])
+            q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
+        return q, k, v
 
     @typechecked
     def project_qkv(
@@ -226,7 +247,7 @@ class MultiHeadAttention(eqx.Module):
     ]:
         """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        qkv = self._heads(linear(x, self.w_qkv), 3)
+        qkv = self._heads(linear(x, self.w_qkv, self.qkv_bias), 3)
         return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
     @typechecked
@@ -236,7 +257,8 @@ class MultiHeadAttention(eqx.Module):
         """Keys and values of `context` for cross-attention. A decoder computes them once per
         source sequence and passes them to `attend` at every step."""
         check_last_dim(context, self.d_model, "MultiHeadAttention context", "d_model")
-        kv = self._heads(linear(context, self.w_qkv[:, self.d_model :]), 2)
+        bias = None if self.qkv_bias is None else self.qkv_bias[self.d_model :]
+        kv = self._heads(linear(context, self.w_qkv[:, self.d_model :], bias), 2)
         return kv[..., 0, :, :], kv[..., 1, :, :]
 
     def _full_mask(self, mask, q_shape, kv_seq: int):
@@ -263,7 +285,7 @@ class MultiHeadAttention(eqx.Module):
         `(*batch, kv_seq, heads, d_head)` (from `project_kv`); returns `(*batch, seq, d_model)`."""
         q = self.project_q(x)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key), self.w_out)
+        return linear(self._attend(q, k, v, mask, key), self.w_out, self.out_bias)
 
     def _attend(self, q, k, v, mask, key):
         """All heads' outputs `(*batch, seq, d_model)`: cuDNN's fused kernel on a GPU with 16-bit
@@ -299,7 +321,7 @@ class MultiHeadAttention(eqx.Module):
         """
         q, k, v = self._project(x, context)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key), self.w_out)
+        return linear(self._attend(q, k, v, mask, key), self.w_out, self.out_bias)
 
     @typechecked
     def weights(
@@ -331,7 +353,7 @@ class MultiHeadAttention(eqx.Module):
         sequences share `start`. (Updating in place matters here: under `jax.vmap` the update would
         become a scatter, which XLA:CPU turns into a copy of the whole cache per token.)
         """
-        q, k, v = self.project_qkv(x)  # (*batch, new, heads, d_head)
+        q, k, v = self._project(x, None, start)  # (*batch, new, heads, d_head)
         lead = (0,) * (x.ndim - 2)
         k_t = jnp.moveaxis(k, -3, -1).astype(cache.k.dtype)  # (*batch, heads, d_head, new)
         v_h = jnp.swapaxes(v, -3, -2).astype(cache.v.dtype)  # (*batch, heads, new, d_head)
@@ -347,4 +369,4 @@ class MultiHeadAttention(eqx.Module):
         for _ in lead:
             heads = jax.vmap(heads)
         out = heads(q, k_all.astype(q.dtype), v_all.astype(q.dtype))
-        return linear(out.reshape(x.shape), self.w_out), KVCache(k=k_all, v=v_all)
+        return linear(out.reshape(x.shape), self.w_out, self.out_bias), KVCache(k=k_all, v=v_all)

@@ -23,7 +23,9 @@ class Block(eqx.Module):
     lets deep stacks train without warm-up tricks; post-norm is the original Transformer's
     placement. `norm` is `"rms"` (`RMSNorm`) or `"layer"` (`LayerNorm`). With
     `cross_attention=True` the block is a decoder block of an encoder-decoder: between
-    self-attention and the MLP it attends to a `context` (the encoder's output).
+    self-attention and the MLP it attends to a `context` (the encoder's output). `bias`,
+    `activation` and `rope` reach the sub-layers (see `MultiHeadAttention` and `MLP`; `rope`
+    rotates self-attention only).
     """
 
     attn_norm: RMSNorm | LayerNorm
@@ -47,18 +49,23 @@ class Block(eqx.Module):
         norm: str = "rms",
         norm_position: str = "pre",
         cross_attention: bool = False,
+        bias: bool = False,
+        activation: str = "gelu_tanh",
+        rope: bool = False,
     ):
         if norm_position not in NORM_POSITIONS:
             raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {norm_position!r}")
         k_attn, k_mlp, k_cross = jax.random.split(key, 3)
         self.attn_norm = make_norm(norm, d_model, norm_eps)
-        self.attn = MultiHeadAttention(d_model, n_heads, key=k_attn, dropout=dropout)
+        self.attn = MultiHeadAttention(d_model, n_heads, key=k_attn, dropout=dropout, bias=bias, rope=rope)
         self.cross_norm = make_norm(norm, d_model, norm_eps) if cross_attention else None
         self.cross_attn = (
-            MultiHeadAttention(d_model, n_heads, key=k_cross, dropout=dropout) if cross_attention else None
+            MultiHeadAttention(d_model, n_heads, key=k_cross, dropout=dropout, bias=bias)
+            if cross_attention
+            else None
         )
         self.mlp_norm = make_norm(norm, d_model, norm_eps)
-        self.mlp = MLP(d_model, d_hidden, key=k_mlp)
+        self.mlp = MLP(d_model, d_hidden, key=k_mlp, bias=bias, activation=activation)
         self.dropout = dropout
         self.norm_position = norm_position
 

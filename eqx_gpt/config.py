@@ -9,6 +9,8 @@ from eqx_gpt.vocab import pad_vocab
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NORM_KINDS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post")
+POSITION_KINDS = ("sinusoidal", "learned", "rope")
+ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,14 @@ class GPTConfig:
     norm: "rms" (RMSNorm, the default) or "layer" (LayerNorm, the paper's).
     norm_position: "pre" (a norm before each sub-layer and one before the head, the default) or
         "post" (the paper's Add & Norm after each residual sum, no final norm).
+    positions: how the model knows where a token is. "sinusoidal" (the default): the paper's fixed
+        table, added to the token vectors, which are scaled by sqrt(d_model) as in its section 3.4;
+        "learned": a trained table of context_length vectors, added (GPT-2's); "rope": queries and
+        keys rotated by position in every self-attention (RoPE). The last two add the token
+        vectors unscaled, as GPT-2 does.
+    bias: biases in every projection (attention and MLP), as GPT-2 has; LayerNorm has its own.
+    activation: the MLP's non-linearity: "gelu_tanh" (the default, GPT-2's), "gelu" (exact) or "relu".
+    tie_embeddings: the head is the token embedding, transposed (GPT-2's weight tying).
     """
 
     vocab_size: int
@@ -42,6 +52,10 @@ class GPTConfig:
     compute_dtype: str = "float32"
     norm: str = "rms"
     norm_position: str = "pre"
+    positions: str = "sinusoidal"
+    bias: bool = False
+    activation: str = "gelu_tanh"
+    tie_embeddings: bool = False
 
     def __post_init__(self):
         if self.d_hidden is None:
@@ -64,8 +78,18 @@ class GPTConfig:
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"choose n_heads among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
             )
-        if self.d_model % 2:
+        for name, kinds in (("positions", POSITION_KINDS), ("activation", ACTIVATION_KINDS)):
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}")
+        for name in ("bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.positions == "sinusoidal" and self.d_model % 2:
             raise ValueError(f"GPTConfig: d_model must be even for sinusoidal positions, got {self.d_model}")
+        if self.positions == "rope" and self.d_head % 2:
+            raise ValueError(
+                f"GPTConfig: rope rotates feature pairs, so d_model / n_heads must be even, got {self.d_head}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps > 0:

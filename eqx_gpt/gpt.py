@@ -24,6 +24,10 @@ class GPT(eqx.Module):
     tokens -> `embed[tokens] * sqrt(d_model)` + sinusoidal positions -> `n_layers` pre-norm
     causal blocks -> RMSNorm -> `@ head` -> logits.
 
+    That is the default; `GPTConfig` names the other choices. GPT-2 is `positions="learned"`
+    (`embed[tokens] + pos_embed[t]`), `bias=True`, `norm="layer"` and `tie_embeddings=True`
+    (logits `@ embed.T`, no `head`); `eqx_gpt.gpt2` loads OpenAI's weights into it.
+
     The blocks are a `LayerStack`: one `Block` whose arrays carry a leading `n_layers` axis, run
     with `jax.lax.scan`, so the compiled program does not grow with depth. (`unstack` gives the
     same model with separate blocks run as a Python loop: faster for decoding one token at a time.)
@@ -33,22 +37,30 @@ class GPT(eqx.Module):
     """
 
     embed: Float[Array, "padded_vocab d_model"]
+    pos_embed: Float[Array, "context d_model"] | None  # positions="learned" only
     blocks: LayerStack  # of Blocks
     final_norm: RMSNorm | LayerNorm | None  # None with post-norm blocks: their output is normed
-    head: Float[Array, "d_model padded_vocab"]
+    head: Float[Array, "d_model padded_vocab"] | None  # None with tie_embeddings: `embed.T`
     config: GPTConfig = eqx.field(static=True)
 
     def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
         k_embed, k_blocks, k_head = jax.random.split(key, 3)
         c = config
         self.config = c
-        # Unit-variance token vectors after the sqrt(d_model) scale, comparable to the positions.
-        self.embed = jax.random.normal(k_embed, (c.padded_vocab_size, c.d_model)) / math.sqrt(c.d_model)
+        if c.positions == "sinusoidal":
+            # Unit-variance token vectors after the sqrt(d_model) scale, comparable to the table.
+            self.embed = jax.random.normal(k_embed, (c.padded_vocab_size, c.d_model)) / math.sqrt(c.d_model)
+        else:  # GPT-2's initialisation
+            self.embed = 0.02 * jax.random.normal(k_embed, (c.padded_vocab_size, c.d_model))
+        learned = c.positions == "learned"
+        k_pos = jax.random.fold_in(key, 3)  # a fourth key, leaving the default model's draws as they were
+        self.pos_embed = 0.02 * jax.random.normal(k_pos, (c.context_length, c.d_model)) if learned else None
 
         def make_block(k):
             return Block(
                 c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
-                norm=c.norm, norm_position=c.norm_position,
+                norm=c.norm, norm_position=c.norm_position, bias=c.bias, activation=c.activation,
+                rope=c.positions == "rope",
             )  # fmt: skip
 
         blocks = LayerStack(make_block, jax.random.split(k_blocks, c.n_layers), unroll=c.scan_unroll)
@@ -61,15 +73,26 @@ class GPT(eqx.Module):
             (blocks.layers.attn.w_out * scale, blocks.layers.mlp.w_out * scale),
         )
         self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_position == "pre" else None
-        self.head = 0.02 * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
+        tied = c.tie_embeddings
+        self.head = None if tied else 0.02 * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
 
-    def _embed(self, tokens, positions):
+    def _embed(self, tokens, start, table_length: int):
+        """Token vectors plus the position vectors of positions `start .. start + new - 1`, read
+        from a table of `table_length` rows (sinusoidal or learned; none under RoPE)."""
         c = self.config
-        x = self.embed[tokens] * math.sqrt(c.d_model) + positions
-        return x.astype(c.compute_dtype)
+        x = self.embed[tokens]
+        if c.positions == "rope":  # positions enter in attention
+            return x.astype(c.compute_dtype)
+        if c.positions == "sinusoidal":
+            x = x * math.sqrt(c.d_model)
+            table = sinusoidal_positions(table_length, c.d_model)
+        else:
+            table = self.pos_embed
+        return (x + jax.lax.dynamic_slice_in_dim(table, start, tokens.shape[-1])).astype(c.compute_dtype)
 
     def _logits(self, x):
-        logits = linear(x if self.final_norm is None else self.final_norm(x), self.head)
+        head = self.embed.T if self.head is None else self.head
+        logits = linear(x if self.final_norm is None else self.final_norm(x), head)
         return logits[..., : self.config.vocab_size].astype(jnp.float32)
 
     def _check_ids(self, tokens) -> None:
@@ -114,9 +137,7 @@ class GPT(eqx.Module):
         if key is not None:
             key = keys_per_sequence(key, tokens.shape[:-1])
         k_embed, k_blocks = (None, None) if key is None else split_key(key, 2)
-        x = dropout(
-            self._embed(tokens, sinusoidal_positions(seq, self.config.d_model)), self.config.dropout, k_embed
-        )
+        x = dropout(self._embed(tokens, 0, seq), self.config.dropout, k_embed)
         mask = causal_mask(seq)
         layer_keys = None if k_blocks is None else split_key(k_blocks, self.config.n_layers)
         x, _ = self.blocks.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
@@ -131,7 +152,7 @@ class GPT(eqx.Module):
         """
         seq = tokens.shape[0]
         self._check_length(seq)
-        x = self._embed(tokens, sinusoidal_positions(seq, self.config.d_model))
+        x = self._embed(tokens, 0, seq)
         mask = causal_mask(seq)
 
         def layer(block, x, _):
@@ -188,7 +209,6 @@ class GPT(eqx.Module):
         `init_cache` (a tuple of per-layer caches for an unstacked model). A batch of sequences
         `(batch, new)` sharing `start` takes a cache from `init_cache(batch=batch)`.
         """
-        c = self.config
         capacity = self.blocks.first(cache).v.shape[-2]
         if not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= capacity - tokens.shape[-1]:
             raise ValueError(
@@ -196,8 +216,6 @@ class GPT(eqx.Module):
                 f"capacity {capacity}; keep start + new <= capacity (a larger init_cache, or a new window)"
             )
         self._check_ids(tokens)
-        positions = sinusoidal_positions(capacity, c.d_model)
-        new_positions = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1])
-        x = self._embed(tokens, new_positions)
+        x = self._embed(tokens, start, capacity)
         x, cache = self.blocks.run(lambda block, x, cache_i: block.decode(x, cache_i, start), x, cache)
         return self._logits(x), cache

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt.config import ACTIVATION_KINDS
 from eqx_gpt.linear import linear
 
 
@@ -35,30 +36,55 @@ def _gelu_backward(x, grad):
 
 gelu.defvjp(_gelu_forward, _gelu_backward)
 
+# The MLP's non-linearity by name: "gelu_tanh" (GPT-2's, and the default), "gelu" (the exact,
+# erf-based GELU of BERT and PyTorch's default) and "relu" (the paper's).
+ACTIVATIONS = dict(
+    zip(ACTIVATION_KINDS, (gelu, lambda x: jax.nn.gelu(x, approximate=False), jax.nn.relu), strict=True)
+)
+
 
 class MLP(eqx.Module):
-    """`gelu(x @ w_in) @ w_out`, applied to every position independently.
+    """`act(x @ w_in + in_bias) @ w_out + out_bias`, applied to every position independently.
 
     Weights are stored `(in, out)` so that a whole sequence (or batch of sequences) is one matrix
-    multiply; there are no biases (the surrounding RMSNorm makes them redundant). Weights start as
+    multiply. Biases are optional (`bias=True`, GPT-2's; zeros at first): by default there are
+    none, since the norm before the MLP makes them nearly redundant. `activation` names the
+    non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu" or "relu"). Weights start as
     N(0, init_std^2).
     """
 
     w_in: Float[Array, "d_model d_hidden"]
+    in_bias: Float[Array, " d_hidden"] | None
     w_out: Float[Array, "d_hidden d_model"]
+    out_bias: Float[Array, " d_model"] | None
     d_model: int = eqx.field(static=True)
     d_hidden: int = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
 
-    def __init__(self, d_model: int, d_hidden: int, *, key: PRNGKeyArray, init_std: float = 0.02):
+    def __init__(
+        self,
+        d_model: int,
+        d_hidden: int,
+        *,
+        key: PRNGKeyArray,
+        init_std: float = 0.02,
+        bias: bool = False,
+        activation: str = "gelu_tanh",
+    ):
         if d_model < 1 or d_hidden < 1:
             raise ValueError(f"MLP needs positive sizes, got d_model={d_model}, d_hidden={d_hidden}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MLP activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
         k_in, k_out = jax.random.split(key)
-        self.d_model, self.d_hidden = d_model, d_hidden
+        self.d_model, self.d_hidden, self.activation = d_model, d_hidden, activation
         self.w_in = init_std * jax.random.normal(k_in, (d_model, d_hidden), jnp.float32)
         self.w_out = init_std * jax.random.normal(k_out, (d_hidden, d_model), jnp.float32)
+        self.in_bias = jnp.zeros((d_hidden,), jnp.float32) if bias else None
+        self.out_bias = jnp.zeros((d_model,), jnp.float32) if bias else None
 
     @typechecked
     def __call__(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
         """Map `x` of shape `(seq, d_model)` (or a batch `(batch, seq, d_model)`) to the same shape."""
         check_last_dim(x, self.d_model, "MLP", "d_model")
-        return linear(gelu(linear(x, self.w_in)), self.w_out)
+        hidden = ACTIVATIONS[self.activation](linear(x, self.w_in, self.in_bias))
+        return linear(hidden, self.w_out, self.out_bias)

@@ -20,8 +20,9 @@ from eqx_gpt.train_config import TrainConfig
 def decay_mask(params: PyTree) -> PyTree:
     """True for the leaves AdamW decays: weight matrices and embeddings, not norm scales and biases.
 
-    Decided by what owns a leaf rather than by `ndim`: the blocks are stacked with a leading
-    `n_layers` axis, so their norm scales are 2-D too.
+    Decided by what owns a leaf and by its name (the projections' `*_bias` fields) rather than by
+    `ndim`: the blocks are stacked with a leading `n_layers` axis, so their norm scales and biases
+    are 2-D too.
     """
 
     def mark(node):
@@ -29,7 +30,13 @@ def decay_mask(params: PyTree) -> PyTree:
             return jax.tree.map(lambda _: False, node)
         return True
 
-    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm | LayerNorm))
+    mask = jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm | LayerNorm))
+    return jax.tree_util.tree_map_with_path(lambda path, decays: decays and not _is_bias(path), mask)
+
+
+def _is_bias(path) -> bool:
+    last = path[-1] if path else None
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name.endswith("bias")
 
 
 def muon_labels(params: PyTree) -> PyTree:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask, sinusoidal_positions
+from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.train_step import loss_fn
 
 CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
@@ -128,7 +128,7 @@ def test_attention_pictures_are_the_weights_each_block_attends_with(norm_positio
     model = GPT(config, key=jax.random.key(3))
     seq, d = 6, config.d_model
     pictures = model.attention_weights(jnp.arange(seq))
-    x = model._embed(jnp.arange(seq), sinusoidal_positions(seq, d))
+    x = model._embed(jnp.arange(seq), 0, seq)
     for layer, block in enumerate(model.unstack().blocks.layers):
 
         def attend(h, block=block, weights=pictures[layer]):

@@ -1,0 +1,173 @@
+"""GPTConfig's options for other classic shapes (GPT-2's among them), one at a time, and proof
+that the default model is the one it was before they existed."""
+
+import dataclasses
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt import GPT, GPTConfig, load_model
+from eqx_gpt.positions import rotary_embedding
+from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.train_step import decay_mask, init_optimizer_state, make_optimizer, make_train_step, muon_labels
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
+TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
+
+
+def model_with(**options) -> GPT:
+    return GPT(dataclasses.replace(CFG, **options), key=jax.random.key(0))
+
+
+def cached_logits(model: GPT, tokens, start: int = 0):
+    """Logits of `tokens` decoded at positions `start, ...`: the prompt then one token at a time."""
+    logits, cache = model.decode(tokens[:4], model.init_cache(), start)
+    rows = [logits]
+    for i in range(4, len(tokens)):
+        logits, cache = model.decode(tokens[i : i + 1], cache, start + i)
+        rows.append(logits)
+    return jnp.concatenate(rows)
+
+
+def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
+    # The fixture was saved by the code before these options (commit 00b92fb) with its logits; the
+    # defaults must rebuild the same model from the same leaves.
+    model, tokenizer, meta = load_model(FIXTURES / "checkpoint-v1")
+    assert "positions" not in meta["model_config"]
+    assert model.config.positions == "sinusoidal" and not model.config.bias and model.head is not None
+    expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
+    np.testing.assert_allclose(model(jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+
+
+def test_the_default_model_has_no_parameter_of_the_options():
+    model = GPT(CFG, key=jax.random.key(0))
+    attn, mlp = model.blocks.layers.attn, model.blocks.layers.mlp
+    assert model.pos_embed is None and model.head is not None
+    assert attn.qkv_bias is None and attn.out_bias is None and mlp.in_bias is None and mlp.out_bias is None
+    assert not attn.rope and mlp.activation == "gelu_tanh"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(positions="learned"), dict(positions="rope"), dict(bias=True), dict(tie_embeddings=True),
+     dict(activation="relu"), dict(activation="gelu")],
+    ids=lambda o: "-".join(map(str, o.values())),
+)  # fmt: skip
+def test_each_option_keeps_the_model_causal_and_the_cache_exact(options):
+    model = model_with(**options)
+    full = model(TOKENS)
+    changed = model(TOKENS.at[7].set(0))
+    np.testing.assert_array_equal(full[:7], changed[:7])  # no position sees a later token
+    assert not np.allclose(full[7:], changed[7:])
+    np.testing.assert_allclose(cached_logits(model, TOKENS), full, atol=1e-5)
+
+
+def test_learned_positions_are_a_table_added_to_unscaled_token_vectors():
+    model = model_with(positions="learned")
+    assert model.pos_embed.shape == (CFG.context_length, CFG.d_model)
+    # Moving the table's row 5 changes what position 5 (and, through attention, later ones) sees.
+    moved = eqx.tree_at(lambda m: m.pos_embed, model, model.pos_embed.at[5].add(1.0))
+    np.testing.assert_array_equal(model(TOKENS)[:5], moved(TOKENS)[:5])
+    assert not np.allclose(model(TOKENS)[5], moved(TOKENS)[5])
+    x = model._embed(TOKENS, 0, len(TOKENS))
+    np.testing.assert_allclose(x, model.embed[TOKENS] + model.pos_embed[: len(TOKENS)], rtol=1e-6)
+
+
+def test_rope_attention_sees_only_relative_positions():
+    # A sequence's attention scores under RoPE are the same wherever it starts (they depend on
+    # t - s only); its queries and keys themselves are not.
+    model = model_with(positions="rope")
+    assert model.pos_embed is None and model.blocks.layers.attn.rope
+    attn = model.unstack().blocks.layers[0].attn
+    x = jax.random.normal(jax.random.key(4), (6, CFG.d_model))
+    scores = lambda start: jnp.einsum("qhd,khd->hqk", *attn._project(x, None, start)[:2])
+    np.testing.assert_allclose(scores(0), scores(9), atol=1e-5)
+    assert not np.allclose(attn._project(x, None, 0)[0], attn._project(x, None, 9)[0], atol=1e-3)
+
+
+def test_rotary_embedding_turns_positions_into_offsets():
+    q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 8))
+    score = lambda t, s: float(
+        (rotary_embedding(q, jnp.array([t])) * rotary_embedding(k, jnp.array([s]))).sum()
+    )
+    assert score(7, 4) == pytest.approx(score(3, 0), abs=1e-5)
+    assert score(7, 4) != pytest.approx(score(7, 3), abs=1e-3)
+    # Position 0 is the identity, and rotations keep each vector's length.
+    np.testing.assert_allclose(rotary_embedding(q, jnp.array([0])), q, atol=1e-7)
+    turned = rotary_embedding(q, jnp.array([5]))
+    np.testing.assert_allclose(jnp.linalg.norm(turned), jnp.linalg.norm(q), rtol=1e-6)
+
+
+def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
+    with_bias, without = model_with(bias=True), model_with()
+    attn, mlp = with_bias.blocks.layers.attn, with_bias.blocks.layers.mlp
+    n = CFG.n_layers
+    assert attn.qkv_bias.shape == (n, 3 * CFG.d_model) and attn.out_bias.shape == (n, CFG.d_model)
+    assert mlp.in_bias.shape == (n, CFG.d_hidden) and mlp.out_bias.shape == (n, CFG.d_model)
+    # Biases start at zero and draw no random numbers, so the weights are those of `without`.
+    np.testing.assert_allclose(with_bias(TOKENS), without(TOKENS), atol=1e-6)
+    shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.out_bias, with_bias, mlp.out_bias + 0.5)
+    assert not np.allclose(shifted(TOKENS), without(TOKENS), atol=1e-3)
+
+
+def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
+    model = model_with(bias=True, positions="learned")
+    params = eqx.filter(model, eqx.is_inexact_array)
+    labels, mask = muon_labels(params), decay_mask(params)
+    attn, mlp = labels.blocks.layers.attn, labels.blocks.layers.mlp
+    assert attn.qkv_bias == attn.out_bias == mlp.in_bias == mlp.out_bias == "adamw"
+    assert attn.w_qkv == mlp.w_in == "muon" and labels.pos_embed == "adamw"
+    assert not mask.blocks.layers.attn.qkv_bias and not mask.blocks.layers.mlp.out_bias
+    assert mask.pos_embed and mask.blocks.layers.attn.w_qkv
+
+
+def test_activation_is_the_named_function():
+    x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
+    for name, act in (("relu", jax.nn.relu), ("gelu", lambda h: jax.nn.gelu(h, approximate=False)),
+                      ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True))):  # fmt: skip
+        mlp = model_with(activation=name).unstack().blocks.layers[0].mlp
+        np.testing.assert_allclose(mlp(x), act(x @ mlp.w_in) @ mlp.w_out, atol=1e-6)
+
+
+def test_tied_embeddings_make_the_head_the_embedding():
+    model = model_with(tie_embeddings=True, positions="learned")
+    assert model.head is None
+    x = model.final_norm(jnp.ones((3, CFG.d_model)))
+    np.testing.assert_allclose(model._logits(x), (x @ model.embed.T)[:, : CFG.vocab_size], rtol=1e-5)
+    # One matrix gets the gradient of both uses: the input rows and the output logits.
+    loss = lambda m: -jax.nn.log_softmax(m(TOKENS[:-1]))[jnp.arange(11), TOKENS[1:]].sum()
+    grads = eqx.filter_grad(loss)(model)
+    unused = np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(TOKENS))
+    assert np.abs(grads.embed[unused]).sum() > 0  # reached only through the head
+
+
+def test_a_gpt2_shaped_model_trains():
+    config = dataclasses.replace(CFG, positions="learned", bias=True, norm="layer", tie_embeddings=True)
+    model = GPT(config, key=jax.random.key(0))
+    train = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, grad_clip=1.0, batch_size=4)
+    optimizer = make_optimizer(train)
+    opt_state = init_optimizer_state(optimizer, model)
+    step = make_train_step(optimizer, train, dropout=False)
+    batch = jax.random.randint(jax.random.key(3), (4, CFG.context_length + 1), 0, CFG.vocab_size)
+    losses = []
+    for i in range(8):
+        model, opt_state, loss = step(model, opt_state, batch, jnp.int32(i), jnp.float32(train.lr))
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.5
+    assert float(jnp.abs(model.blocks.layers.attn.qkv_bias).max()) > 0
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [(dict(positions="alibi"), "positions"), (dict(activation="swish"), "activation"),
+     (dict(bias=1), "bias"), (dict(positions="rope", d_model=20, n_heads=4), "even")],
+)  # fmt: skip
+def test_impossible_options_are_one_line_errors(options, words):
+    with pytest.raises(ValueError, match=words) as e:
+        dataclasses.replace(CFG, **options)
+    assert "\n" not in str(e.value)
