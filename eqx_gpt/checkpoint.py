@@ -227,7 +227,18 @@ def _deserialise(f: io.BytesIO, like: Any, meta: dict) -> Any:
 
 
 def load_model(path: str | Path) -> tuple[GPT, Tokenizer, dict]:
-    """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped)."""
+    """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped).
+
+    `path` may also be a Hugging Face GPT-2 directory (`config.json` and `model.safetensors`,
+    see `eqx_gpt.gpt2`); its metadata is then the model config and the directory.
+    """
+    from eqx_gpt.gpt2 import gpt2_tokenizer, is_gpt2_directory, load_gpt2
+
+    if is_gpt2_directory(path):
+        model = load_gpt2(path)
+        tokenizer = gpt2_tokenizer(model.config)
+        meta = {"path": str(path), "format": "huggingface-gpt2", "model_config": model.config.to_dict()}
+        return model, tokenizer, {**meta, "tokenizer": tokenizer.to_dict()}
     meta = read_metadata(path)
     config = _model_config(meta)
     tokenizer = _tokenizer(meta, config)

@@ -68,26 +68,42 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
+GPT2_VOCAB_SIZE = 50257
+
+
 class GPT2Tokenizer:
     """GPT-2's byte-pair encoding via tiktoken: 50257 ids (the model pads its table to 50304).
 
-    tiktoken downloads its two BPE files once and caches them; set `TIKTOKEN_CACHE_DIR` to a
-    folder holding them to work offline.
+    With `vocab_size` below 50257, the same encoding keeps only its first `vocab_size` tokens: the
+    256 bytes and the first `vocab_size - 256` merges, which is the BPE that stopped merging
+    there (small test models, such as Hugging Face's tiny GPT-2s, are built this way). Its ids
+    are GPT-2's. tiktoken downloads its two BPE files once and caches them; set
+    `TIKTOKEN_CACHE_DIR` to a folder holding them to work offline.
     """
 
     name = "gpt2"
 
-    def __init__(self):
+    def __init__(self, vocab_size: int = GPT2_VOCAB_SIZE):
         import tiktoken
 
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 256 <= vocab_size <= 50257:
+            raise TokenizerError(
+                f"a GPT-2 BPE vocabulary has 256 (the bytes) to 50257 ids, got vocab_size={vocab_size!r}"
+            )
         try:
-            self._encoding = tiktoken.get_encoding("gpt2")
+            encoding = tiktoken.get_encoding("gpt2")
         except Exception as e:  # network or cache failures come in many exception types
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise TokenizerError(
                 f"tiktoken could not load the GPT-2 BPE files ({reason}); connect to the network once "
                 f"or set TIKTOKEN_CACHE_DIR to a folder that holds them"
             ) from None
+        if vocab_size < GPT2_VOCAB_SIZE:
+            ranks = {token: rank for token, rank in encoding._mergeable_ranks.items() if rank < vocab_size}
+            encoding = tiktoken.Encoding(
+                f"gpt2-{vocab_size}", pat_str=encoding._pat_str, mergeable_ranks=ranks, special_tokens={}
+            )
+        self._encoding = encoding
 
     @property
     def vocab_size(self) -> int:
@@ -105,13 +121,14 @@ class GPT2Tokenizer:
         return self._encoding.decode(ids)
 
     def to_dict(self) -> dict:
-        return {"kind": self.name}
+        full = self.vocab_size == GPT2_VOCAB_SIZE
+        return {"kind": self.name} if full else {"kind": self.name, "vocab_size": self.vocab_size}
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, GPT2Tokenizer)
+        return isinstance(other, GPT2Tokenizer) and other.vocab_size == self.vocab_size
 
     def __repr__(self) -> str:
-        return "GPT2Tokenizer(vocab_size=50257)"
+        return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
 
 
 Tokenizer = CharTokenizer | GPT2Tokenizer
@@ -123,5 +140,5 @@ def tokenizer_from_dict(d: dict) -> Tokenizer:
     if kind == CharTokenizer.name and isinstance(d.get("chars"), str):
         return CharTokenizer(d["chars"])
     if kind == GPT2Tokenizer.name:
-        return GPT2Tokenizer()
+        return GPT2Tokenizer(d.get("vocab_size", GPT2_VOCAB_SIZE))
     raise TokenizerError(f"unknown tokenizer description {d!r}; expected kind 'char' (with chars) or 'gpt2'")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, save_checkpoint
@@ -157,3 +158,21 @@ def test_checkpoint_metadata_is_what_the_trainer_writes(run_dir):
     # Guard against the fixture drifting from the checkpoint format sample.py reads.
     meta = json.loads((run_dir / "best.json").read_text())
     assert meta["tokenizer"]["kind"] == "char" and meta["model_config"]["context_length"] == 32
+
+
+def test_samples_a_hugging_face_gpt2_directory(cli, capsys):
+    # The tiny GPT-2 that `transformers` made (tests/fixtures/tiny-gpt2): greedy text is its tokens.
+    from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+
+    try:
+        tokenizer = GPT2Tokenizer(512)
+    except TokenizerError as error:
+        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {error}")
+    tiny = ROOT / "tests" / "fixtures" / "tiny-gpt2"
+    expected = np.load(tiny / "expected.npz")
+    code, out, err = sample(
+        cli, capsys, "--checkpoint", str(tiny), "--prompt", "ROMEO: soft!", "--temperature", "0",
+        "--max-new-tokens", str(len(expected["greedy"])),
+    )  # fmt: skip
+    assert code == 0, err
+    assert out == "ROMEO: soft!" + tokenizer.decode(expected["greedy"]) + "\n"

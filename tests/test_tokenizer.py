@@ -65,3 +65,20 @@ def test_gpt2_tokenizer_reports_missing_files_in_one_line(monkeypatch):
     with pytest.raises(TokenizerError, match="TIKTOKEN_CACHE_DIR") as info:
         GPT2Tokenizer()
     assert "\n" not in str(info.value)
+
+
+def test_a_cut_gpt2_vocabulary_is_the_bpe_of_its_first_merges(gpt2_tokenizer):
+    small = GPT2Tokenizer(512)
+    ids = small.encode(TEXT)
+    assert max(ids) < 512 and small.decode(ids) == TEXT
+    # Every token of the cut vocabulary is GPT-2's token of the same id.
+    assert all(gpt2_tokenizer.decode([i]) == small.decode([i]) for i in range(256, 512))
+    assert len(ids) > len(gpt2_tokenizer.encode(TEXT))  # fewer merges, more tokens
+    assert tokenizer_from_dict(small.to_dict()) == small != gpt2_tokenizer
+    assert gpt2_tokenizer.to_dict() == {"kind": "gpt2"}  # checkpoints of the full vocabulary are unchanged
+
+
+@pytest.mark.parametrize("size", [255, 50258, 300.0, True])
+def test_a_gpt2_vocabulary_size_outside_the_bpe_is_refused(size):
+    with pytest.raises(TokenizerError, match="256 .*to 50257"):
+        GPT2Tokenizer(size)

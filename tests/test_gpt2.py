@@ -1,0 +1,141 @@
+"""GPT-2 in Hugging Face's format: the committed tiny GPT-2 (made and checked by `transformers`,
+tests/tools/check_gpt2.py) loads, gives `transformers`' logits and greedy tokens, exports back,
+and bad directories are one-line errors. No torch and no network."""
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt import GPT, GPTConfig, generate, load_model
+from eqx_gpt.gpt2 import GPT2FormatError, load_gpt2, read_gpt2_config, save_gpt2
+from eqx_gpt.sampling import SamplingOptions
+from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+
+TINY = Path(__file__).parent / "fixtures" / "tiny-gpt2"
+EXPECTED = np.load(TINY / "expected.npz")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GPT:
+    return load_gpt2(TINY)
+
+
+def test_the_tiny_gpt2_is_built_as_gpt2(tiny):
+    c = tiny.config
+    assert (c.vocab_size, c.context_length, c.d_model, c.n_heads, c.n_layers, c.d_hidden) == (
+        512,
+        64,
+        32,
+        4,
+        2,
+        128,
+    )
+    assert (c.positions, c.bias, c.norm, c.activation, c.tie_embeddings) == (
+        "learned",
+        True,
+        "layer",
+        "gelu_tanh",
+        True,
+    )
+    assert tiny.embed.shape == (c.padded_vocab_size, 32) and not np.asarray(tiny.embed[512:]).any()
+
+
+def test_logits_are_transformers_logits(tiny):
+    logits = tiny(jnp.asarray(EXPECTED["prompt"]))
+    assert logits.shape == EXPECTED["logits"].shape  # the padded rows are never returned
+    np.testing.assert_allclose(logits, EXPECTED["logits"], atol=1e-4, rtol=0)
+
+
+def test_greedy_tokens_are_transformers_tokens(tiny):
+    options = SamplingOptions(temperature=0.0)
+    tokens = generate(
+        tiny, EXPECTED["prompt"], len(EXPECTED["greedy"]), key=jax.random.key(0), options=options
+    )
+    np.testing.assert_array_equal(tokens, EXPECTED["greedy"])
+
+
+def test_export_writes_the_same_files_back(tiny, tmp_path):
+    save_gpt2(tiny, tmp_path)
+    again = load_gpt2(tmp_path)
+    for a, b in zip(jax.tree.leaves(tiny), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu_new"
+    assert config["tie_word_embeddings"] and config["vocab_size"] == 512 and config["n_positions"] == 64
+
+
+def test_an_untied_gpt2_exports_its_head(tmp_path):
+    config = GPTConfig(
+        vocab_size=300, context_length=8, d_model=16, n_heads=2, n_layers=1, positions="learned", bias=True,
+        norm="layer", activation="gelu",
+    )  # fmt: skip
+    model = GPT(config, key=jax.random.key(0))
+    save_gpt2(model, tmp_path)
+    again = load_gpt2(tmp_path)
+    assert again.config == config
+    np.testing.assert_array_equal(again(jnp.arange(8)), model(jnp.arange(8)))
+
+
+def test_the_context_can_be_cropped(tiny):
+    short = load_gpt2(TINY, context_length=16)
+    assert short.pos_embed.shape == (16, 32)
+    prompt = jnp.asarray(EXPECTED["prompt"])
+    np.testing.assert_allclose(short(prompt), tiny(prompt), atol=1e-6)
+    with pytest.raises(GPT2FormatError, match="at most 64"):
+        read_gpt2_config(TINY, context_length=65)
+
+
+def test_a_model_of_another_shape_is_not_exported(tmp_path):
+    model = GPT(
+        GPTConfig(vocab_size=65, context_length=8, d_model=16, n_heads=2, n_layers=1), key=jax.random.key(0)
+    )
+    with pytest.raises(GPT2FormatError, match="not GPT-2-shaped.*positions='sinusoidal'"):
+        save_gpt2(model, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda d: (d / "config.json").unlink(), "has no config.json"),
+        (lambda d: (d / "model.safetensors").unlink(), "has no model.safetensors"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:5000]),
+            "cannot be read",
+        ),
+        (lambda d: (d / "config.json").write_text('{"model_type": "llama"}'), "not 'gpt2'"),
+        (lambda d: _edit_config(d, n_layer=3), "lacks the tensor 'h.2.ln_1.weight'"),
+        (lambda d: _edit_config(d, n_embd=64), "has shape"),
+        (lambda d: _edit_config(d, n_head=None), "lacks 'n_head'"),
+    ],
+    ids=["no-config", "no-weights", "truncated", "not-gpt2", "partial", "other-shape", "config-incomplete"],
+)
+def test_a_bad_directory_is_one_line_naming_what_is_wrong(tmp_path, damage, words):
+    directory = tmp_path / "gpt2"
+    shutil.copytree(TINY, directory)
+    damage(directory)
+    with pytest.raises(GPT2FormatError, match=words) as error:
+        load_gpt2(directory)
+    assert "\n" not in str(error.value)
+
+
+def _edit_config(directory: Path, **changes) -> None:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    config = {k: v for k, v in config.items() if v is not None}
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def test_load_model_reads_a_gpt2_directory_with_its_tokenizer():
+    try:
+        model, tokenizer, meta = load_model(TINY)
+    except TokenizerError as error:
+        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {error}")
+    assert tokenizer == GPT2Tokenizer(512) and meta["format"] == "huggingface-gpt2"
+    assert tokenizer.encode("ROMEO: soft!") == EXPECTED["prompt"].tolist()
+    assert max(tokenizer.encode("Shakespeare's sonnets, all of them")) < 512
