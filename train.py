@@ -23,8 +23,8 @@ from eqx_gpt.config import (
     GPTConfig,
 )
 from eqx_gpt.parallel import initialize_distributed
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS, preset_values
-from eqx_gpt.run import RunError, train
+from eqx_gpt.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
+from eqx_gpt.run import INIT_FROM_OPTIONS, RunError, train
 from eqx_gpt.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
@@ -124,8 +124,19 @@ def _preset_in(argv: list[str]) -> str:
 
 
 def run_options(explicit: dict) -> tuple[str, dict, dict]:
-    """`(preset, model_options, train_options)` of a fresh run: dataclass defaults < preset < flags."""
-    preset = explicit.get("preset", DEFAULT_PRESET)
+    """`(preset, model_options, train_options)` of a fresh run: dataclass defaults < preset < flags.
+
+    With `--init-from DIR` the preset defaults to `finetune-shakespeare`, and the model's shape is
+    DIR's: a flag that would set it is refused.
+    """
+    preset = explicit.get("preset", FINETUNE_PRESET if "init_from" in explicit else DEFAULT_PRESET)
+    shape_flags = [k for k in explicit if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
+    if "init_from" in explicit and shape_flags:
+        flag = "--" + shape_flags[0].replace("_", "-")
+        raise ValueError(
+            f"{flag} sets the model's shape, which comes from --init-from {explicit['init_from']}; "
+            f"leave it out (only {', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
+        )
     values = {**preset_values(preset), **explicit}
     return (
         preset,
@@ -152,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             config, preset = TrainConfig(), (preset if "preset" in explicit else None)
         else:
             config, resume_flags = TrainConfig(**train_options), None
+            if preset == FINETUNE_PRESET and config.init_from is None:
+                raise ValueError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
             GPTConfig(vocab_size=1, **model_options)  # report bad sizes before loading any data
     except ValueError as e:
         print(f"train.py: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from eqx_gpt.config import GPTConfig
 from eqx_gpt.train_config import TrainConfig
 
 DEFAULT_PRESET = "cpu"
+FINETUNE_PRESET = "finetune-shakespeare"  # the default preset of `train.py --init-from DIR`
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,29 @@ PRESETS = {
         model=_NANOGPT_MODEL,
         train=_NANOGPT_TRAIN,
     ),
+    FINETUNE_PRESET: Preset(
+        "fine-tune a Hugging Face GPT-2 (--init-from DIR) on the text: nanoGPT's finetune_shakespeare "
+        "recipe (AdamW at a constant 3e-5, 20 steps, an evaluation every 5), at context 256 and batch 8 "
+        "to suit a CPU",
+        # nanoGPT runs 32 sequences of 1,024 tokens per step on a GPU; on 2 cores a 124M model takes
+        # seconds per thousand tokens, so a step here holds 2,048 tokens (the position table is
+        # cropped to 256, as nanoGPT's crop_block_size does).
+        model=dict(context_length=256, dropout=0.0),
+        train=dict(
+            tokenizer="gpt2",
+            optimizer="adamw",
+            batch_size=8,
+            max_steps=20,
+            max_minutes=0.0,
+            lr=3e-5,
+            min_lr=3e-5,
+            warmup_steps=0,
+            weight_decay=0.1,
+            beta2=0.95,
+            eval_interval=5,
+            eval_batches=4,
+        ),
+    ),  # fmt: skip
     "shakespeare-char-muon": Preset(
         "nanoGPT's GPU recipe with Muon on the block matrices (not yet run on a GPU)",
         model=_NANOGPT_MODEL,

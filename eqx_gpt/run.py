@@ -56,6 +56,7 @@ from eqx_gpt.data import (
 from eqx_gpt.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
 from eqx_gpt.generate import generate
 from eqx_gpt.gpt import GPT
+from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
 from eqx_gpt.progress import Progress, clock
 from eqx_gpt.run_dir import METRICS_NAME, Metrics, RunDirError, RunDirLock, check_run_dir, check_writable
@@ -69,6 +70,8 @@ from eqx_gpt.visualize import plot_losses
 # Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
 # the run without changing what it computes. (`data` may name another path to the same corpus.)
 RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval", "data")
+# The model options that `--init-from DIR` takes from the command line; the rest are DIR's.
+INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
 SECONDS_PER_CALL = 0.5  # fewer steps per call when steps are slower: a stop waits for the call in flight
@@ -213,13 +216,11 @@ def start_run(
     """Check the data, tokenizer, model and devices, and build the model and optimiser state
     (fresh, or from the checkpoint `meta` describes). Reads `out_dir` but writes nothing there."""
     text, source, data_sha, config = _load_corpus(config, meta)
-    tokenizer = (
-        make_tokenizer(config.tokenizer, text) if meta is None else tokenizer_from_dict(meta["tokenizer"])
-    )
-    try:
-        model_config = GPTConfig(vocab_size=tokenizer.vocab_size, **model_options)
-    except (TypeError, ValueError) as e:
-        raise TrainingError(str(e)) from None
+    fine_tune = meta is None and config.init_from is not None
+    if fine_tune:  # the shape and the tokenizer are GPT-2's
+        config = replace(config, init_from=str(Path(config.init_from).resolve()))
+        model_options = {k: v for k, v in model_options.items() if k in INIT_FROM_OPTIONS}
+    model_config, tokenizer = _model_config_and_tokenizer(model_options, config, text, meta)
     train_text, val_text = split_text(text)
     train_ids = to_ids(tokenizer.encode(train_text), "train", model_config.context_length, source)
     val_ids = to_ids(tokenizer.encode(val_text), "validation", model_config.context_length, source)
@@ -231,7 +232,13 @@ def start_run(
 
     optimizer, train_steps = optimizer_and_step(config, dropout=model_config.dropout > 0)
     if meta is None:
-        model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
+        if fine_tune:
+            log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
+        model = (
+            load_gpt2(config.init_from, **model_options)
+            if fine_tune
+            else GPT(model_config, key=batch_key(config.seed, INIT, 0))
+        )
         opt_state = init_optimizer_state(optimizer, model)
         start, horizon, best_val = 0, config.max_steps, math.inf
     else:
@@ -271,6 +278,23 @@ def start_run(
         last_eval=_saved_evaluation(meta),
         last_saved=start if meta is not None else None,
     )  # fmt: skip
+
+
+def _model_config_and_tokenizer(
+    model_options: dict, config: TrainConfig, text: str, meta: dict | None
+) -> tuple[GPTConfig, Tokenizer]:
+    """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
+    (`model_options` then holds only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
+    if meta is None and config.init_from is not None:
+        model_config = read_gpt2_config(config.init_from, **model_options)
+        return model_config, gpt2_tokenizer(model_config)
+    tokenizer = (
+        make_tokenizer(config.tokenizer, text) if meta is None else tokenizer_from_dict(meta["tokenizer"])
+    )
+    try:
+        return GPTConfig(vocab_size=tokenizer.vocab_size, **model_options), tokenizer
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
 
 
 def _saved_evaluation(meta: dict | None) -> tuple[int, float] | None:

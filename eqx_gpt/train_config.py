@@ -23,6 +23,11 @@ class TrainConfig:
     tokenizer: str = _help(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
     )
+    init_from: str | None = _help(
+        "fine-tune: start from the Hugging Face GPT-2 directory DIR (config.json + model.safetensors); "
+        "the model's shape and the gpt2 tokenizer come from it",
+        default=None,
+    )
     batch_size: int = _help("sequences per optimiser step", default=32)
     grad_accum: int = _help(
         "split each batch into this many micro-batches (same update, less memory)", default=1
@@ -112,6 +117,11 @@ class TrainConfig:
             )
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if self.init_from is not None and self.tokenizer != "gpt2":
+            raise ValueError(
+                f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
+                f"{self.tokenizer!r}; leave out --tokenizer"
+            )
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup_steps < 0 or self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:

@@ -12,7 +12,7 @@ import pytest
 
 from eqx_gpt import GPTConfig, load_model
 from eqx_gpt.data import load_text
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 from eqx_gpt.run import TrainResult
 from eqx_gpt.train_config import TrainConfig
 
@@ -261,7 +261,7 @@ def _configs_given_to_train(monkeypatch, argv):
     return seen
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - {FINETUNE_PRESET}))
 def test_a_fresh_run_builds_exactly_the_chosen_presets_configs(monkeypatch, name):
     preset = PRESETS[name]
     seen = _configs_given_to_train(monkeypatch, ["--preset", name])
@@ -272,6 +272,14 @@ def test_a_fresh_run_builds_exactly_the_chosen_presets_configs(monkeypatch, name
     seen = _configs_given_to_train(monkeypatch, ["--preset", name, "--lr", "0.0123", "--n-layers", "3"])
     assert seen["train"] == TrainConfig(**{**preset.train, "lr": 0.0123})
     assert seen["model"] == GPTConfig(vocab_size=65, **{**preset.model, "n_layers": 3})
+
+
+def test_init_from_picks_the_fine_tuning_preset_and_its_options(monkeypatch):
+    preset = PRESETS[FINETUNE_PRESET]
+    seen = _configs_given_to_train(monkeypatch, ["--init-from", "gpt2-dir", "--max-steps", "7"])
+    assert seen["preset"] == FINETUNE_PRESET
+    assert seen["train"] == TrainConfig(**{**preset.train, "init_from": "gpt2-dir", "max_steps": 7})
+    assert seen["model"].context_length == preset.model["context_length"]
 
 
 def test_without_preset_the_default_preset_is_used(monkeypatch):
