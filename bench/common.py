@@ -11,7 +11,9 @@ MFU slightly undercounts the work done. The peak is a dense fp32 `jnp` matmul ti
 machine, in this process: there is no datasheet number anywhere.
 """
 
+import os
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +63,17 @@ def mfu(step_s: float, config: GPTConfig, batch_size: int, peak_gflops: float) -
     """Model FLOPs utilisation of a training step of `batch_size` sequences taking `step_s`."""
     tokens = batch_size * config.context_length
     return flops_per_token(config) * tokens / step_s / 1e9 / peak_gflops
+
+
+def cpu_description() -> str:
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import CONFIGS, MatmulPeak, mfu  # bench/common.py
+from common import CONFIGS, MatmulPeak, cpu_description, mfu  # bench/common.py
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.parallel import data_mesh, replicate, shard_batch
@@ -49,20 +49,6 @@ VOCAB = 65
 
 # The configs of issue 18 (`bench/common.py`) and their timed steps per side and round (~1 minute)
 STEPS = {"nanogpt-cpu": 32, "shakespeare-char": 8}
-
-
-def cpu_description() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"
 
 
 def export(model: GPT, batches: np.ndarray, path: Path) -> None:
