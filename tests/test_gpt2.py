@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig, generate, load_model
+from eqx_gpt.checkpoint import model_template
 from eqx_gpt.gpt2 import GPT2FormatError, load_gpt2, read_gpt2_config, save_gpt2
 from eqx_gpt.sampling import SamplingOptions
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
@@ -139,3 +140,30 @@ def test_load_model_reads_a_gpt2_directory_with_its_tokenizer():
     assert tokenizer == GPT2Tokenizer(512) and meta["format"] == "huggingface-gpt2"
     assert tokenizer.encode("ROMEO: soft!") == EXPECTED["prompt"].tolist()
     assert max(tokenizer.encode("Shakespeare's sonnets, all of them")) < 512
+
+
+@pytest.mark.parametrize(
+    "name, n_embd, n_layer, n_head, parameters",
+    [("gpt2", 768, 12, 12, 124_439_808), ("gpt2-medium", 1024, 24, 16, 354_823_168),
+     ("gpt2-large", 1280, 36, 20, 774_030_080), ("gpt2-xl", 1600, 48, 25, 1_557_611_200)],
+)  # fmt: skip
+def test_the_four_openai_sizes_build_from_their_configs(tmp_path, name, n_embd, n_layer, n_head, parameters):
+    # Their config.json files as the hub serves them (the fields we read); the parameter counts are
+    # transformers' for GPT2LMHeadModel (tied head), ours less the 47 padding rows of the table.
+    hub = {
+        "model_type": "gpt2",
+        "activation_function": "gelu_new",
+        "n_ctx": 1024,
+        "n_positions": 1024,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "vocab_size": 50257,
+        "layer_norm_epsilon": 1e-5,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(hub))
+    config = read_gpt2_config(tmp_path)
+    template = model_template(config)
+    ours = sum(leaf.size for leaf in jax.tree.leaves(template))
+    assert ours - (config.padded_vocab_size - 50257) * n_embd == parameters
+    assert (config.d_head, config.context_length, config.tie_embeddings) == (64, 1024, True)
