@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from eqx_gpt.attention import KVCache
 from eqx_gpt.gpt import GPT
-from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
+from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token, with_settings
 
 # How many times each jitted function has been traced (compiled), so tests can prove the loop
 # does not recompile per token, prompt length or sampling setting.
@@ -203,6 +203,7 @@ def stream_batch(
     *,
     key: PRNGKeyArray,
     options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
 ) -> Iterator[np.ndarray]:
     """Generate from each row of `prompts` (equal lengths), yielding `(batch, <= chunk_size)`
     NumPy arrays of new token ids as they are ready; `max_new_tokens` in total.
@@ -212,7 +213,10 @@ def stream_batch(
     fills: it cuts chunks at that boundary and runs the slide (re-prefill the kept tokens, which
     samples the next one) as its own step. Work is dispatched one chunk ahead of what is handed
     over, so the device keeps working while the caller prints. See the module docstring.
+    Keyword `settings` (`temperature=`, `top_k=`, `top_p=`, `keep=`, `chunk_size=`) override
+    `options`'s fields, here and in every function below.
     """
+    options = with_settings(options, settings)
     prompts, keep = _prepare(model, prompts, max_new_tokens, options)
     chunk_size = options.chunk_size
     if max_new_tokens == 0:
@@ -253,6 +257,7 @@ def generate_batch(
     *,
     key: PRNGKeyArray,
     options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
 ) -> np.ndarray:
     """`(batch, max_new_tokens)` new token ids, one row per prompt row (all rows equally long).
 
@@ -267,6 +272,7 @@ def generate_batch(
             max_new_tokens,
             key=key,
             options=options,
+            **settings,
         )
     )
     batch = np.asarray(prompts).shape[0]
@@ -280,13 +286,15 @@ def generate(
     *,
     key: PRNGKeyArray,
     options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
 ) -> np.ndarray:
     """`max_new_tokens` new token ids `(max_new_tokens,)` continuing `prompt_tokens` `(seq,)`.
 
     KV-cached: the prompt is prefilled once, then each token costs one position. Past
     `context_length` the window slides as described in the module docstring (cut to the last
     `options.keep` tokens, default `max(1, context_length // 2)`, and re-prefilled).
-    `SamplingOptions(temperature=0)` is greedy.
+    `temperature=0` (or `options=SamplingOptions(temperature=0)`) is greedy; `top_k=`, `top_p=`
+    as keywords or in `options`.
     """
     prompts = np.asarray(prompt_tokens)[None]
     return generate_batch(
@@ -295,6 +303,7 @@ def generate(
         max_new_tokens,
         key=key,
         options=options,
+        **settings,
     )[0]
 
 
@@ -312,6 +321,7 @@ def naive_generate(
     *,
     key: PRNGKeyArray,
     options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
 ) -> np.ndarray:
     """The reference: rerun the model on the whole window for every token (as nanoGPT does).
 
@@ -319,6 +329,7 @@ def naive_generate(
     give the same tokens. The window is padded to a power-of-two bucket (causal attention makes
     the padding invisible), so the cost tracks the window length with a few compiled shapes.
     """
+    options = with_settings(options, settings)
     prompts, keep = _prepare(model, np.asarray(prompt_tokens)[None], max_new_tokens, options)
     context = model.config.context_length
     window = list(prompts[0])
@@ -344,6 +355,7 @@ def stream_text(
     *,
     key: PRNGKeyArray,
     options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
 ) -> Iterator[str]:
     """`generate`, yielding the continuation as text, a chunk of tokens at a time.
 
@@ -356,6 +368,7 @@ def stream_text(
         max_new_tokens,
         key=key,
         options=options,
+        **settings,
     )
     yield from decode_incrementally(tokenizer, (chunk[0] for chunk in chunks))
 

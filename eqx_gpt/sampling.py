@@ -5,6 +5,7 @@ with traced `temperature`, `top_k` and `top_p` values (only whether a filter is 
 Python-level choice), so changing a setting does not recompile.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -61,6 +62,18 @@ class SamplingOptions:
 
 
 DEFAULT_SAMPLING = SamplingOptions()  # temperature 1, no filters, the default window and chunks
+
+
+def with_settings(options: SamplingOptions, settings: dict) -> SamplingOptions:
+    """`options` with keyword `settings` (`temperature=0.8`, `top_k=40`, ...) laid over its fields,
+    so `generate(..., temperature=0.8)` works as it did before `SamplingOptions` existed."""
+    if not isinstance(options, SamplingOptions):
+        raise TypeError(f"options must be a SamplingOptions, got {type(options).__name__}")
+    names = [f.name for f in dataclasses.fields(SamplingOptions)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {unknown}; the settings are {names}")
+    return dataclasses.replace(options, **settings) if settings else options
 
 
 def _rank(logits):

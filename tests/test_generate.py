@@ -212,3 +212,23 @@ def test_text_is_never_released_mid_character():
     assert all("\ufffd" not in p for p in pieces)
     # An incomplete tail at the very end is still flushed (as a replacement character).
     assert "".join(decode_incrementally(BytesTokenizer(), [data[:2]])) == "a\ufffd"
+
+
+def test_sampling_settings_work_as_keywords_beside_options():
+    # The API before SamplingOptions: generate(..., temperature=..., top_k=..., top_p=...).
+    model = GPT(CFG, key=jax.random.key(0))
+    key, prompt = jax.random.key(5), [1, 2, 3]
+    as_options = generate(
+        model, prompt, 12, key=key, options=SamplingOptions(temperature=0.8, top_k=5, top_p=0.9)
+    )
+    as_keywords = generate(model, prompt, 12, key=key, temperature=0.8, top_k=5, top_p=0.9)
+    np.testing.assert_array_equal(as_keywords, as_options)
+    greedy = SamplingOptions(temperature=0.0)
+    np.testing.assert_array_equal(
+        generate(model, prompt, 12, key=key, options=SamplingOptions(top_k=3), temperature=0.0),
+        generate(model, prompt, 12, key=key, options=greedy),
+    )  # a keyword overrides that field of `options`
+    with pytest.raises(TypeError, match="unknown sampling setting.*'temprature'"):
+        generate(model, prompt, 12, key=key, temprature=0.5)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 1"):
+        generate(model, prompt, 12, key=key, top_k=0)
