@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from eqx_gpt.evaluate import evaluate_text
 
     try:
-        model, tokenizer, meta = load_model(args.checkpoint)
+        model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")
         if args.text is not None:
             text, name = load_text(args.text), str(args.text)
         elif meta.get("data_sha256") == SHAKESPEARE_SHA256:

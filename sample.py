@@ -114,7 +114,7 @@ def main(argv=None) -> int:
         options = _sampling_options(args)
         _check_picture_paths(args)
         prompt = _read_prompt(args)
-        model, tokenizer, _ = load_model(args.checkpoint)
+        model, tokenizer, _ = load_model(args.checkpoint, kind="GPT")
         if args.positions_png and model.config.positions != "sinusoidal":
             raise ValueError(
                 f"--positions-png draws the sinusoidal table, and this model has {model.config.positions} "

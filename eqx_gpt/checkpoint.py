@@ -2,8 +2,9 @@
 
 A checkpoint named `latest` (or `best`) in a run directory is a pair of files:
 
-    latest.json             metadata, written LAST: step, configs, tokenizer, losses, and the
-                            name and sha256 of the weights file below
+    latest.json             metadata, written LAST: step, the model's class and config, the
+                            training config, tokenizer, losses, and the name and sha256 of the
+                            weights file below
     latest-<sha256[:16]>.eqx  `eqx.tree_serialise_leaves` of the model, then the optimiser state
 
 Every file is written to a temporary file in the same directory, fsynced and `os.replace`d into
@@ -29,10 +30,15 @@ from jax.experimental import multihost_utils
 from eqx_gpt.config import GPTConfig
 from eqx_gpt.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
+from eqx_gpt.transformer import Transformer, TransformerConfig
 
 FORMAT = "eqx_gpt-checkpoint"
 VERSION = 1
 NAMES = ("best", "latest")  # what `find_checkpoint` looks for in a run directory, in this order
+# The models a checkpoint can hold, by the class name it records, with their config classes. A
+# checkpoint without the record is a GPT's (written before there were two).
+MODELS = {"GPT": (GPT, GPTConfig), "Transformer": (Transformer, TransformerConfig)}
+WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (examples/translate.py)"}
 
 
 class CheckpointError(ValueError):
@@ -96,9 +102,11 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `name` ("latest", "best") of a run into `out_dir`; return its JSON path.
 
-    `metadata` holds any further JSON-ready values (losses, the schedule length, ...). The model's
-    `GPTConfig` is taken from the model itself.
+    `model` is a `GPT` or a `Transformer`; its class and config are recorded. `metadata` holds any
+    further JSON-ready values (losses, the schedule length, ...).
     """
+    if type(model).__name__ not in MODELS:
+        raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")
     out_dir = Path(out_dir)
     weights = _serialise(model, opt_state)
     digest = hashlib.sha256(weights).hexdigest()
@@ -109,6 +117,7 @@ def save_checkpoint(
         "step": int(step),
         "weights": weights_name,
         "sha256": digest,
+        "model": type(model).__name__,
         "model_config": model.config.to_dict(),
         "train_config": train_config,
         "tokenizer": tokenizer.to_dict(),
@@ -191,24 +200,43 @@ def _read_weights(meta: dict) -> io.BytesIO:
     return io.BytesIO(data)
 
 
-def model_template(config: GPTConfig) -> GPT:
-    """A `GPT` of `config` whose arrays are shapes only (no memory, no compute)."""
-    return eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
+def model_template(config: GPTConfig | TransformerConfig) -> GPT | Transformer:
+    """The model of `config` (a `GPT` or a `Transformer`) with arrays that are shapes only (no
+    memory, no compute)."""
+    model_class = next(model for model, config_class in MODELS.values() if isinstance(config, config_class))
+    return eqx.filter_eval_shape(model_class, config, key=jax.random.key(0))
 
 
-def _model_config(meta: dict) -> GPTConfig:
+def _model_kind(meta: dict, kind: str | None) -> str:
+    """The class name the checkpoint records, checked against the `kind` the caller wants."""
+    name = meta.get("model", "GPT")
+    if name not in MODELS:
+        raise CheckpointError(f"checkpoint {meta['path']} holds a {name!r}, which eqx_gpt does not know")
+    if kind is not None and name != kind:
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds {WHAT[name]}, not {WHAT[kind]}; use a checkpoint of the latter"
+        )
+    return name
+
+
+def _model_config(meta: dict, kind: str | None = None) -> GPTConfig | TransformerConfig:
+    config_class = MODELS[_model_kind(meta, kind)][1]
     try:
-        return GPTConfig.from_dict(meta["model_config"])
+        return config_class.from_dict(meta["model_config"])
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {meta['path']} has an invalid model config: {e}") from None
 
 
-def _tokenizer(meta: dict, config: GPTConfig) -> Tokenizer:
+def _tokenizer(meta: dict, config: GPTConfig | TransformerConfig) -> Tokenizer | None:
+    """The checkpoint's tokenizer. A `Transformer`'s may be its own kind (the translate example's
+    vocabularies): then None, and the caller rebuilds it from `meta["tokenizer"]`."""
     try:
         tokenizer = tokenizer_from_dict(meta["tokenizer"])
     except TokenizerError as e:
+        if not isinstance(config, GPTConfig):
+            return None
         raise CheckpointError(f"checkpoint {meta['path']}: {e}") from None
-    if tokenizer.vocab_size != config.vocab_size:
+    if isinstance(config, GPTConfig) and tokenizer.vocab_size != config.vocab_size:
         raise CheckpointError(
             f"checkpoint {meta['path']}: tokenizer has {tokenizer.vocab_size} ids but the model "
             f"config says vocab_size={config.vocab_size}"
@@ -226,21 +254,25 @@ def _deserialise(f: io.BytesIO, like: Any, meta: dict) -> Any:
         ) from None
 
 
-def load_model(path: str | Path) -> tuple[GPT, Tokenizer, dict]:
+def load_model(
+    path: str | Path, *, kind: str | None = None
+) -> tuple[GPT | Transformer, Tokenizer | None, dict]:
     """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped).
 
-    `path` may also be a Hugging Face GPT-2 directory (`config.json` and `model.safetensors`,
-    see `eqx_gpt.gpt2`); its metadata is then the model config and the directory.
+    The model is the class the checkpoint records (`GPT` or `Transformer`); `kind="GPT"` (or
+    `"Transformer"`) refuses the other with a one-line `CheckpointError`. `path` may also be a
+    Hugging Face GPT-2 directory (`config.json` and `model.safetensors`, see `eqx_gpt.gpt2`); its
+    metadata is then the model config and the directory.
     """
     from eqx_gpt.gpt2 import gpt2_tokenizer, is_gpt2_directory, load_gpt2
 
-    if is_gpt2_directory(path):
+    if is_gpt2_directory(path) and kind in (None, "GPT"):
         model = load_gpt2(path)
         tokenizer = gpt2_tokenizer(model.config)
         meta = {"path": str(path), "format": "huggingface-gpt2", "model_config": model.config.to_dict()}
         return model, tokenizer, {**meta, "tokenizer": tokenizer.to_dict()}
     meta = read_metadata(path)
-    config = _model_config(meta)
+    config = _model_config(meta, kind)
     tokenizer = _tokenizer(meta, config)
     model = _deserialise(_read_weights(meta), model_template(config), meta)
     return model, tokenizer, meta
@@ -252,7 +284,7 @@ def load_checkpoint(path: str | Path, opt_state_like: Any) -> tuple[GPT, Any, To
     `opt_state_like` is a template of the optimiser state (e.g. from `eqx.filter_eval_shape`).
     """
     meta = read_metadata(path)
-    config = _model_config(meta)
+    config = _model_config(meta, "GPT")
     tokenizer = _tokenizer(meta, config)
     f = _read_weights(meta)
     model = _deserialise(f, model_template(config), meta)

@@ -3,6 +3,7 @@
     uv run python examples/translate.py                 # dates, as people write them -> ISO 8601
     uv run python examples/translate.py --attention-png cross.png
     uv run --group bleu python examples/translate.py --pairs fra.txt --minutes 30   # English -> French
+    uv run python examples/translate.py --translate "3 March 2009" --translate "mardi 3 mars 2009"
 
 With no arguments (and no network) the task is generated on the fly, so every answer is known
 exactly: a date written in English or French in one of many formats ("3 March 2009",
@@ -10,8 +11,9 @@ exactly: a date written in English or French in one of many formats ("3 March 20
 "2009-03-03". `--pairs FILE` trains on the tab-separated sentence pairs of the Tatoeba/Anki
 English-French file (`english<TAB>french[<TAB>attribution]`) and also reports BLEU (sacrebleu).
 Characters are the tokens. Batches are padded per batch, to a multiple of 16 (a few compiled
-shapes). The last line printed is the exact-match rate on held-out pairs. Bad input prints one
-line and exits with code 2.
+shapes). The last line printed is the exact-match rate on held-out pairs. The model is saved in
+`--out-dir` (an eqx_gpt checkpoint that records its class, `Transformer`); `--translate TEXT`
+reloads it and translates. Bad input prints one line and exits with code 2.
 """
 
 import argparse
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, save_checkpoint, translate
+from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
 from eqx_gpt.progress import Progress, clock
 from eqx_gpt.schedule import TimePlan, learning_rate
 from eqx_gpt.train_config import TrainConfig
@@ -43,6 +45,13 @@ class CharVocab:
     def __init__(self, texts):
         self.chars = sorted({ch for text in texts for ch in text})
         self.ids = {ch: i + 3 for i, ch in enumerate(self.chars)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CharVocab":
+        """The vocabulary `to_dict` described (as a checkpoint stores it)."""
+        if not isinstance(d, dict) or d.get("kind") != "char-vocab" or not isinstance(d.get("chars"), str):
+            raise ValueError(f"not a translate.py vocabulary: {d!r}")
+        return cls([d["chars"]])
 
     @property
     def size(self) -> int:
@@ -244,7 +253,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("out-translate"), help="its checkpoint goes here")
     p.add_argument("--attention-png", type=Path, help="draw the cross-attention of one held-out example")
+    p.add_argument(
+        "--translate", metavar="TEXT", action="append",
+        help="translate TEXT with the model saved in --out-dir instead of training (repeatable)",
+    )  # fmt: skip
     return p.parse_args(argv)
+
+
+def translate_saved(out_dir: Path, sources: list[str]) -> list[str]:
+    """Greedy translations of `sources` by the model a training run saved in `out_dir`."""
+    model, _, meta = load_model(out_dir, kind="Transformer")
+    vocabs = CharVocab.from_dict(meta["tokenizer"]), CharVocab.from_dict(meta["target_tokenizer"])
+    return translate_all(model, sources, vocabs, model.config.max_len)
 
 
 def load_data(args) -> tuple[list, list]:
@@ -260,6 +280,15 @@ def load_data(args) -> tuple[list, list]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.translate:
+        try:
+            translations = translate_saved(args.out_dir, args.translate)
+        except ValueError as e:  # CheckpointError included
+            print(f"translate.py: error: {e}", file=sys.stderr)
+            return 2
+        for source, guess in zip(args.translate, translations, strict=True):
+            print(f"{source!r} -> {guess!r}")
+        return 0
     try:
         if args.attention_png is not None:
             from eqx_gpt.visualize import check_figure_path
@@ -292,8 +321,9 @@ def main(argv=None) -> int:
     model, opt_state, steps = train(model, train_pairs, vocabs, args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint(
-        args.out_dir, "latest", model, opt_state, step=steps, tokenizer=vocabs[0], train_config={}
-    )
+        args.out_dir, "latest", model, opt_state, step=steps, tokenizer=vocabs[0], train_config={},
+        target_tokenizer=vocabs[1].to_dict(),
+    )  # fmt: skip
     predictions = translate_all(model, [s for s, _ in held_out], vocabs, args.max_len)
     for (source, target), guess in list(zip(held_out, predictions, strict=True))[:3]:
         print(f"  {source!r} -> {guess!r} (expected {target!r})")

@@ -1,5 +1,6 @@
 """The transformer toolkit: cross-attention, padding masks, LayerNorm, post-norm, the encoder-decoder."""
 
+import ast
 import importlib.util
 import math
 from pathlib import Path
@@ -264,3 +265,19 @@ def test_the_example_refuses_bad_pairs_files_with_one_line(tmp_path, capsys):
     assert example.main(["--pairs", str(tmp_path / "no-tab.txt")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "line 2: no tab" in err
+
+
+def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(tmp_path, capsys):
+    example = _example()
+    argv = ["--minutes", "0", "--max-steps", "3", "--held-out", "10", "--d-model", "32", "--layers", "1"]
+    assert example.main([*argv, "--max-len", "32", "--out-dir", str(tmp_path)]) == 0
+    shown = [line.strip() for line in capsys.readouterr().out.splitlines() if "(expected " in line]
+    left, right = shown[0].split(" -> ", 1)  # "'source' -> 'guess' (expected 'target')"
+    source, guess = ast.literal_eval(left), right.rsplit(" (expected ", 1)[0]
+    assert example.main(["--out-dir", str(tmp_path), "--translate", source]) == 0
+    assert capsys.readouterr().out.strip() == f"{source!r} -> {guess}"
+    # The trainer's CLIs refuse it, naming what it is.
+    from eqx_gpt import CheckpointError, load_model
+
+    with pytest.raises(CheckpointError, match="holds an encoder-decoder .*, not a decoder-only GPT"):
+        load_model(tmp_path, kind="GPT")
