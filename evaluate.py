@@ -39,8 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from eqx_gpt.checkpoint import load_model
-    from eqx_gpt.data import SHAKESPEARE_SHA256, load_text, split_text
-    from eqx_gpt.evaluate import evaluate_text
+    from eqx_gpt.training.corpus import SHAKESPEARE_SHA256, load_text, split_text
+    from eqx_gpt.training.evaluate import evaluate_text
 
     try:
         model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")

@@ -82,7 +82,7 @@ def _read_prompt(args) -> str:
 
 def _sampling_options(args):
     """The `SamplingOptions` of the flags (a bad value raises a one-line `ValueError`)."""
-    from eqx_gpt.sampling import SamplingOptions
+    from eqx_gpt.generation.sampling import SamplingOptions
 
     options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.max_new_tokens < 0:
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     import jax
 
     from eqx_gpt.checkpoint import load_model
-    from eqx_gpt.generate import stream_text
+    from eqx_gpt.generation.generate import stream_text
 
     try:
         options = _sampling_options(args)

@@ -14,7 +14,7 @@ import typing
 
 from eqx_gpt._checks import OneLineParser, finite_float
 from eqx_gpt.checkpoint import checkpoint_paths
-from eqx_gpt.config import (
+from eqx_gpt.model.config import (
     ACTIVATION_KINDS,
     COMPUTE_DTYPES,
     NORM_KINDS,
@@ -22,10 +22,10 @@ from eqx_gpt.config import (
     POSITION_KINDS,
     GPTConfig,
 )
-from eqx_gpt.parallel import initialize_distributed
-from eqx_gpt.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
-from eqx_gpt.run import INIT_FROM_OPTIONS, RunError, train
-from eqx_gpt.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
+from eqx_gpt.training.parallel import initialize_distributed
+from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
+from eqx_gpt.training.run import INIT_FROM_OPTIONS, RunError, train
+from eqx_gpt.training.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
     "context_length": "tokens the model sees at once",

@@ -18,8 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
 CONFIGS = {
     # name: (GPTConfig fields except vocab_size, batch size)

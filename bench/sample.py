@@ -11,7 +11,7 @@ on the last `context_length` tokens for every new token. Two prompts: one that f
 8-token prompt (the naive window grows first; it is padded to a power-of-two bucket so that only a
 few shapes compile, which can cost it up to 2x while the window is short). Both are compiled
 first; compile seconds are reported separately. The ratio is cached / naive tokens per second.
-The cached method slides its window differently (see `eqx_gpt.generate`), so the two agree
+The cached method slides its window differently (see `eqx_gpt.generation.generate`), so the two agree
 token for token only until the first slide.
 
 Floor: a cached token must at least read every weight matrix once. Each repetition also times a bare
@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt import GPT, GPTConfig, SamplingOptions
-from eqx_gpt.generate import _naive_step, generate, naive_generate, prompt_bucket
-from eqx_gpt.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt.generation.generate import _naive_step, generate, naive_generate, prompt_bucket
+from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {

@@ -12,9 +12,9 @@ alike and the ratio stays meaningful; there is no datasheet number anywhere.
 
 Model FLOPs per token and the peak are `bench/common.py`'s (see its docstring for what is counted).
 
-The timed steps are `train.py`'s: `eqx_gpt.train_step.make_train_steps`, `--steps-per-call` steps
+The timed steps are `train.py`'s: `eqx_gpt.training.train_step.make_train_steps`, `--steps-per-call` steps
 per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
-argument, buffer donation, and the batches placed by `eqx_gpt.parallel`. `--steps-per-call 1`
+argument, buffer donation, and the batches placed by `eqx_gpt.training.parallel`. `--steps-per-call 1`
 times one step per dispatch (`make_train_step`), to show what several per call buy.
 """
 
@@ -31,12 +31,17 @@ import jax
 import numpy as np
 from common import CONFIGS, MatmulPeak, flops_per_token  # bench/common.py
 
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.gpt import GPT
-from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.run import STEPS_PER_CALL
-from eqx_gpt.train_config import OPTIMIZERS, TrainConfig
-from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step, make_train_steps
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
+from eqx_gpt.training.run import STEPS_PER_CALL
+from eqx_gpt.training.train_config import OPTIMIZERS, TrainConfig
+from eqx_gpt.training.train_step import (
+    init_optimizer_state,
+    make_optimizer,
+    make_train_step,
+    make_train_steps,
+)
 
 VOCAB = 65  # Tiny Shakespeare's characters
 

@@ -38,11 +38,17 @@ import numpy as np
 from common import CONFIGS, MatmulPeak, cpu_description, mfu  # bench/common.py
 
 from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.parallel import data_mesh, replicate, shard_batch
-from eqx_gpt.positions import sinusoidal_positions
-from eqx_gpt.run import STEPS_PER_CALL
-from eqx_gpt.train_config import TrainConfig
-from eqx_gpt.train_step import count_params, init_optimizer_state, loss_fn, make_optimizer, make_train_steps
+from eqx_gpt.model.positions import sinusoidal_positions
+from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch
+from eqx_gpt.training.run import STEPS_PER_CALL
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import (
+    count_params,
+    init_optimizer_state,
+    loss_fn,
+    make_optimizer,
+    make_train_steps,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 65

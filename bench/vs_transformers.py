@@ -10,7 +10,7 @@ both sides hold the same weights; their logits are compared before any timing. T
 eqx_gpt and transformers for `--rounds` rounds:
 
 - generation: batch 1, a 64-token prompt, 256 new tokens, greedy; `transformers`' KV-cached
-  `generate(do_sample=False)` against `eqx_gpt.generate` (cached, jitted). Tokens per second.
+  `generate(do_sample=False)` against `eqx_gpt.generation.generate` (cached, jitted). Tokens per second.
 - fine-tuning: one AdamW step (forward, backward, update) on 4 x 256 tokens; the trainer's step
   (`make_train_step`) against `loss.backward()` and `torch.optim.AdamW`. Seconds per step.
 
@@ -36,11 +36,11 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import cpu_description  # noqa: E402 (bench/common.py)
 
-from eqx_gpt.generate import generate  # noqa: E402
+from eqx_gpt.generation.generate import generate  # noqa: E402
+from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
 from eqx_gpt.gpt2 import load_gpt2  # noqa: E402
-from eqx_gpt.sampling import SamplingOptions  # noqa: E402
-from eqx_gpt.train_config import TrainConfig  # noqa: E402
-from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step  # noqa: E402
+from eqx_gpt.training.train_config import TrainConfig  # noqa: E402
+from eqx_gpt.training.train_step import init_optimizer_state, make_optimizer, make_train_step  # noqa: E402
 
 PROMPT, NEW_TOKENS, BATCH, SEQ, LR = 64, 256, 4, 256, 3e-5
 

@@ -4,7 +4,11 @@ Every module is an `eqx.Module` acting on one example or on a whole batch passed
 jaxtyping shape annotations checked by beartype when JAX traces the call.
 """
 
-from eqx_gpt.attention import (
+from eqx_gpt import _moved
+from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
+from eqx_gpt.generation.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
+from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
+from eqx_gpt.model.attention import (
     KVCache,
     MultiHeadAttention,
     attention_weights,
@@ -13,21 +17,20 @@ from eqx_gpt.attention import (
     multi_head_attention,
     padding_mask,
 )
-from eqx_gpt.block import Block
-from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.dropout import dropout
-from eqx_gpt.evaluate import Evaluation, evaluate, evaluate_text
-from eqx_gpt.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
-from eqx_gpt.gpt import GPT
-from eqx_gpt.mlp import MLP
-from eqx_gpt.norm import LayerNorm, RMSNorm
-from eqx_gpt.positions import rotary_embedding, sinusoidal_positions
-from eqx_gpt.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
-from eqx_gpt.stack import LayerStack
+from eqx_gpt.model.block import Block
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.dropout import dropout
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.mlp import MLP
+from eqx_gpt.model.norm import LayerNorm, RMSNorm
+from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
+from eqx_gpt.model.stack import LayerStack
+from eqx_gpt.model.transformer import Transformer, TransformerConfig, translate
+from eqx_gpt.model.vocab import pad_vocab
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
-from eqx_gpt.transformer import Transformer, TransformerConfig, translate
-from eqx_gpt.vocab import pad_vocab
+from eqx_gpt.training.evaluate import Evaluation, evaluate, evaluate_text
+
+_moved.install()
 
 __all__ = [
     "GPT",

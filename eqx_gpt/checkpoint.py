@@ -27,14 +27,16 @@ import equinox as eqx
 import jax
 from jax.experimental import multihost_utils
 
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.gpt import GPT
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
-from eqx_gpt.transformer import Transformer, TransformerConfig
 
 FORMAT = "eqx_gpt-checkpoint"
 VERSION = 1
-NAMES = ("best", "latest")  # what `find_checkpoint` looks for in a run directory, in this order
+# A run directory's two checkpoints; `find_checkpoint` prefers them in the order of NAMES.
+BEST, LATEST = "best", "latest"
+NAMES = (BEST, LATEST)
 # The models a checkpoint can hold, by the class name it records, with their config classes. A
 # checkpoint without the record is a GPT's (written before there were two).
 MODELS = {"GPT": (GPT, GPTConfig), "Transformer": (Transformer, TransformerConfig)}
@@ -124,7 +126,7 @@ def save_checkpoint(
         **metadata,
     }
     atomic_write_bytes(out_dir / weights_name, weights)
-    json_path = out_dir / f"{name}.json"
+    json_path = checkpoint_file(out_dir, name)
     atomic_write_bytes(json_path, (json.dumps(meta, indent=1) + "\n").encode())
     for stale in out_dir.glob(f"{name}-*.eqx"):
         if stale.name != weights_name:
@@ -132,11 +134,19 @@ def save_checkpoint(
     return json_path
 
 
+def checkpoint_file(out_dir: str | Path, name: str) -> Path:
+    """The metadata file of checkpoint `name` (`LATEST` or `BEST`) in the run directory `out_dir`."""
+    return Path(out_dir) / f"{name}.json"
+
+
 def checkpoint_paths(out_dir: str | Path) -> list[Path]:
     """Every checkpoint file (metadata and weights) in the run directory `out_dir`."""
     out_dir = Path(out_dir)
     return sorted(
-        p for name in NAMES for p in (out_dir / f"{name}.json", *out_dir.glob(f"{name}-*.eqx")) if p.exists()
+        p
+        for name in NAMES
+        for p in (checkpoint_file(out_dir, name), *out_dir.glob(f"{name}-*.eqx"))
+        if p.exists()
     )
 
 
@@ -155,8 +165,8 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         for name in NAMES:
-            if (path / f"{name}.json").is_file():
-                return path / f"{name}.json"
+            if checkpoint_file(path, name).is_file():
+                return checkpoint_file(path, name)
         raise CheckpointError(f"no checkpoint in {path}/: run `uv run train.py` first")
     if path.suffix == ".eqx":  # a weights file: its JSON is `<name>.json` beside it
         path = path.with_name(path.name.rsplit("-", 1)[0] + ".json")

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt.checkpoint import CheckpointError, atomic_write_bytes, model_template
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.gpt import GPT
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME = "config.json", "model.safetensors", "model.safetensors.index.json"

@@ -15,8 +15,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from eqx_gpt.checkpoint import atomic_write_bytes
-from eqx_gpt.gpt import GPT
-from eqx_gpt.positions import sinusoidal_positions
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.positions import sinusoidal_positions
 
 FORMATS = tuple(sorted(FigureCanvasAgg.get_supported_filetypes()))
 

@@ -30,10 +30,10 @@ import numpy as np
 import optax
 
 from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
-from eqx_gpt.progress import Progress, clock
-from eqx_gpt.schedule import TimePlan, learning_rate
-from eqx_gpt.train_config import TrainConfig
-from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_step
+from eqx_gpt.training.progress import Progress, clock
+from eqx_gpt.training.schedule import TimePlan, learning_rate
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_step
 
 PAD, BOS, EOS = 0, 1, 2
 BUCKET = 16  # sequences are padded to a multiple of this: few shapes, few compiles

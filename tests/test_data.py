@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_gpt.data import (
+from eqx_gpt.training.corpus import (
     SHAKESPEARE_SHA256,
     TRAIN_BATCHES,
     DataError,

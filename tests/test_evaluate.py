@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TokenizerError
-from eqx_gpt.evaluate import evaluate, evaluate_text, windows
+from eqx_gpt.training.evaluate import evaluate, evaluate_text, windows
 
 CONTEXT = 8
 MODEL = GPT(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig, SamplingOptions
-from eqx_gpt.generate import (
+from eqx_gpt.generation.generate import (
     decode_incrementally,
     generate,
     generate_batch,

@@ -13,8 +13,8 @@ import pytest
 
 from eqx_gpt import GPT, GPTConfig, generate, load_model
 from eqx_gpt.checkpoint import model_template
+from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.gpt2 import GPT2FormatError, load_gpt2, read_gpt2_config, save_gpt2
-from eqx_gpt.sampling import SamplingOptions
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-gpt2"

@@ -11,9 +11,15 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig, load_model
-from eqx_gpt.positions import rotary_embedding
-from eqx_gpt.train_config import TrainConfig
-from eqx_gpt.train_step import decay_mask, init_optimizer_state, make_optimizer, make_train_step, muon_labels
+from eqx_gpt.model.positions import rotary_embedding
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import (
+    decay_mask,
+    init_optimizer_state,
+    make_optimizer,
+    make_train_step,
+    muon_labels,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)

@@ -144,7 +144,7 @@ def test_attention_and_block_take_a_batch_with_one_dropout_key():
 
 @pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
 def test_dropout_drops_at_its_rate_and_keeps_the_mean(rate):
-    from eqx_gpt.dropout import dropout, keep_probability
+    from eqx_gpt.model.dropout import dropout, keep_probability
 
     x = jnp.ones((1000, 999))  # odd size: the last 16-bit draw of the last word is unused
     y = np.asarray(dropout(x, rate, jax.random.key(0)))

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from eqx_gpt.parallel import check_batch, data_mesh, initialize_distributed
+from eqx_gpt.training.parallel import check_batch, data_mesh, initialize_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +24,9 @@ WORKER = textwrap.dedent(
     import jax
     import numpy as np
     from eqx_gpt import GPT, GPTConfig
-    from eqx_gpt.parallel import data_mesh, replicate, shard_batch, shard_parameters
-    from eqx_gpt.train_config import TrainConfig
-    from eqx_gpt.train_step import init_optimizer_state, make_optimizer, make_train_step
+    from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch, shard_parameters
+    from eqx_gpt.training.train_config import TrainConfig
+    from eqx_gpt.training.train_step import init_optimizer_state, make_optimizer, make_train_step
 
     config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
 
@@ -76,9 +76,9 @@ TRAINER_WORKER = textwrap.dedent(
     """
     import json, sys
     import jax
-    import eqx_gpt.run as trainer
-    from eqx_gpt.parallel import data_mesh
-    from eqx_gpt.train_config import TrainConfig
+    import eqx_gpt.training.run as trainer
+    from eqx_gpt.training.parallel import data_mesh
+    from eqx_gpt.training.train_config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
     runs = {}
@@ -162,7 +162,7 @@ def test_under_muon_two_devices_grad_accum_and_fsdp_give_the_losses_of_one(two_d
 
 
 def test_fsdp_splits_the_largest_axis_the_device_count_divides():
-    from eqx_gpt.parallel import fsdp_axis
+    from eqx_gpt.training.parallel import fsdp_axis
 
     assert fsdp_axis((6, 128, 384), 4) == 2
     assert fsdp_axis((6, 384, 128), 2) == 1
@@ -213,14 +213,14 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
     """
     import json, os, sys
     import jax
-    from eqx_gpt.parallel import initialize_distributed
+    from eqx_gpt.training.parallel import initialize_distributed
     port, pid, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     os.environ.update(
         JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)
     )
     assert initialize_distributed()  # what train.py calls first
-    import eqx_gpt.run as trainer
-    from eqx_gpt.train_config import TrainConfig
+    import eqx_gpt.training.run as trainer
+    from eqx_gpt.training.train_config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2)
     runs = {}

@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import eqx_gpt.run
-from eqx_gpt.data import load_text
-from eqx_gpt.run import train
-from eqx_gpt.schedule import RESERVE_S
-from eqx_gpt.train_config import TrainConfig
+import eqx_gpt.training.run
+from eqx_gpt.training.corpus import load_text
+from eqx_gpt.training.run import train
+from eqx_gpt.training.schedule import RESERVE_S
+from eqx_gpt.training.train_config import TrainConfig
 
-# The module, not the function `eqx_gpt.evaluate` that the package exports under its name.
-evaluate_module = importlib.import_module("eqx_gpt.evaluate")
+# The module, not the function `eqx_gpt.training.evaluate` that the package exports under its name.
+evaluate_module = importlib.import_module("eqx_gpt.training.evaluate")
 MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
 
 
@@ -45,7 +45,7 @@ class SimulatedClock:
     def __init__(self, monkeypatch, *, compile_s=5.0, step_s=0.1, eval_s=0.05):
         self.t, self.steps, self.step_s, self.eval_s = 1000.0, 0, step_s, eval_s
         self.compile_s = compile_s
-        dispatch, summed = eqx_gpt.run.dispatch_steps, evaluate_module._summed_loss
+        dispatch, summed = eqx_gpt.training.run.dispatch_steps, evaluate_module._summed_loss
 
         def timed_dispatch(run, n):
             self.t += (self.compile_s if self.steps == 0 else 0.0) + n * self.step_s
@@ -56,7 +56,7 @@ class SimulatedClock:
             self.t += self.eval_s
             return summed(*args)
 
-        monkeypatch.setattr(eqx_gpt.run, "dispatch_steps", timed_dispatch)
+        monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", timed_dispatch)
         monkeypatch.setattr(evaluate_module, "_summed_loss", timed_summed)
 
     def __call__(self) -> float:
@@ -93,13 +93,13 @@ def test_max_minutes_fits_the_schedule_to_the_steps_that_fit(tmp_path, corpus, m
 
 def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
     clock = SimulatedClock(monkeypatch, step_s=0.05)
-    dispatch = eqx_gpt.run.dispatch_steps
+    dispatch = eqx_gpt.training.run.dispatch_steps
 
     def slower_after_step_60(run, n):
         clock.step_s = 0.05 if clock.steps < 60 else 0.5  # the machine got busy
         return dispatch(run, n)
 
-    monkeypatch.setattr(eqx_gpt.run, "dispatch_steps", slower_after_step_60)
+    monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", slower_after_step_60)
     result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.5, eval_interval=1000)
     assert clock() <= 1000.0 + 30 + 1.0, lines  # one call late at most
     assert 60 < result.step < 150, lines
@@ -108,11 +108,13 @@ def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, m
 
 
 def test_steps_go_one_per_call_when_slow_and_several_when_fast(tmp_path, corpus, monkeypatch):
-    for step_s, most in ((0.01, eqx_gpt.run.STEPS_PER_CALL), (1.0, 1)):
+    for step_s, most in ((0.01, eqx_gpt.training.run.STEPS_PER_CALL), (1.0, 1)):
         clock = SimulatedClock(monkeypatch, step_s=step_s)
-        sizes, dispatch = [], eqx_gpt.run.dispatch_steps
+        sizes, dispatch = [], eqx_gpt.training.run.dispatch_steps
         monkeypatch.setattr(
-            eqx_gpt.run, "dispatch_steps", lambda run, n, d=dispatch, s=sizes: (s.append(n), d(run, n))[1]
+            eqx_gpt.training.run,
+            "dispatch_steps",
+            lambda run, n, d=dispatch, s=sizes: (s.append(n), d(run, n))[1],
         )
         _run(corpus, tmp_path / f"run-{step_s}", clock, max_steps=40, eval_interval=40)
         assert sizes[0] == 1 and max(sizes) == most and sum(sizes) == 40, sizes
@@ -174,8 +176,10 @@ def test_sigterm_during_the_final_validation_ends_a_complete_run_without_the_fig
     changes = dict(max_steps=20, eval_interval=20, sample_tokens=5)
     clock = SimulatedClock(monkeypatch)
     calls = _signal_at_eval_call(monkeypatch, clock, None)
-    finish, before_final = eqx_gpt.run.finish, []
-    monkeypatch.setattr(eqx_gpt.run, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1])
+    finish, before_final = eqx_gpt.training.run.finish, []
+    monkeypatch.setattr(
+        eqx_gpt.training.run, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1]
+    )
     result, _ = _run(corpus, tmp_path / "never", clock, **changes)
     assert not result.interrupted and result.sample
     assert len(calls) - before_final[0] >= 4  # the final validation is several calls

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_gpt.sampling import check_sampling_args, sample_next_token, top_k_filter, top_p_filter
+from eqx_gpt.generation.sampling import check_sampling_args, sample_next_token, top_k_filter, top_p_filter
 
 VOCAB = 12
 

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from eqx_gpt.schedule import RESERVE_S, TimePlan, describe_schedule, learning_rate, warmup_steps
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.training.schedule import RESERVE_S, TimePlan, describe_schedule, learning_rate, warmup_steps
+from eqx_gpt.training.train_config import TrainConfig
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():

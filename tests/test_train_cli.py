@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from eqx_gpt import GPTConfig, load_model
-from eqx_gpt.data import load_text
-from eqx_gpt.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.run import TrainResult
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.training.corpus import load_text
+from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
+from eqx_gpt.training.run import TrainResult
+from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")

@@ -31,9 +31,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from eqx_gpt.generate import generate  # noqa: E402
+from eqx_gpt.generation.generate import generate  # noqa: E402
+from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
 from eqx_gpt.gpt2 import load_gpt2, save_gpt2  # noqa: E402
-from eqx_gpt.sampling import SamplingOptions  # noqa: E402
 
 # (name, config) of the random models; the first is the example size.
 MODELS = [

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from eqx_gpt._checks import check_last_dim, typechecked
-from eqx_gpt.config import NORM_KINDS
+from eqx_gpt.model.config import NORM_KINDS
 
 
 class RMSNorm(eqx.Module):

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt.attention import KVCache
-from eqx_gpt.gpt import GPT
-from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token, with_settings
+from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token, with_settings
+from eqx_gpt.model.attention import KVCache
+from eqx_gpt.model.gpt import GPT
 
 # How many times each jitted function has been traced (compiled), so tests can prove the loop
 # does not recompile per token, prompt length or sampling setting.

@@ -13,7 +13,15 @@ import socket
 import tempfile
 from pathlib import Path
 
-from eqx_gpt.checkpoint import CheckpointError, atomic_write_bytes, checkpoint_paths, read_metadata
+from eqx_gpt.checkpoint import (
+    BEST,
+    LATEST,
+    CheckpointError,
+    atomic_write_bytes,
+    checkpoint_file,
+    checkpoint_paths,
+    read_metadata,
+)
 
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
@@ -38,12 +46,12 @@ def check_writable(out_dir: Path) -> None:
 
 def describe_run(out_dir: Path) -> str | None:
     """A few words on the run in `out_dir` ("step 7000, val loss 1.5913"), or None if there is none."""
-    for name in ("latest", "best"):
-        if (out_dir / f"{name}.json").exists():
+    for name in (LATEST, BEST):
+        if checkpoint_file(out_dir, name).exists():
             try:
-                meta = read_metadata(out_dir / f"{name}.json")
+                meta = read_metadata(checkpoint_file(out_dir, name))
             except CheckpointError:
-                return f"an unreadable checkpoint {name}.json"
+                return f"an unreadable checkpoint {checkpoint_file(out_dir, name).name}"
             val = meta.get("val_loss")
             return f"step {meta['step']}" + (f", val loss {val:.4f}" if isinstance(val, float) else "")
     metrics = out_dir / METRICS_NAME

@@ -6,8 +6,9 @@
                              logged steps, {"step", "train_loss", "val_loss", "elapsed_s"} at
                              evaluations
     out_dir/loss.png         train and validation curves, redrawn at each evaluation
-    out_dir/latest.json/.eqx the checkpoint of the last evaluation (or interruption)
-    out_dir/best.json/.eqx   the checkpoint with the lowest validation loss so far
+    out_dir/<LATEST> ...     the checkpoint of the last evaluation (or interruption)
+    out_dir/<BEST> ...       the checkpoint with the lowest validation loss so far
+                             (files named by `checkpoint.py`)
 
 Read it top to bottom: `start_run` checks everything and builds a `Run` (nothing in `out_dir`
 changes until every check has passed); `train` is the loop; the functions between say what
@@ -32,7 +33,10 @@ import jax
 import numpy as np
 
 from eqx_gpt.checkpoint import (
+    BEST,
+    LATEST,
     CheckpointError,
+    checkpoint_file,
     delete_checkpoints,
     load_checkpoint,
     load_model,
@@ -40,8 +44,13 @@ from eqx_gpt.checkpoint import (
     read_metadata,
     save_checkpoint,
 )
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.data import (
+from eqx_gpt.generation.generate import generate
+from eqx_gpt.generation.sampling import SamplingOptions
+from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
+from eqx_gpt.training.corpus import (
     EVAL_TRAIN_BATCHES,
     INIT,
     TRAIN_BATCHES,
@@ -53,18 +62,20 @@ from eqx_gpt.data import (
     split_text,
     to_ids,
 )
-from eqx_gpt.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
-from eqx_gpt.generate import generate
-from eqx_gpt.gpt import GPT
-from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
-from eqx_gpt.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
-from eqx_gpt.progress import Progress, clock
-from eqx_gpt.run_dir import METRICS_NAME, Metrics, RunDirError, RunDirLock, check_run_dir, check_writable
-from eqx_gpt.sampling import SamplingOptions
-from eqx_gpt.schedule import TimePlan, describe_schedule, learning_rate
-from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
-from eqx_gpt.train_config import TrainConfig
-from eqx_gpt.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
+from eqx_gpt.training.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
+from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
+from eqx_gpt.training.progress import Progress, clock
+from eqx_gpt.training.run_dir import (
+    METRICS_NAME,
+    Metrics,
+    RunDirError,
+    RunDirLock,
+    check_run_dir,
+    check_writable,
+)
+from eqx_gpt.training.schedule import TimePlan, describe_schedule, learning_rate
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
 from eqx_gpt.visualize import plot_losses
 
 # Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
@@ -379,12 +390,13 @@ def read_losses(run: Run, until: int, bar: Progress, t_start: float) -> None:
 
 
 def _last_good(run: Run) -> str:
-    where = f"{run.out_dir}/latest.json (step {run.last_saved})" if run.last_saved is not None else "none"
+    latest = checkpoint_file(run.out_dir, LATEST)
+    where = f"{latest} (step {run.last_saved})" if run.last_saved is not None else "none"
     return f"Last good checkpoint: {where}"
 
 
 def save(run: Run, name: str) -> None:
-    """Write checkpoint `name` ("latest" or "best") of the run at its current step."""
+    """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step."""
     val_step, val_loss = run.last_eval if run.last_eval is not None else (None, None)
     save_checkpoint(
         run.out_dir, name, run.model, run.opt_state, step=run.step, tokenizer=run.tokenizer,
@@ -392,7 +404,7 @@ def save(run: Run, name: str) -> None:
         best_val_loss=None if math.isinf(run.best_val) else run.best_val, schedule_steps=run.horizon,
         **run.checkpoint_meta,
     )  # fmt: skip
-    if name == "latest":
+    if name == LATEST:
         run.last_saved = run.step
 
 
@@ -445,9 +457,9 @@ def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> bool:
     run.last_eval = (run.step, val_loss)
     elapsed = round(run.now() - t_start, 2)
     run.metrics.write({"step": run.step, "train_loss": train, "val_loss": val_loss, "elapsed_s": elapsed})
-    save(run, "latest")
+    save(run, LATEST)
     if is_best:
-        save(run, "best")
+        save(run, BEST)
     plot_losses(run.metrics.records, run.out_dir / "loss.png")
     run.read_points.clear()  # keep evaluation time out of tokens/s
     run.read_points.append((run.step, run.now()))
@@ -540,7 +552,7 @@ def train(
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
-        meta = read_metadata(out_dir / "latest.json") if resume else None
+        meta = read_metadata(checkpoint_file(out_dir, LATEST)) if resume else None
         if meta is not None:
             model_options, config = resolve_resume(meta, *(resume_flags or ({}, {})))
         run = start_run(
@@ -627,9 +639,9 @@ def interrupted(run: Run, t_start: float) -> TrainResult:
     if run.last_read is not None and run.last_logged != run.last_read["step"]:
         run.metrics.write(run.last_read)  # the step the run stopped at is always logged
     if run.last_saved is None or run.step > run.last_saved:
-        save(run, "latest")
+        save(run, LATEST)
     run.log(
-        f"interrupted at step {run.step}; saved {run.out_dir}/latest.json. Resume with: "
+        f"interrupted at step {run.step}; saved {checkpoint_file(run.out_dir, LATEST)}. Resume with: "
         f"uv run train.py --resume --out-dir {run.out_dir}"
     )
     val = run.last_eval[1] if run.last_eval is not None else None
@@ -647,7 +659,7 @@ def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
         run.log(
             f"interrupted during the final validation; the run is complete at step {run.step} (periodic "
             f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
-            f"{run.out_dir}/latest.json --stride {stride}"
+            f"{checkpoint_file(run.out_dir, LATEST)} --stride {stride}"
         )
         return TrainResult(run.step, val, run.best_val, run.now() - t_start, True, None, run.out_dir)
     run.metrics.write({"step": run.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted})
@@ -658,7 +670,7 @@ def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
     )
     sample = None
     if sample_tokens > 0 and not run.stopping():
-        best = load_model(run.out_dir)[0] if (run.out_dir / "best.json").exists() else run.model
+        best = load_model(run.out_dir)[0] if checkpoint_file(run.out_dir, BEST).exists() else run.model
         sample = sample_text(best, run.tokenizer, sample_tokens, seed=run.config.seed)
     elapsed = run.now() - t_start
     run.log(

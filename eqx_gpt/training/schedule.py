@@ -8,7 +8,7 @@ its rate, so changing the horizon needs no recompiling.
 
 import math
 
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.training.train_config import TrainConfig
 
 RESERVE_S = 15.0  # seconds kept before the deadline for the last checkpoint, the plot and the sample
 # The final validation reads the split in windows every context_length // 2 tokens: twice the

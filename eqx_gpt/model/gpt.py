@@ -8,14 +8,14 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
-from eqx_gpt.attention import KVCache, causal_mask
-from eqx_gpt.block import Block
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.dropout import dropout, keys_per_sequence, split_key
-from eqx_gpt.linear import linear
-from eqx_gpt.norm import LayerNorm, RMSNorm, make_norm
-from eqx_gpt.positions import sinusoidal_positions
-from eqx_gpt.stack import LayerStack
+from eqx_gpt.model.attention import KVCache, causal_mask
+from eqx_gpt.model.block import Block
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.dropout import dropout, keys_per_sequence, split_key
+from eqx_gpt.model.linear import linear
+from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
+from eqx_gpt.model.positions import sinusoidal_positions
+from eqx_gpt.model.stack import LayerStack
 
 
 class GPT(eqx.Module):

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
-from eqx_gpt.block import Block
-from eqx_gpt.data import DROPOUT, batch_key
-from eqx_gpt.gpt import GPT
-from eqx_gpt.norm import LayerNorm, RMSNorm
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.model.block import Block
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.norm import LayerNorm, RMSNorm
+from eqx_gpt.training.corpus import DROPOUT, batch_key
+from eqx_gpt.training.train_config import TrainConfig
 
 
 def decay_mask(params: PyTree) -> PyTree:
@@ -98,7 +98,8 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
 
     `keys` (one PRNG key per sequence) turns dropout on. The model takes the whole batch at once
     rather than `jax.vmap` over sequences: same result, but each projection is one matrix multiply
-    (see `eqx_gpt.linear`): 1.74x faster per training step at nanoGPT's CPU recipe (docs/PERFORMANCE.md).
+    (see `eqx_gpt.model.linear`): 1.74x faster per training step at nanoGPT's CPU recipe
+    (docs/PERFORMANCE.md).
     """
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model(inputs, key=keys)

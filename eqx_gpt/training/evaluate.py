@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
-from eqx_gpt.gpt import GPT
+from eqx_gpt.model.gpt import GPT
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
 

@@ -22,15 +22,15 @@ import numpy as np
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
-from eqx_gpt.attention import KVCache, causal_mask, padding_mask
-from eqx_gpt.block import Block
-from eqx_gpt.config import NORM_KINDS, NORM_POSITIONS, check_fields, config_from_dict
-from eqx_gpt.dropout import dropout, keys_per_sequence, split_key
-from eqx_gpt.linear import linear
-from eqx_gpt.norm import make_norm
-from eqx_gpt.positions import sinusoidal_positions
-from eqx_gpt.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
-from eqx_gpt.stack import LayerStack
+from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
+from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
+from eqx_gpt.model.block import Block
+from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, check_fields, config_from_dict
+from eqx_gpt.model.dropout import dropout, keys_per_sequence, split_key
+from eqx_gpt.model.linear import linear
+from eqx_gpt.model.norm import make_norm
+from eqx_gpt.model.positions import sinusoidal_positions
+from eqx_gpt.model.stack import LayerStack
 
 
 @dataclass(frozen=True)

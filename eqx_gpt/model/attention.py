@@ -8,9 +8,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
-from eqx_gpt.dropout import dropout, keys_per_sequence
-from eqx_gpt.linear import linear
-from eqx_gpt.positions import rotary_embedding
+from eqx_gpt.model.dropout import dropout, keys_per_sequence
+from eqx_gpt.model.linear import linear
+from eqx_gpt.model.positions import rotary_embedding
 
 
 @typechecked

@@ -7,8 +7,8 @@ flags override the preset in turn (`preset_values`).
 import dataclasses
 from dataclasses import dataclass, field
 
-from eqx_gpt.config import GPTConfig
-from eqx_gpt.train_config import TrainConfig
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.train_config import TrainConfig
 
 DEFAULT_PRESET = "cpu"
 FINETUNE_PRESET = "finetune-shakespeare"  # the default preset of `train.py --init-from DIR`

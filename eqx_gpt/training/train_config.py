@@ -3,7 +3,7 @@
 import dataclasses
 from dataclasses import dataclass, field
 
-from eqx_gpt.config import check_fields, config_from_dict
+from eqx_gpt.model.config import check_fields, config_from_dict
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")

@@ -4,7 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from eqx_gpt.vocab import pad_vocab
+from eqx_gpt.model.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NORM_KINDS = ("rms", "layer")

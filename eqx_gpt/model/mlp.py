@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
-from eqx_gpt.config import ACTIVATION_KINDS
-from eqx_gpt.linear import linear
+from eqx_gpt.model.config import ACTIVATION_KINDS
+from eqx_gpt.model.linear import linear
 
 
 @jax.custom_vjp
