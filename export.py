@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from eqx_gpt._checks import OneLineParser
+from eqx_gpt.cli import OneLineParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:

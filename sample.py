@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from eqx_gpt._checks import OneLineParser, finite_float
+from eqx_gpt.cli import OneLineParser, finite_float
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,8 +12,8 @@ import sys
 import types
 import typing
 
-from eqx_gpt._checks import OneLineParser, finite_float
 from eqx_gpt.checkpoint import checkpoint_paths
+from eqx_gpt.cli import OneLineParser, finite_float
 from eqx_gpt.model.config import (
     ACTIVATION_KINDS,
     COMPUTE_DTYPES,

@@ -8,6 +8,7 @@ from eqx_gpt import _moved
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.generation.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
+from eqx_gpt.generation.translate import translate
 from eqx_gpt.model.attention import (
     KVCache,
     MultiHeadAttention,
@@ -25,7 +26,7 @@ from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
-from eqx_gpt.model.transformer import Transformer, TransformerConfig, translate
+from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.evaluate import Evaluation, evaluate, evaluate_text

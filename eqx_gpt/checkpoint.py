@@ -18,8 +18,6 @@ loading a checkpoint cannot run code.
 import hashlib
 import io
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ import equinox as eqx
 import jax
 from jax.experimental import multihost_utils
 
+from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
@@ -45,35 +44,6 @@ WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (example
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, unreadable, corrupt or inconsistent (one-line message)."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms where directories cannot be opened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` so that readers see the old file or the new one, never a mix."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _on_this_host(x: Any) -> Any:

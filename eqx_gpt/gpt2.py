@@ -20,7 +20,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_gpt.checkpoint import CheckpointError, atomic_write_bytes, model_template
+from eqx_gpt.checkpoint import CheckpointError, model_template
+from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer

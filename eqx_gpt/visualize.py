@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from eqx_gpt.checkpoint import atomic_write_bytes
+from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.positions import sinusoidal_positions
 

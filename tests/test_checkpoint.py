@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from eqx_gpt import GPT, CharTokenizer, CheckpointError, GPTConfig, find_checkpoint, load_model
+from eqx_gpt import GPT, CharTokenizer, CheckpointError, GPTConfig, files, find_checkpoint, load_model
 from eqx_gpt import checkpoint as ckpt
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import init_optimizer_state, make_optimizer
@@ -87,7 +87,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_whole(tmp_path, mon
             raise OSError("simulated crash")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", crash)
+    monkeypatch.setattr(files.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         _save(tmp_path, seed=2, step=10)
     monkeypatch.undo()

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqx_gpt.streams import TRAIN_BATCHES
 from eqx_gpt.training.corpus import (
     SHAKESPEARE_SHA256,
-    TRAIN_BATCHES,
     DataError,
     get_batch,
     load_text,

@@ -32,3 +32,6 @@ def test_modules_that_moved_into_the_wings_import_from_their_old_paths():
     from eqx_gpt.data import load_text  # the module, not the eqx_gpt/data/ folder of the corpus
 
     assert len(load_text()) == 1_115_394
+    from eqx_gpt.transformer import translate  # moved to the generation wing
+
+    assert translate is eqx_gpt.translate

@@ -41,7 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token, with_settings
+from eqx_gpt.generation.sampling import (
+    DEFAULT_SAMPLING,
+    SamplingOptions,
+    sample_rows,
+    sampling_arrays,
+    with_settings,
+)
 from eqx_gpt.model.attention import KVCache
 from eqx_gpt.model.gpt import GPT
 
@@ -72,15 +78,6 @@ def prompt_bucket(length: int, context_length: int) -> int:
     return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
 
 
-def _sample_rows(logits, key, index, temperature, top_k, top_p):
-    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`."""
-    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(
-        jnp.arange(logits.shape[0])
-    )
-    sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.vmap(sample)(logits, keys)
-
-
 @eqx.filter_jit
 def _prefill(
     model: GPT,
@@ -103,7 +100,7 @@ def _prefill(
     logits, cache = model.decode(padded, model.init_cache(batch=batch), 0)
     if model.blocks.stacked:  # one buffer per layer, for the unstacked decode loop
         cache = model.blocks.split(cache)
-    token = _sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
+    token = sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
     return GenerationState(cache, window, length, token, produced + 1)
 
@@ -140,7 +137,7 @@ def _decode_steps(
         logits, cache = model.decode(fed[0] if squeeze else fed, cache, state.length)
         logits = logits[None] if squeeze else logits
         window = jax.lax.dynamic_update_slice(state.window, fed, (0, state.length))
-        token = _sample_rows(logits[:, 0], key, state.produced, temperature, top_k, top_p)
+        token = sample_rows(logits[:, 0], key, state.produced, temperature, top_k, top_p)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
         state = GenerationState(state.cache, window, state.length + 1, token, state.produced + 1)
         return state, cache, tokens
@@ -186,16 +183,6 @@ def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
     return prompts[:, -context:].astype(np.int32), keep
 
 
-def _sampling_arrays(options: SamplingOptions) -> dict:
-    """Sampling settings as traced arrays (no recompiles); greedy skips the filters entirely."""
-    o, greedy = options, options.temperature == 0
-    return dict(
-        temperature=jnp.asarray(o.temperature, jnp.float32),
-        top_k=None if greedy or o.top_k is None else jnp.asarray(o.top_k, jnp.int32),
-        top_p=None if greedy or o.top_p is None else jnp.asarray(o.top_p, jnp.float32),
-    )
-
-
 def stream_batch(
     model: GPT,
     prompts: Int[Array, "batch seq"] | np.ndarray,
@@ -225,7 +212,7 @@ def stream_batch(
     batch, length = prompts.shape
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
-    sampling = _sampling_arrays(options)
+    sampling = sampling_arrays(options)
     state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
     yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
     unstacked = model.unstack() if max_new_tokens > 1 else model
@@ -311,7 +298,7 @@ def generate(
 def _naive_step(model, window, length, key, index, temperature, top_k, top_p):
     trace_counts["naive_step"] += 1
     logits = model(window)[length - 1]
-    return _sample_rows(logits[None], key, index, temperature, top_k, top_p)[0]
+    return sample_rows(logits[None], key, index, temperature, top_k, top_p)[0]
 
 
 def naive_generate(
@@ -333,7 +320,7 @@ def naive_generate(
     prompts, keep = _prepare(model, np.asarray(prompt_tokens)[None], max_new_tokens, options)
     context = model.config.context_length
     window = list(prompts[0])
-    sampling = _sampling_arrays(options)
+    sampling = sampling_arrays(options)
     out = []
     for i in range(max_new_tokens):
         padded = np.zeros(prompt_bucket(len(window), context), np.int32)

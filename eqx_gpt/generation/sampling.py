@@ -128,3 +128,22 @@ def sample_next_token(
         scaled = top_p_filter(scaled, top_p)
     drawn = jax.random.categorical(key, scaled)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def sample_rows(logits, key, index, temperature, top_k, top_p):
+    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`."""
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(
+        jnp.arange(logits.shape[0])
+    )
+    sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
+    return jax.vmap(sample)(logits, keys)
+
+
+def sampling_arrays(options: SamplingOptions) -> dict:
+    """Sampling settings as traced arrays (no recompiles); greedy skips the filters entirely."""
+    o, greedy = options, options.temperature == 0
+    return dict(
+        temperature=jnp.asarray(o.temperature, jnp.float32),
+        top_k=None if greedy or o.top_k is None else jnp.asarray(o.top_k, jnp.int32),
+        top_p=None if greedy or o.top_p is None else jnp.asarray(o.top_p, jnp.float32),
+    )

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, typechecked
-from eqx_gpt.model.dropout import dropout, keys_per_sequence
+from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.positions import rotary_embedding
+from eqx_gpt.streams import keys_per_sequence
 
 
 @typechecked
@@ -154,6 +155,16 @@ class KVCache(eqx.Module):
 
     k: Float[Array, "*lead heads d_head capacity"]
     v: Float[Array, "*lead heads capacity d_head"]
+
+    @classmethod
+    def zeros(
+        cls, lead: tuple[int, ...], n_heads: int, d_head: int, capacity: int, dtype=jnp.float32
+    ) -> "KVCache":
+        """An empty cache of `capacity` positions with leading axes `lead` (layers, sequences)."""
+        return cls(
+            jnp.zeros((*lead, n_heads, d_head, capacity), dtype),
+            jnp.zeros((*lead, n_heads, capacity, d_head), dtype),
+        )
 
 
 class MultiHeadAttention(eqx.Module):

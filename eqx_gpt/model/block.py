@@ -8,9 +8,10 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 from eqx_gpt._checks import typechecked
 from eqx_gpt.model.attention import KVCache, MultiHeadAttention
 from eqx_gpt.model.config import NORM_POSITIONS
-from eqx_gpt.model.dropout import dropout, split_key
+from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
+from eqx_gpt.streams import split_key
 
 
 class Block(eqx.Module):

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, PRNGKeyArray
 
+from eqx_gpt.streams import typed_key
+
 # Dropout decides with 16 random bits per element, so rates are multiples of 1/65536.
 _LEVELS = 1 << 16
 
@@ -34,18 +36,6 @@ def keep_mask(key: PRNGKeyArray, rate: float, shape: tuple[int, ...]) -> Bool[Ar
     return (draws >= threshold).reshape(shape)
 
 
-def typed_key(key: PRNGKeyArray) -> PRNGKeyArray:
-    """`key` as a typed key array (`jax.random.key`), whichever style it comes in.
-
-    Classic `jax.random.PRNGKey` keys are raw `uint32` arrays with a trailing axis of 2, so one
-    key has shape `(2,)` and `ndim` cannot tell one key from many; wrapping them makes one key
-    0-d, as `jax.random.key` gives.
-    """
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return key
-    return jax.random.wrap_key_data(key)
-
-
 def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
     """Zero each element of `x` with probability `rate` and scale survivors by `1 / (1 - rate)`.
 
@@ -66,21 +56,3 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
         keep = jax.vmap(lambda k: keep_mask(k, rate, inner))(key.reshape(-1)).reshape(x.shape)
     scale = jnp.asarray(1.0 / keep_probability(rate), x.dtype)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
-
-
-def keys_per_sequence(key: PRNGKeyArray, batch: tuple[int, ...]) -> PRNGKeyArray:
-    """One key per sequence of a batch of shape `batch`: `key` itself if it already is that,
-    else the single `key` split into them."""
-    key = typed_key(key)
-    if key.shape == batch:
-        return key
-    return split_key(key, math.prod(batch)).reshape(batch)
-
-
-def split_key(key: PRNGKeyArray, n: int) -> PRNGKeyArray:
-    """`jax.random.split(key, n)` for one key or an array of keys: shape `(n, *key.shape)`."""
-    key = typed_key(key)
-    if key.ndim == 0:
-        return jax.random.split(key, n)
-    split = jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(key.reshape(-1))
-    return split.reshape(n, *key.shape)

@@ -11,11 +11,12 @@ from eqx_gpt._checks import typechecked
 from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.dropout import dropout, keys_per_sequence, split_key
+from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
+from eqx_gpt.streams import keys_per_sequence, split_key
 
 
 class GPT(eqx.Module):
@@ -189,10 +190,7 @@ class GPT(eqx.Module):
         self._check_length(capacity)
         rows = () if batch is None else (batch,)
 
-        def empty(layers: tuple[int, ...]) -> KVCache:
-            k = jnp.zeros((*layers, *rows, c.n_heads, c.d_head, capacity), c.compute_dtype)
-            return KVCache(k, jnp.zeros((*layers, *rows, c.n_heads, capacity, c.d_head), c.compute_dtype))
-
+        empty = lambda layers: KVCache.zeros((*layers, *rows), c.n_heads, c.d_head, capacity, c.compute_dtype)
         return self.blocks.per_layer(empty)
 
     @typechecked

@@ -6,9 +6,7 @@ target ids -> `embed * sqrt(d_model)` + positions -> decoder `Block`s (causal se
 cross-attention to the memory) -> `@ head` -> logits
 
 With the paper's defaults the blocks are post-norm with `LayerNorm` ("Add & Norm"); pre-norm
-stacks get a final norm on each side. `translate` decodes with a KV cache: the source is encoded
-once, each decoder layer projects the memory's keys and values once, and every new target token
-costs one position.
+stacks get a final norm on each side. Its KV-cached decoding loop is `eqx_gpt.generation.translate`.
 """
 
 import dataclasses
@@ -17,20 +15,18 @@ from dataclasses import dataclass
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import typechecked
-from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, SamplingOptions, sample_next_token
-from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
+from eqx_gpt.model.attention import causal_mask, padding_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, check_fields, config_from_dict
-from eqx_gpt.model.dropout import dropout, keys_per_sequence, split_key
+from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.norm import make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
+from eqx_gpt.streams import keys_per_sequence, split_key
 
 
 @dataclass(frozen=True)
@@ -192,78 +188,11 @@ class Transformer(eqx.Module):
         return self.decoder.as_array(weights)
 
 
-@eqx.filter_jit
-def _translate(model: Transformer, src, bos_id, eos_id, key, temperature, top_k, top_p, n_steps: int):
-    """The cached decoding loop: encode once, project each layer's cross keys/values once, then
-    one position per token. Returns `(batch, n_steps)` ids; after `eos_id` a row emits `pad_id`."""
-    c = model.config
-    batch = src.shape[0]
-    memory = model.encode(src)
-    context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
-    _, context_kv = model.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
-    head_dim = c.d_model // c.n_heads
+def __getattr__(name: str):
+    """`translate` lived here before the generation wing; `from eqx_gpt.transformer import translate`
+    still works."""
+    if name == "translate":
+        from eqx_gpt.generation.translate import translate
 
-    def empty(layers):
-        k = jnp.zeros((*layers, batch, c.n_heads, head_dim, n_steps), jnp.float32)
-        return KVCache(k, jnp.zeros((*layers, batch, c.n_heads, n_steps, head_dim), jnp.float32))
-
-    cache = model.decoder.per_layer(empty)
-    positions = sinusoidal_positions(n_steps, c.d_model)
-
-    def step(i, carry):
-        cache, token, done, out = carry
-        x = model._embed(model.tgt_embed, token[:, None], positions[i][None], None)
-
-        def layer(block, x, per_layer):
-            cache_i, kv_i = per_layer
-            return block.decode(x, cache_i, i, kv_i, context_mask)
-
-        x, cache = model.decoder.run(layer, x, (cache, context_kv))
-        logits = linear(x if model.decoder_norm is None else model.decoder_norm(x), model.head)[:, 0]
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), i))(jnp.arange(batch))
-        sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
-        token = jnp.where(done, c.pad_id, jax.vmap(sample)(logits, keys))
-        return cache, token, done | (token == eos_id), out.at[:, i].set(token)
-
-    start = (cache, jnp.full((batch,), bos_id, jnp.int32), jnp.zeros((batch,), bool))
-    out = jnp.full((batch, n_steps), c.pad_id, jnp.int32)
-    return jax.lax.fori_loop(0, n_steps, step, (*start, out))[3]
-
-
-def translate(
-    model: Transformer,
-    src: Int[Array, "batch src_seq"] | np.ndarray,
-    max_new_tokens: int,
-    *,
-    bos_id: int,
-    eos_id: int,
-    key: PRNGKeyArray | None = None,
-    options: SamplingOptions = DEFAULT_SAMPLING,
-) -> np.ndarray:
-    """`(batch, max_new_tokens)` target ids for each source row (padded with `pad_id`), starting
-    after `bos_id` and stopping (then padding) after `eos_id`; the `eos_id` itself is included.
-
-    KV-cached (see the module docstring); `SamplingOptions(temperature=0)` is greedy and equals
-    rerunning `model(src, target so far)` for every token. `key` is needed unless greedy.
-    """
-    c = model.config
-    src = np.asarray(src, np.int32)
-    if src.ndim != 2:
-        raise ValueError(f"translate takes sources of shape (batch, src_seq), got {src.shape}")
-    if not 1 <= max_new_tokens <= c.max_len:
-        raise ValueError(f"max_new_tokens must be in [1, max_len={c.max_len}], got {max_new_tokens}")
-    if src.size and (src.min() < 0 or src.max() >= c.src_vocab_size):
-        raise ValueError(f"source ids must be in [0, src_vocab_size={c.src_vocab_size})")
-    greedy = options.temperature == 0
-    if key is None and not greedy:
-        raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
-    key = jax.random.key(0) if key is None else key
-    filters = dict(
-        top_k=None if greedy or options.top_k is None else jnp.int32(options.top_k),
-        top_p=None if greedy or options.top_p is None else jnp.float32(options.top_p),
-    )
-    out = _translate(
-        model, jnp.asarray(src), jnp.int32(bos_id), jnp.int32(eos_id), key, jnp.float32(options.temperature),
-        n_steps=max_new_tokens, **filters,
-    )  # fmt: skip
-    return np.asarray(out)
+        return translate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from eqx_gpt.streams import batch_key
+
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TRAIN_FRACTION = 0.9
-
-# Independent random streams derived from one seed (folded into the key before the step).
-TRAIN_BATCHES, DROPOUT, EVAL_TRAIN_BATCHES, EVAL_VAL_BATCHES, INIT = range(5)
 
 
 class DataError(ValueError):
@@ -74,11 +73,6 @@ def to_ids(ids: list[int], name: str, context_length: int, source: str) -> Int[A
             f"context_length + 1 = {context_length + 1}; use a longer file or a smaller --context-length"
         )
     return jnp.asarray(np.asarray(ids, dtype=np.int32))
-
-
-def batch_key(seed: int, stream: int, step: int | Int[Array, ""]) -> jax.Array:
-    """The PRNG key of `stream` (e.g. `TRAIN_BATCHES`) at `step`: a pure function of its inputs."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), step)
 
 
 def sample_windows(data: Int[Array, " n"], key: jax.Array, batch_size: int, length: int) -> Int[Array, "b l"]:

@@ -49,13 +49,10 @@ from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, TRAIN_BATCHES, batch_key
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.corpus import (
-    EVAL_TRAIN_BATCHES,
-    INIT,
-    TRAIN_BATCHES,
     DataError,
-    batch_key,
     fixed_batches,
     get_batch,
     load_text,

@@ -17,11 +17,11 @@ from eqx_gpt.checkpoint import (
     BEST,
     LATEST,
     CheckpointError,
-    atomic_write_bytes,
     checkpoint_file,
     checkpoint_paths,
     read_metadata,
 )
+from eqx_gpt.files import atomic_write_bytes
 
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"

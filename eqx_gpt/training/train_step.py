@@ -13,7 +13,7 @@ from jaxtyping import Array, Float, Int, PyTree
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
-from eqx_gpt.training.corpus import DROPOUT, batch_key
+from eqx_gpt.streams import DROPOUT, batch_key
 from eqx_gpt.training.train_config import TrainConfig
 
 

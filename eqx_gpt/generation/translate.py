@@ -1,0 +1,95 @@
+"""KV-cached decoding for the encoder-decoder `Transformer`: `translate`.
+
+The source is encoded once; each decoder layer projects the memory's keys and values once (cross-
+attention reads them at every step); then every new target token costs one position of the decoder,
+through each layer's self-attention `KVCache`, inside one jitted `fori_loop`. Sampling and its
+per-row randomness are `generate`'s (`sample_rows`, `sampling_arrays`), so the same key and
+settings mean the same thing in both loops.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PRNGKeyArray
+
+from eqx_gpt.generation.sampling import (
+    DEFAULT_SAMPLING,
+    SamplingOptions,
+    sample_rows,
+    sampling_arrays,
+    with_settings,
+)
+from eqx_gpt.model.attention import KVCache, padding_mask
+from eqx_gpt.model.linear import linear
+from eqx_gpt.model.positions import sinusoidal_positions
+from eqx_gpt.model.transformer import Transformer
+
+
+@eqx.filter_jit
+def _translate(model: Transformer, src, bos_id, eos_id, key, temperature, top_k, top_p, n_steps: int):
+    """The cached decoding loop: encode once, project each layer's cross keys/values once, then
+    one position per token. Returns `(batch, n_steps)` ids; after `eos_id` a row emits `pad_id`."""
+    c = model.config
+    batch = src.shape[0]
+    memory = model.encode(src)
+    context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
+    _, context_kv = model.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
+    empty = lambda layers: KVCache.zeros((*layers, batch), c.n_heads, c.d_model // c.n_heads, n_steps)
+    cache = model.decoder.per_layer(empty)
+    positions = sinusoidal_positions(n_steps, c.d_model)
+
+    def step(i, carry):
+        cache, token, done, out = carry
+        x = model._embed(model.tgt_embed, token[:, None], positions[i][None], None)
+
+        def layer(block, x, per_layer):
+            cache_i, kv_i = per_layer
+            return block.decode(x, cache_i, i, kv_i, context_mask)
+
+        x, cache = model.decoder.run(layer, x, (cache, context_kv))
+        logits = linear(x if model.decoder_norm is None else model.decoder_norm(x), model.head)[:, 0]
+        token = jnp.where(done, c.pad_id, sample_rows(logits, key, i, temperature, top_k, top_p))
+        return cache, token, done | (token == eos_id), out.at[:, i].set(token)
+
+    start = (cache, jnp.full((batch,), bos_id, jnp.int32), jnp.zeros((batch,), bool))
+    out = jnp.full((batch, n_steps), c.pad_id, jnp.int32)
+    return jax.lax.fori_loop(0, n_steps, step, (*start, out))[3]
+
+
+def translate(
+    model: Transformer,
+    src: Int[Array, "batch src_seq"] | np.ndarray,
+    max_new_tokens: int,
+    *,
+    bos_id: int,
+    eos_id: int,
+    key: PRNGKeyArray | None = None,
+    options: SamplingOptions = DEFAULT_SAMPLING,
+    **settings,
+) -> np.ndarray:
+    """`(batch, max_new_tokens)` target ids for each source row (padded with `pad_id`), starting
+    after `bos_id` and stopping (then padding) after `eos_id`; the `eos_id` itself is included.
+
+    KV-cached (see the module docstring); `temperature=0` is greedy and equals rerunning
+    `model(src, target so far)` for every token. `key` is needed unless greedy. Sampling settings
+    come in `options` or as keywords (`temperature=`, `top_k=`, `top_p=`), as in `generate`.
+    """
+    options = with_settings(options, settings)
+    c = model.config
+    src = np.asarray(src, np.int32)
+    if src.ndim != 2:
+        raise ValueError(f"translate takes sources of shape (batch, src_seq), got {src.shape}")
+    if not 1 <= max_new_tokens <= c.max_len:
+        raise ValueError(f"max_new_tokens must be in [1, max_len={c.max_len}], got {max_new_tokens}")
+    if src.size and (src.min() < 0 or src.max() >= c.src_vocab_size):
+        raise ValueError(f"source ids must be in [0, src_vocab_size={c.src_vocab_size})")
+    greedy = options.temperature == 0
+    if key is None and not greedy:
+        raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
+    key = jax.random.key(0) if key is None else key
+    out = _translate(
+        model, jnp.asarray(src), jnp.int32(bos_id), jnp.int32(eos_id), key, n_steps=max_new_tokens,
+        **sampling_arrays(options),
+    )  # fmt: skip
+    return np.asarray(out)
