@@ -31,7 +31,8 @@ import optax
 
 from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
 from eqx_gpt.training.progress import Progress, clock
-from eqx_gpt.training.schedule import TimePlan, learning_rate
+from eqx_gpt.training.schedule import learning_rate
+from eqx_gpt.training.time_plan import TimePlan
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_step
 

@@ -15,7 +15,7 @@ import pytest
 import eqx_gpt.training.run
 from eqx_gpt.training.corpus import load_text
 from eqx_gpt.training.run import train
-from eqx_gpt.training.schedule import RESERVE_S
+from eqx_gpt.training.time_plan import RESERVE_S
 from eqx_gpt.training.train_config import TrainConfig
 
 # The module, not the function `eqx_gpt.training.evaluate` that the package exports under its name.

@@ -4,8 +4,10 @@ import math
 
 import pytest
 
-from eqx_gpt.training.schedule import RESERVE_S, TimePlan, describe_schedule, learning_rate, warmup_steps
+from eqx_gpt.training.schedule import learning_rate, warmup_steps
+from eqx_gpt.training.time_plan import RESERVE_S, TimePlan
 from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import describe_optimizer
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
@@ -24,7 +26,7 @@ def test_a_warm_up_longer_than_half_the_run_is_shortened_and_the_printed_schedul
     warmup = warmup_steps(c, horizon)
     assert warmup == min(30, horizon // 2)
     lrs = [learning_rate(s, c, horizon) for s in range(horizon)]
-    line = describe_schedule(c, horizon)
+    line = describe_optimizer(c, horizon)
     assert f"over {warmup} steps" in line and f"at step {horizon}" in line
     assert ("shortened" in line) == (warmup < 30)
     if horizon > 1:  # the peak is reached, then the rate decays to min_lr at the horizon

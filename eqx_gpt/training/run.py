@@ -70,9 +70,16 @@ from eqx_gpt.training.run_dir import (
     check_run_dir,
     check_writable,
 )
-from eqx_gpt.training.schedule import TimePlan, describe_schedule, learning_rate
+from eqx_gpt.training.schedule import learning_rate
+from eqx_gpt.training.time_plan import TimePlan
 from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
+from eqx_gpt.training.train_step import (
+    count_params,
+    describe_optimizer,
+    init_optimizer_state,
+    make_optimizer,
+    make_train_steps,
+)
 from eqx_gpt.visualize import plot_losses
 
 # Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
@@ -322,7 +329,7 @@ def describe_run_start(run: Run, resumed_from: Path | None) -> None:
         f"({run.tokens_per_step:,} tokens/step) on {run.mesh.size} {jax.devices()[0].platform} "
         f"device{'s' if run.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
     )
-    run.log(f"schedule: {describe_schedule(c, run.horizon)}")
+    run.log(f"schedule: {describe_optimizer(c, run.horizon)}")
     if c.max_minutes:
         run.log(f"time limit: {c.max_minutes:g} min; the schedule is refitted to the steps that fit")
     if resumed_from is not None:

@@ -1,0 +1,73 @@
+"""Fitting a run to the time it has: `TimePlan` measures the step rate and the cost of evaluations,
+and sets the schedule's length (the horizon) to the steps that fit before `--max-minutes` is up."""
+
+import math
+
+RESERVE_S = 15.0  # seconds kept before the deadline for the last checkpoint, the plot and the sample
+# The final validation reads the split in windows every context_length // 2 tokens: twice the
+# windows of a periodic evaluation, which also covers fixed training batches. Priced as two.
+FINAL_VALIDATION_EVALS = 2.0
+
+
+class TimePlan:
+    """Fits the schedule's length (the horizon) to the steps that fit before a deadline.
+
+    The step rate is measured from `start_timing` (called after the first step, which compiles),
+    leaving out the time spent in evaluations, which are priced separately. Every method takes the
+    current time `now` (seconds, `time.monotonic()`), so the plan is a pure function of what it is
+    told and can be tested without waiting.
+    """
+
+    def __init__(self, max_minutes: float, max_steps: int, t_start: float, reserve_s: float = RESERVE_S):
+        self.max_steps = max_steps
+        self.reserve_s = reserve_s  # kept before the deadline for what follows the last step
+        self.deadline = t_start + 60 * max_minutes if max_minutes else math.inf
+        self.timed_from: tuple[int, float] | None = None  # (step, time) after compilation
+        self.eval_seconds = 0.0
+        self.n_evals = 0
+
+    @property
+    def limited(self) -> bool:
+        return math.isfinite(self.deadline)
+
+    def start_timing(self, step: int, now: float) -> None:
+        self.timed_from = (step, now)
+
+    @property
+    def seconds_per_evaluation(self) -> float | None:
+        """The mean time of the evaluations timed so far (None before the first)."""
+        return self.eval_seconds / self.n_evals if self.n_evals else None
+
+    def add_evaluation(self, seconds: float) -> None:
+        self.eval_seconds += seconds
+        self.n_evals += 1
+
+    def steps_per_second(self, step: int, now: float) -> float | None:
+        """Training steps per second since timing started, evaluations left out (None: no data)."""
+        if self.timed_from is None or step <= self.timed_from[0]:
+            return None
+        return (step - self.timed_from[0]) / max(now - self.timed_from[1] - self.eval_seconds, 1e-9)
+
+    def _after_last_step(self, per_eval: float) -> float:
+        """Seconds a run needs after its last step: the evaluation there, the final validation and
+        the reserve (checkpoint, plot, sample)."""
+        return (1 + FINAL_VALIDATION_EVALS) * per_eval + self.reserve_s
+
+    def out_of_time(self, now: float) -> bool:
+        """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
+        return now > self.deadline - self._after_last_step(self.seconds_per_evaluation or 0.0)
+
+    def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
+        """The horizon that ends the run at the deadline, within `[step, max_steps]`.
+
+        Each step costs its measured time plus its share of the evaluations every `eval_interval`
+        steps; `eval_cost_steps` prices an evaluation in training steps until one has been timed.
+        """
+        rate = self.steps_per_second(step, now)
+        if not self.limited or rate is None:
+            return horizon
+        measured = self.seconds_per_evaluation
+        per_eval = eval_cost_steps / rate if measured is None else measured
+        budget = self.deadline - now - self._after_last_step(per_eval)
+        seconds_per_step = 1 / rate + per_eval / eval_interval
+        return max(step, min(self.max_steps, step + int(budget / seconds_per_step)))
