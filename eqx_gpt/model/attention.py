@@ -88,23 +88,30 @@ def head_attention(
 
 def multi_head_attention(
     q: Float[Array, "*batch q_seq heads d_head"],
-    k: Float[Array, "*batch kv_seq heads d_head"],
-    v: Float[Array, "*batch kv_seq heads d_head"],
+    k: Float[Array, "*batch kv_seq heads d_head"] | Float[Array, "*batch heads d_head kv_seq"],
+    v: Float[Array, "*batch kv_seq heads d_head"] | Float[Array, "*batch heads kv_seq d_head"],
     mask: Bool[Array, "..."] | None,
     rate: float = 0.0,
     key: PRNGKeyArray | None = None,
+    *,
+    cached: bool = False,
 ) -> tuple[Float[Array, "*batch q_seq heads*d_head"], Float[Array, "*batch heads q_seq kv_seq"]]:
-    """Every head's `head_attention`, with `jax.vmap` over the heads and then over sequences.
+    """Every head's `head_attention`, with `jax.vmap` over the heads and then over sequences: the
+    one driver of the heads, for training, cross-attention, cached decoding and the pictures.
 
     `mask` is `(q_seq, kv_seq)` for every sequence, or `(*batch, q_seq, kv_seq)` for one each.
     `key` is one key per sequence (`*batch`), or one key split into those; each sequence splits
-    its key into one per head.
+    its key into one per head. `cached=True` reads keys and values in a `KVCache`'s layout, head
+    first with the keys transposed (`(*batch, heads, d_head, kv_seq)`, `(*batch, heads, kv_seq,
+    d_head)`), so decoding multiplies by the cache as it is stored.
     """
+    head_axis = 0 if cached else 1  # of one sequence's keys and values
 
     def one_sequence(q, k, v, mask, key):
         keys = None if key is None else jax.random.split(key, q.shape[-2])
-        one_head = lambda q, k, v, key: head_attention(q, k, v, mask, rate, key)
-        return jax.vmap(one_head, in_axes=(1, 1, 1, 0), out_axes=(1, 0))(q, k, v, keys)
+        one_head = lambda q, k, v, key: head_attention(q, k.T if cached else k, v, mask, rate, key)
+        in_axes = (1, head_axis, head_axis, 0)
+        return jax.vmap(one_head, in_axes=in_axes, out_axes=(1, 0))(q, k, v, keys)
 
     batch, (q_seq, heads, d_head) = q.shape[:-3], q.shape[-3:]
     if not batch:
@@ -298,11 +305,13 @@ class MultiHeadAttention(eqx.Module):
         mask = self._full_mask(mask, q.shape, k.shape[-3])
         return linear(self._attend(q, k, v, mask, key), self.w_out, self.out_bias)
 
-    def _attend(self, q, k, v, mask, key):
+    def _attend(self, q, k, v, mask, key, cached: bool = False):
         """All heads' outputs `(*batch, seq, d_model)`: cuDNN's fused kernel on a GPU with 16-bit
         activations and no attention dropout (the same function, see `fused_attention`), else
-        `multi_head_attention`."""
-        if _cudnn_attention_available(q.dtype) and (key is None or self.dropout == 0.0):
+        `multi_head_attention`. A cache's layout (`cached`) is read by `multi_head_attention`
+        only: cuDNN's kernel takes keys position first."""
+        fused = _cudnn_attention_available(q.dtype) and (key is None or self.dropout == 0.0) and not cached
+        if fused:
             per_sequence = mask is not None and mask.ndim > 2  # (batch, q, kv) -> (batch, heads=1, q, kv)
             try:
                 out = fused_attention(q, k, v, mask[..., None, :, :] if per_sequence else mask, "cudnn")
@@ -310,7 +319,7 @@ class MultiHeadAttention(eqx.Module):
                 pass  # an unsupported shape or cuDNN version: the vmap path below
             else:
                 return out.reshape(*q.shape[:-2], self.d_model)
-        return multi_head_attention(q, k, v, mask, self.dropout, key)[0]
+        return multi_head_attention(q, k, v, mask, self.dropout, key, cached=cached)[0]
 
     @typechecked
     def __call__(
@@ -372,12 +381,5 @@ class MultiHeadAttention(eqx.Module):
         v_all = jax.lax.dynamic_update_slice(cache.v, v_h, (*lead, 0, start, 0))
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
-
-        def one_head(q, k_t, v):  # the cache stores K^T: the matrix `q @ K^T` reads
-            return head_attention(q, k_t.T, v, mask)[0]
-
-        heads = jax.vmap(one_head, in_axes=(1, 0, 0), out_axes=1)
-        for _ in lead:
-            heads = jax.vmap(heads)
-        out = heads(q, k_all.astype(q.dtype), v_all.astype(q.dtype))
-        return linear(out.reshape(x.shape), self.w_out, self.out_bias), KVCache(k=k_all, v=v_all)
+        out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, cached=True)
+        return linear(out, self.w_out, self.out_bias), KVCache(k=k_all, v=v_all)
