@@ -1,9 +1,9 @@
 """Train a GPT on Tiny Shakespeare (or any UTF-8 text): `uv run train.py --help`.
 
-Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag. A value comes from, in
-rising order of precedence: the dataclass default, the chosen `--preset` (default `cpu`), then an
-explicit flag. `--resume` starts from the checkpoint's values instead, which explicit flags may
-only bound (see `resolve_resume`). Bad input exits with one line on stderr and code 2.
+Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag. This file parses the
+command line and calls `eqx_gpt.training.run.train` with the flags given; where each value comes
+from (defaults, `--preset`, flags, and on `--resume` the checkpoint) is decided in one place,
+`eqx_gpt.training.options.resolve_options`. Bad input exits with one line on stderr and code 2.
 """
 
 import argparse
@@ -22,9 +22,10 @@ from eqx_gpt.model.config import (
     POSITION_KINDS,
     GPTConfig,
 )
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS
 from eqx_gpt.training.parallel import initialize_distributed
-from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
-from eqx_gpt.training.run import INIT_FROM_OPTIONS, RunError, train
+from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS, preset_values
+from eqx_gpt.training.run import RunError, train
 from eqx_gpt.training.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
@@ -53,8 +54,6 @@ CHOICES = {
     "positions": POSITION_KINDS,
     "activation": ACTIVATION_KINDS,
 }
-MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
-TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
 def _flag_type(annotation):
@@ -123,64 +122,17 @@ def _preset_in(argv: list[str]) -> str:
     return pre.parse_known_args(argv)[0].preset
 
 
-def run_options(explicit: dict) -> tuple[str, dict, dict]:
-    """`(preset, model_options, train_options)` of a fresh run: dataclass defaults < preset < flags.
-
-    With `--init-from DIR` the preset defaults to `finetune-shakespeare`, and the model's shape is
-    DIR's: a flag that would set it is refused.
-    """
-    preset = explicit.get("preset", FINETUNE_PRESET if "init_from" in explicit else DEFAULT_PRESET)
-    shape_flags = [k for k in explicit if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
-    if "init_from" in explicit and shape_flags:
-        flag = "--" + shape_flags[0].replace("_", "-")
-        raise ValueError(
-            f"{flag} sets the model's shape, which comes from --init-from {explicit['init_from']}; "
-            f"leave it out (only {', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
-        )
-    values = {**preset_values(preset), **explicit}
-    return (
-        preset,
-        {k: values[k] for k in MODEL_FIELDS if k in values},
-        {k: values[k] for k in TRAIN_FIELDS if k in values},
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
-    explicit = parse(argv)
-    out_dir = explicit.get("out_dir", "out")
+    settings = parse(argv)
+    out_dir = settings.pop("out_dir", "out")
+    resume, overwrite = settings.pop("resume", False), settings.pop("overwrite", False)
+    sample_tokens = settings.pop("sample_tokens", 300)
     try:
-        initialize_distributed()  # one process of a multi-host run (README: "Scaling out")
-        if explicit.get("resume") and explicit.get("overwrite"):
+        initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
+        if resume and overwrite:
             raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
-        preset, model_options, train_options = run_options(explicit)
-        if explicit.get("resume"):
-            # The checkpoint's values come first; a preset given anew counts as flags for its values.
-            given = {**(PRESETS[preset].values() if "preset" in explicit else {}), **explicit}
-            resume_flags = (
-                {k: v for k, v in given.items() if k in MODEL_FIELDS},
-                {k: v for k, v in given.items() if k in TRAIN_FIELDS},
-            )
-            config, preset = TrainConfig(), (preset if "preset" in explicit else None)
-        else:
-            config, resume_flags = TrainConfig(**train_options), None
-            if preset == FINETUNE_PRESET and config.init_from is None:
-                raise ValueError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-            GPTConfig(vocab_size=1, **model_options)  # report bad sizes before loading any data
-    except ValueError as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        result = train(
-            model_options,
-            config,
-            out_dir,
-            resume=bool(explicit.get("resume")),
-            overwrite=bool(explicit.get("overwrite")),
-            resume_flags=resume_flags,
-            preset=preset,
-            sample_tokens=explicit.get("sample_tokens", 300),
-        )
-    except RunError as e:  # bad input of any kind: a one-line message naming the fix
+        result = train(settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens)
+    except RunError + (ValueError,) as e:  # bad input of any kind: a one-line message naming the fix
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run

@@ -258,12 +258,14 @@ def load_model(
     return model, tokenizer, meta
 
 
-def load_checkpoint(path: str | Path, opt_state_like: Any) -> tuple[GPT, Any, Tokenizer, dict]:
+def load_checkpoint(path: str | Path | dict, opt_state_like: Any) -> tuple[GPT, Any, Tokenizer, dict]:
     """`(model, opt_state, tokenizer, metadata)` to resume training.
 
-    `opt_state_like` is a template of the optimiser state (e.g. from `eqx.filter_eval_shape`).
+    `path` as in `find_checkpoint`, or the metadata `read_metadata` already returned (it is not
+    read again). `opt_state_like` is a template of the optimiser state (e.g. from
+    `eqx.filter_eval_shape`).
     """
-    meta = read_metadata(path)
+    meta = path if isinstance(path, dict) else read_metadata(path)
     config = _model_config(meta, "GPT")
     tokenizer = _tokenizer(meta, config)
     f = _read_weights(meta)

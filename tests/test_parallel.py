@@ -88,7 +88,8 @@ TRAINER_WORKER = textwrap.dedent(
                              log_interval=1, fsdp=fsdp)
         trainer.data_mesh = lambda devices=devices: data_mesh(devices)
         out = f"{sys.argv[1]}/{name}"
-        trainer.train(model, config, out, sample_tokens=0, progress=False, log=lambda s: None)
+        settings = {**model, **config.to_dict(), "preset": None}
+        trainer.train(settings, out, sample_tokens=0, progress=False, log=lambda s: None)
         runs[name] = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     print(json.dumps(runs))
     """
@@ -228,7 +229,8 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
         config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=2, eval_batches=2,
                              log_interval=1, fsdp=fsdp)
         run_dir = f"{out}/fsdp{int(fsdp)}-process{pid}"
-        trainer.train(model, config, run_dir, sample_tokens=0, progress=False, log=lambda s: None)
+        settings = {**model, **config.to_dict(), "preset": None}
+        trainer.train(settings, run_dir, sample_tokens=0, progress=False, log=lambda s: None)
         runs[fsdp] = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     print(json.dumps({"devices": len(jax.devices()), "replicated": runs[False], "fsdp": runs[True]}))
     """

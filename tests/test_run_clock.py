@@ -69,10 +69,8 @@ def _records(out: Path) -> list[dict]:
 
 def _run(corpus, out, clock, sample_tokens=0, **changes):
     lines = []
-    result = train(
-        MODEL, _config(corpus, **changes), out, log=lines.append, progress=False, now=clock,
-        sample_tokens=sample_tokens,
-    )  # fmt: skip
+    settings = {**MODEL, **_config(corpus, **changes).to_dict(), "preset": None}
+    result = train(settings, out, log=lines.append, progress=False, now=clock, sample_tokens=sample_tokens)
     return result, lines
 
 
@@ -165,7 +163,7 @@ def test_sigterm_during_an_evaluation_stops_after_the_call_in_flight_and_resume_
 
     monkeypatch.undo()  # resume redoes the evaluation at 50: the metrics are those of a run never stopped
     monkeypatch.setattr(evaluate_module, "TOKENS_PER_CALL", 256)  # the same calls sum the same floats
-    resumed = train({}, TrainConfig(), out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    resumed = train({}, out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
     assert not resumed.interrupted and resumed.step == 100
     assert _without_timing(_records(out)) == _without_timing(_records(never))
 
@@ -213,6 +211,6 @@ def test_a_run_stopped_in_its_last_evaluation_resumes_to_evaluate_and_finish(tmp
     meta = json.loads((out / "latest.json").read_text())
     assert result.interrupted and meta["step"] == 20 and meta["val_loss_step"] == 0
     # The steps are all done, but the run is not finished: --resume evaluates and finishes it.
-    resumed = train({}, TrainConfig(), out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    resumed = train({}, out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
     assert not resumed.interrupted and resumed.step == 20
     assert _without_timing(_records(out)) == _without_timing(_records(tmp_path / "never"))

@@ -12,6 +12,7 @@ import pytest
 
 from eqx_gpt import GPTConfig, load_model
 from eqx_gpt.training.corpus import load_text
+from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 from eqx_gpt.training.run import TrainResult
 from eqx_gpt.training.train_config import TrainConfig
@@ -252,8 +253,11 @@ def test_a_folder_holding_a_run_is_refused_unchanged_unless_overwrite_is_given(t
 def _configs_given_to_train(monkeypatch, argv):
     seen = {}
 
-    def fake_train(model_options, config, out_dir, **kwargs):
-        seen.update(model=GPTConfig(vocab_size=65, **model_options), train=config, preset=kwargs["preset"])
+    def fake_train(settings, out_dir, **kwargs):
+        options = resolve_options(settings)
+        seen.update(
+            model=GPTConfig(vocab_size=65, **options.model), train=options.train, preset=options.preset
+        )
         return TrainResult(0, None, None, 0.0, False, None, out_dir)
 
     monkeypatch.setattr(train_cli, "train", fake_train)

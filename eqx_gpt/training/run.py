@@ -60,6 +60,7 @@ from eqx_gpt.training.corpus import (
     to_ids,
 )
 from eqx_gpt.training.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
+from eqx_gpt.training.options import INIT_FROM_OPTIONS, OptionsError, RunOptions, resolve_options
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
 from eqx_gpt.training.progress import Progress, clock
 from eqx_gpt.training.run_dir import (
@@ -82,11 +83,6 @@ from eqx_gpt.training.train_step import (
 )
 from eqx_gpt.visualize import plot_losses
 
-# Fields that may differ between a checkpoint and the flags of `--resume`: they bound or observe
-# the run without changing what it computes. (`data` may name another path to the same corpus.)
-RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval", "data")
-# The model options that `--init-from DIR` takes from the command line; the rest are DIR's.
-INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
 SECONDS_PER_CALL = 0.5  # fewer steps per call when steps are slower: a stop waits for the call in flight
@@ -98,7 +94,7 @@ class TrainingError(ValueError):
 
 
 # Everything a run can refuse with: one-line messages that name the fix (all `ValueError`s).
-RunError = (TrainingError, RunDirError, DataError, CheckpointError, TokenizerError)
+RunError = (TrainingError, RunDirError, DataError, CheckpointError, TokenizerError, OptionsError)
 
 
 @dataclass
@@ -177,30 +173,6 @@ def make_tokenizer(kind: str, text: str) -> Tokenizer:
     return CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
 
 
-def resolve_resume(meta: dict, model_flags: dict, train_flags: dict) -> tuple[dict, TrainConfig]:
-    """The checkpoint's configs with `*_flags` (explicitly given options) laid over them.
-
-    A flag that changes what the run computes must agree with the checkpoint; only the fields in
-    `RESUMABLE_CHANGES` may differ. Returns `(model_options, train_config)`.
-    """
-    saved_model = {k: v for k, v in meta["model_config"].items() if k != "vocab_size"}
-    saved_train = meta["train_config"]
-    for saved, flags in ((saved_model, model_flags), (saved_train, train_flags)):
-        for name, value in flags.items():
-            if name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
-                continue
-            flag = "--" + name.replace("_", "-")
-            raise CheckpointError(
-                f"{flag} {value} contradicts the checkpoint in {Path(meta['path']).parent} "
-                f"({name}={saved[name]}); drop the flag to resume, or pass another --out-dir to start afresh"
-            )
-    train = {**saved_train, **{k: v for k, v in train_flags.items() if k in RESUMABLE_CHANGES}}
-    try:
-        return saved_model, TrainConfig.from_dict(train)
-    except ValueError as e:
-        raise CheckpointError(f"checkpoint {meta['path']} has an invalid train config: {e}") from None
-
-
 def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, str, TrainConfig]:
     """`(text, source name, sha256, config)`: the corpus, checked against the checkpoint's on
     resume, and the config with the data path made absolute (so a run resumes from anywhere)."""
@@ -218,18 +190,17 @@ def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, str,
 
 
 def start_run(
-    model_options: dict,
-    config: TrainConfig,
+    options: RunOptions,
     out_dir: Path,
-    meta: dict | None,
     *,
     log: Callable[[str], None],
-    preset: str | None,
     now: Callable[[], float],
     t_start: float,
 ) -> Run:
     """Check the data, tokenizer, model and devices, and build the model and optimiser state
-    (fresh, or from the checkpoint `meta` describes). Reads `out_dir` but writes nothing there."""
+    (fresh, or from the checkpoint `options.checkpoint` describes). Reads `out_dir` but writes
+    nothing there."""
+    model_options, config, meta = options.model, options.train, options.checkpoint
     text, source, data_sha, config = _load_corpus(config, meta)
     fine_tune = meta is None and config.init_from is not None
     if fine_tune:  # the shape and the tokenizer are GPT-2's
@@ -258,7 +229,7 @@ def start_run(
         start, horizon, best_val = 0, config.max_steps, math.inf
     else:
         opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
-        model, opt_state, _, meta = load_checkpoint(meta["path"], opt_like)
+        model, opt_state, _, meta = load_checkpoint(meta, opt_like)
         start, best_val = meta["step"], meta.get("best_val_loss") or math.inf
         same_length = meta["train_config"]["max_steps"] == config.max_steps
         horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
@@ -274,7 +245,7 @@ def start_run(
         train_ids, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
         batch_size=config.batch_size, length=model_config.context_length + 1,
     )).reshape(-1, model_config.context_length + 1)  # fmt: skip
-    preset = preset or (meta or {}).get("preset")  # a resumed run keeps its preset unless given one
+    preset = options.preset
     checkpoint_meta = {
         **({"preset": preset} if preset else {}),
         "data": source,
@@ -528,40 +499,42 @@ class _StopFlag:
 
 
 def train(
-    model_options: dict,
-    config: TrainConfig,
+    settings: dict,
     out_dir: str | Path = "out",
-    *,
+    *old_form,
     resume: bool = False,
     overwrite: bool = False,
-    resume_flags: tuple[dict, dict] | None = None,
-    preset: str | None = None,
     sample_tokens: int = 300,
     log: Callable[[str], None] = print,
     progress: bool = True,
     now: Callable[[], float] = time.monotonic,
 ) -> TrainResult:
-    """Train a GPT of `model_options` (GPTConfig fields except `vocab_size`) under `config`.
+    """Train a GPT in `out_dir`. `settings` are the settings given (any `GPTConfig` field but
+    `vocab_size`, any `TrainConfig` field, and `preset`, a name or None), resolved by
+    `options.resolve_options`: `train({"max_steps": 100})` is the `cpu` preset with 100 steps, and
+    `train({}, out_dir, resume=True)` continues the run there with the checkpoint's settings.
 
-    A folder that already holds a run is refused unless `resume` (continue it: the configs then
-    come from its checkpoint, and `resume_flags = (model_flags, train_flags)`, the options given
-    explicitly, must agree with it; see `resolve_resume`) or `overwrite` (delete it first). A
-    folder in use by a live run is refused. `preset` names the recipe, for the record. Raises one
-    of `RunError` (`ValueError`s with one-line messages) for bad input; Ctrl-C or SIGTERM saves a
-    checkpoint and returns with `interrupted`. `now` is the clock that `max_minutes` is measured
-    by (tests pass a simulated one).
+    A folder that already holds a run is refused unless `resume` (continue it; settings given
+    anew must agree with the checkpoint) or `overwrite` (delete it first). A folder in use by a
+    live run is refused. Raises one of `RunError` (`ValueError`s with one-line messages) for bad
+    input; Ctrl-C or SIGTERM saves a checkpoint and returns with `interrupted`. `now` is the clock
+    that `max_minutes` is measured by (tests pass a simulated one).
     """
+    if old_form or not isinstance(settings, dict) or not isinstance(out_dir, str | Path):
+        raise TypeError(
+            "train(settings, out_dir) takes one dict of settings: pass {**model_options, "
+            "**train_config.to_dict(), 'preset': None} where it took (model_options, train_config)"
+        )
     t_start = now()
+    options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     out_dir = Path(out_dir)
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
-        meta = read_metadata(checkpoint_file(out_dir, LATEST)) if resume else None
-        if meta is not None:
-            model_options, config = resolve_resume(meta, *(resume_flags or ({}, {})))
-        run = start_run(
-            model_options, config, out_dir, meta, log=log, preset=preset, now=now, t_start=t_start
-        )
+        if resume:  # the checkpoint's metadata, read once, and the settings laid over it
+            options = resolve_options(settings, read_metadata(checkpoint_file(out_dir, LATEST)))
+        meta = options.checkpoint
+        run = start_run(options, out_dir, log=log, now=now, t_start=t_start)
         # Every check has passed: from here on the folder is this run's.
         stale = lock.claim()
         if stale:

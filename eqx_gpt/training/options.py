@@ -1,0 +1,98 @@
+"""Where a run's settings come from: one table of precedence, resolved once (`resolve_options`).
+
+A setting is any `GPTConfig` field but `vocab_size` (the model), any `TrainConfig` field (the
+training), or `preset`. Later sources override earlier ones:
+
+    a fresh run     dataclass defaults  <  the preset  <  the settings given
+    a resumed run   the checkpoint's values  <  the settings given that may change on resume
+
+The preset is `settings["preset"]`: a name, or None for none (the dataclass defaults alone). Left
+out, it is `cpu`, or `finetune-shakespeare` with `init_from`. On resume, a preset named anew counts
+as settings for its values, and a setting that would change what the run computes must agree with
+the checkpoint (only `RESUMABLE_CHANGES` may differ).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
+from eqx_gpt.training.train_config import TrainConfig
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
+TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
+# What a resumed run may change: how long it runs, how often it reports, where the same data is.
+RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "log_interval", "data")
+# The model settings that `init_from` (a Hugging Face GPT-2) takes; the rest are the directory's.
+INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
+
+
+class OptionsError(ValueError):
+    """Settings that cannot make a run (one line naming the setting and the fix)."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A run's settings, resolved: `model` holds `GPTConfig` fields but `vocab_size` (the
+    tokenizer's, known once the data is read); `checkpoint` is the metadata resumed from."""
+
+    model: dict
+    train: TrainConfig
+    preset: str | None
+    checkpoint: dict | None = None
+
+
+def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOptions:
+    """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`."""
+    unknown = sorted(set(settings) - {*MODEL_FIELDS, *TRAIN_FIELDS, "preset"})
+    if unknown:
+        raise OptionsError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
+    fine_tune = settings.get("init_from") is not None
+    preset = settings.get("preset", FINETUNE_PRESET if fine_tune else DEFAULT_PRESET)
+    if preset is not None and preset not in PRESETS:
+        raise OptionsError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    try:
+        if checkpoint is None:
+            return _fresh(settings, preset)
+        return _resumed(settings, preset if "preset" in settings else None, checkpoint)
+    except (TypeError, ValueError) as e:
+        raise OptionsError(str(e)) from None
+
+
+def _fresh(settings: dict, preset: str | None) -> RunOptions:
+    shape = [k for k in settings if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
+    if settings.get("init_from") is not None and shape:
+        raise OptionsError(
+            f"--{shape[0].replace('_', '-')} sets the model's shape, which comes from --init-from "
+            f"{settings['init_from']}; leave it out (only "
+            f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
+        )
+    defaults = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING}  # fmt: skip
+    values = {**(defaults if preset is None else preset_values(preset)), **settings}
+    train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
+    if preset == FINETUNE_PRESET and train.init_from is None:
+        raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
+    return RunOptions({k: values[k] for k in MODEL_FIELDS if k in values}, train, preset)
+
+
+def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:
+    given = {**(PRESETS[preset].values() if preset else {}), **settings}
+    saved_model = {k: v for k, v in checkpoint["model_config"].items() if k != "vocab_size"}
+    saved_train = checkpoint["train_config"]
+    for name, value in given.items():
+        saved = saved_model if name in MODEL_FIELDS else saved_train
+        if name == "preset" or name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
+            continue
+        raise OptionsError(
+            f"--{name.replace('_', '-')} {value} contradicts the checkpoint in "
+            f"{Path(checkpoint['path']).parent} ({name}={saved[name]}); drop the flag to resume, or pass "
+            f"another --out-dir to start afresh"
+        )
+    train = {**saved_train, **{k: v for k, v in given.items() if k in RESUMABLE_CHANGES}}
+    try:
+        train_config = TrainConfig.from_dict(train)
+    except ValueError as e:
+        raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid train config: {e}") from None
+    return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), checkpoint)

@@ -1,0 +1,63 @@
+"""One resolver decides where every setting of a run comes from (`resolve_options`)."""
+
+import dataclasses
+
+import pytest
+
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.options import OptionsError, resolve_options
+from eqx_gpt.training.presets import PRESETS
+from eqx_gpt.training.run import train
+from eqx_gpt.training.train_config import TrainConfig
+
+CHECKPOINT = {
+    "path": "/runs/a/latest.json",
+    "preset": "cpu",
+    "model_config": {**dataclasses.asdict(GPTConfig(vocab_size=65, **PRESETS["cpu"].model))},
+    "train_config": TrainConfig(**PRESETS["cpu"].train).to_dict(),
+}
+
+
+def test_a_fresh_run_is_defaults_then_preset_then_settings():
+    options = resolve_options({"preset": "cpu-adamw", "lr": 0.01, "n_layers": 2})
+    assert options.train == TrainConfig(**{**PRESETS["cpu-adamw"].train, "lr": 0.01})
+    assert "vocab_size" not in options.model  # the tokenizer's, known once the data is read
+    assert (
+        options.model["n_layers"] == 2 and options.model["d_model"] == PRESETS["cpu-adamw"].model["d_model"]
+    )
+    assert options.preset == "cpu-adamw" and options.checkpoint is None
+    default = resolve_options({})
+    assert default.preset == "cpu" and default.train == TrainConfig(**PRESETS["cpu"].train)
+    bare = resolve_options({"preset": None, "max_steps": 5})  # no preset: the dataclass defaults
+    assert bare.train == TrainConfig(max_steps=5) and bare.model["d_model"] == GPTConfig(vocab_size=1).d_model
+
+
+def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
+    options = resolve_options({"max_steps": 30_000, "log_interval": 5}, CHECKPOINT)
+    assert options.train == TrainConfig(**{**PRESETS["cpu"].train, "max_steps": 30_000, "log_interval": 5})
+    assert options.model == {k: v for k, v in CHECKPOINT["model_config"].items() if k != "vocab_size"}
+    assert options.preset == "cpu" and options.checkpoint is CHECKPOINT
+    assert resolve_options({"lr": PRESETS["cpu"].train["lr"]}, CHECKPOINT).train.lr == 0.02  # agrees: fine
+    with pytest.raises(OptionsError, match=r"--lr 0.5 contradicts the checkpoint in /runs/a \(lr=0.02\)"):
+        resolve_options({"lr": 0.5}, CHECKPOINT)
+    with pytest.raises(OptionsError, match="--d-model 64 contradicts"):
+        resolve_options({"d_model": 64}, CHECKPOINT)
+    # A preset named anew counts as settings for its values: cpu-adamw's batch size contradicts.
+    with pytest.raises(OptionsError, match="--batch-size 16 contradicts"):
+        resolve_options({"preset": "cpu-adamw"}, CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [({"learning_rate": 1.0}, "unknown setting"), ({"preset": "gpu"}, "unknown preset"),
+     ({"lr": -1.0}, "lr > 0"), ({"preset": "finetune-shakespeare"}, "pass --init-from DIR")],
+)  # fmt: skip
+def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
+    with pytest.raises(OptionsError, match=words) as error:
+        resolve_options(settings)
+    assert "\n" not in str(error.value)
+
+
+def test_train_names_its_new_form_to_a_caller_of_the_old_one(tmp_path):
+    with pytest.raises(TypeError, match=r"train\(settings, out_dir\) takes one dict"):
+        train({"d_model": 32}, TrainConfig(), tmp_path)
