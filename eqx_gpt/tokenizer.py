@@ -7,6 +7,8 @@ into the same tokenizer (checkpoints store it beside the weights).
 
 from collections.abc import Iterable
 
+from eqx_gpt._checks import is_whole
+
 
 class TokenizerError(ValueError):
     """A tokenizer cannot be built or cannot encode/decode its input (one-line message)."""
@@ -86,7 +88,7 @@ class GPT2Tokenizer:
     def __init__(self, vocab_size: int = GPT2_VOCAB_SIZE):
         import tiktoken
 
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 256 <= vocab_size <= 50257:
+        if not is_whole(vocab_size, 256, GPT2_VOCAB_SIZE):
             raise TokenizerError(
                 f"a GPT-2 BPE vocabulary has 256 (the bytes) to 50257 ids, got vocab_size={vocab_size!r}"
             )

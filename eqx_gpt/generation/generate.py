@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from eqx_gpt._checks import is_whole
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
     SamplingOptions,
@@ -163,7 +164,7 @@ def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
         raise TypeError(f"options must be a SamplingOptions, got {type(options).__name__}")
     context = model.config.context_length
     keep = options.window_keep(context)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if not is_whole(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:

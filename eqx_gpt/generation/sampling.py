@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt._checks import typechecked
+from eqx_gpt._checks import is_whole, typechecked
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise a one-line `ValueError` naming a bad sampling setting and its valid range."""
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and not is_whole(top_k, 1):
         raise ValueError(f"top_k must be an integer >= 1 (or None to keep every token), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
@@ -46,11 +46,9 @@ class SamplingOptions:
 
     def __post_init__(self):
         check_sampling_args(self.temperature, self.top_k, self.top_p)
-        if self.keep is not None and (
-            isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1
-        ):
+        if self.keep is not None and not is_whole(self.keep, 1):
             raise ValueError(f"keep must be an integer >= 1 (or None), got {self.keep!r}")
-        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+        if not is_whole(self.chunk_size, 1):
             raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
 
     def window_keep(self, context_length: int) -> int:

@@ -4,6 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from eqx_gpt._checks import is_whole
 from eqx_gpt.model.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -13,8 +14,20 @@ POSITION_KINDS = ("sinusoidal", "learned", "rope")
 ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu")
 
 
+class DictConfig:
+    """`to_dict` and `from_dict` for the frozen config dataclasses (`GPTConfig`, `TransformerConfig`,
+    `TrainConfig`): JSON-ready dicts, as checkpoints store them."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return config_from_dict(cls, d)
+
+
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(DictConfig):
     """Sizes of a decoder-only GPT. Impossible combinations raise `ValueError` on construction.
 
     vocab_size: number of real token ids; the embedding table is padded to `padded_vocab_size`.
@@ -112,13 +125,6 @@ class GPTConfig:
     def d_head(self) -> int:
         return self.d_model // self.n_heads
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
-        return config_from_dict(cls, d)
-
 
 def config_from_dict(cls, d: dict):
     """Build the config dataclass `cls` from `to_dict`'s output; unknown keys are an error."""
@@ -134,7 +140,7 @@ def check_fields(config, *, positive: tuple[str, ...] = (), finite: tuple[str, .
     name = type(config).__name__
     for field in positive:
         value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_whole(value, 1):
             raise ValueError(f"{name}.{field} must be a positive integer, got {value!r}")
     for field in finite:
         value = getattr(config, field)

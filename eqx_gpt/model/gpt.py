@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import typechecked
+from eqx_gpt._checks import is_whole, typechecked
 from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
@@ -185,7 +185,7 @@ class GPT(eqx.Module):
         """
         c = self.config
         capacity = c.context_length if capacity is None else capacity
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        if not is_whole(capacity, 1):
             raise ValueError(f"init_cache needs a capacity >= 1 (positions to hold), got {capacity!r}")
         self._check_length(capacity)
         rows = () if batch is None else (batch,)

@@ -9,7 +9,6 @@ With the paper's defaults the blocks are post-norm with `LayerNorm` ("Add & Norm
 stacks get a final norm on each side. Its KV-cached decoding loop is `eqx_gpt.generation.translate`.
 """
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 from eqx_gpt._checks import typechecked
 from eqx_gpt.model.attention import causal_mask, padding_mask
 from eqx_gpt.model.block import Block
-from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, check_fields, config_from_dict
+from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, DictConfig, check_fields
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.norm import make_norm
@@ -30,7 +29,7 @@ from eqx_gpt.streams import keys_per_sequence, split_key
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(DictConfig):
     """Sizes of an encoder-decoder. `pad_id` marks padding in both vocabularies; `max_len` bounds
     source and target lengths (the positions table). Invalid values raise `ValueError`."""
 
@@ -65,13 +64,6 @@ class TransformerConfig:
             raise ValueError(f"TransformerConfig: norm in {NORM_KINDS}, norm_position in {NORM_POSITIONS}")
         if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
             raise ValueError(f"TransformerConfig.pad_id={self.pad_id} is not an id of both vocabularies")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TransformerConfig":
-        return config_from_dict(cls, d)
 
 
 class Transformer(eqx.Module):

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
 
+from eqx_gpt._checks import is_whole
 from eqx_gpt.model.gpt import GPT
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
@@ -107,7 +108,7 @@ def evaluate(
     between calls (an interrupted run does not wait for the whole split)."""
     context = model.config.context_length
     stride = max(1, context // 2) if stride is None else stride
-    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= context:
+    if not is_whole(stride, 1, context):
         raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
     ids = np.asarray(tokens, np.int32).reshape(-1)
     starts, counted = windows(len(ids), context, stride)

@@ -1,9 +1,8 @@
 """How to train: every setting of a run in one frozen dataclass (`presets.py` holds named recipes)."""
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from eqx_gpt.model.config import check_fields, config_from_dict
+from eqx_gpt.model.config import DictConfig, check_fields
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -14,7 +13,7 @@ def _help(text: str, **kwargs):
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(DictConfig):
     """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
 
     data: str | None = _help(
@@ -128,10 +127,3 @@ class TrainConfig:
             raise ValueError("warmup_steps, max_minutes, weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        return config_from_dict(cls, d)
