@@ -39,3 +39,16 @@ def install() -> None:
             sys.modules.setdefault(old, sys.modules[new])
     if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
         sys.meta_path.insert(0, _MovedModules())  # before the path finder: eqx_gpt/data/ is a folder
+
+
+def moved_names(module: str, names: dict[str, str]):
+    """A module `__getattr__` that keeps names which moved away importable from `module`:
+    `names` maps each old name to `"new.module:new_name"`."""
+
+    def __getattr__(name: str):
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        new_module, new_name = names[name].split(":")
+        return getattr(importlib.import_module(new_module), new_name)
+
+    return __getattr__

@@ -32,6 +32,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from eqx_gpt._moved import moved_names
 from eqx_gpt.checkpoint import (
     BEST,
     LATEST,
@@ -657,3 +658,12 @@ def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
     if sample is not None:
         run.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
     return TrainResult(run.step, final.loss, run.best_val, elapsed, False, sample, run.out_dir)
+
+
+# Names that moved to other modules in the layout of the wings; still importable from here.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "RESUMABLE_CHANGES": "eqx_gpt.training.options:RESUMABLE_CHANGES",
+    },
+)
