@@ -26,7 +26,7 @@ from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS
 from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS, preset_values
 from eqx_gpt.training.run import RunError, train
-from eqx_gpt.training.train_config import OPTIMIZERS, TOKENIZERS, TrainConfig
+from eqx_gpt.training.train_config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 
 MODEL_HELP = {
     "context_length": "tokens the model sees at once",
@@ -49,6 +49,7 @@ CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,
     "tokenizer": TOKENIZERS,
     "optimizer": OPTIMIZERS,
+    "schedule": SCHEDULES,
     "norm": NORM_KINDS,
     "norm_position": NORM_POSITIONS,
     "positions": POSITION_KINDS,

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from eqx_gpt.training.schedule import learning_rate, warmup_steps
-from eqx_gpt.training.time_plan import RESERVE_S, TimePlan
+from eqx_gpt.training.schedule import decay_start, learning_rate, warmup_steps
+from eqx_gpt.training.time_plan import MIN_RESERVE_S, RESERVE_S, TimePlan
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import describe_optimizer
 
@@ -18,6 +18,24 @@ def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():
     assert lrs[60] == pytest.approx(5.5e-4)  # half way down the cosine
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))
     assert lrs[110] == lrs[119] == pytest.approx(1e-4)
+
+
+def test_wsd_holds_the_peak_then_decays_linearly_over_the_last_fraction_of_the_run():
+    c = TrainConfig(lr=1e-2, min_lr=0.0, warmup_steps=10, schedule="wsd", decay_fraction=0.4)
+    lrs = [learning_rate(s, c, 100) for s in range(101)]
+    assert decay_start(c, 100) == 60
+    assert lrs[9] == pytest.approx(1e-2 * 10 / 11) and lrs[10:61] == [pytest.approx(1e-2)] * 51
+    assert lrs[80] == pytest.approx(5e-3) and lrs[100] == 0.0  # half way down the line, then min_lr
+    line = describe_optimizer(c, 100)
+    assert "stable until step 60, then linear to 0 at step 100" in line
+    # Refitting the horizon to the time moves the decay only: the stable part is the same rate.
+    assert [learning_rate(s, c, 150) for s in range(61)] == lrs[:61]
+
+
+def test_wsd_never_decays_into_the_warm_up():
+    c = TrainConfig(lr=1e-2, min_lr=1e-3, warmup_steps=30, schedule="wsd", decay_fraction=1.0)
+    assert decay_start(c, 100) == 30
+    assert max(learning_rate(s, c, 100) for s in range(100)) == pytest.approx(1e-2)
 
 
 @pytest.mark.parametrize("horizon", [1, 2, 7, 20, 59, 60, 61])
@@ -43,9 +61,20 @@ def _plan(max_minutes=1.0, max_steps=10_000):
 def test_the_time_plan_fits_the_steps_that_the_measured_rate_allows():
     plan = _plan(max_minutes=1.0)
     plan.start_timing(1, now=5.0)  # compiled after 5 s
-    # 10 steps per second from step 1 at t=5 to step 101 at t=15: 45 s are left, less the reserve.
+    # 10 steps per second from step 1 at t=5 to step 101 at t=15: 45 s are left, less the reserve,
+    # which is the start-up's 5 s.
     horizon = plan.fit(101, 10_000, now=15.0, eval_interval=10_000, eval_cost_steps=0)
-    assert horizon == 101 + int((60 - 15 - RESERVE_S) * 10)
+    assert plan.reserve_s == 5.0 and horizon == 101 + int((60 - 15 - 5.0) * 10)
+
+
+@pytest.mark.parametrize(("startup_s", "reserve_s"), [(0.5, MIN_RESERVE_S), (7.0, 7.0), (40.0, RESERVE_S)])
+def test_the_reserve_at_the_end_is_the_measured_start_up_within_bounds(startup_s, reserve_s):
+    plan = TimePlan(3.0, 10_000, t_start=100.0)
+    assert plan.reserve_s == RESERVE_S  # before anything is measured
+    plan.start_timing(1, now=100.0 + startup_s)
+    assert plan.reserve_s == reserve_s
+    assert plan.out_of_time(now=100.0 + 180 - reserve_s + 0.1)
+    assert not plan.out_of_time(now=100.0 + 180 - reserve_s - 0.1)
 
 
 def test_the_time_plan_leaves_out_evaluation_time_and_prices_the_evaluations_left():
@@ -55,13 +84,14 @@ def test_the_time_plan_leaves_out_evaluation_time_and_prices_the_evaluations_lef
     assert plan.steps_per_second(100, now=10.0) == pytest.approx(20.0)
     horizon = plan.fit(100, 10_000, now=10.0, eval_interval=100, eval_cost_steps=0)
     # Left after the last step: its evaluation, the final validation (two evaluations) and the reserve.
-    budget = 120 - 10 - 3 * 5.0 - RESERVE_S
+    assert plan.reserve_s == MIN_RESERVE_S  # timed from t=0: no start-up measured
+    budget = 120 - 10 - 3 * 5.0 - MIN_RESERVE_S
     assert horizon == 100 + int(budget / (1 / 20 + 5.0 / 100))  # a step plus its share of evaluations
     # The evaluations are priced by the steps that fit, not by the horizon before: a far-off
     # max_steps (whose evaluations would never fit) changes nothing.
     assert plan.fit(100, 10**7, now=10.0, eval_interval=100, eval_cost_steps=0) == horizon
-    assert plan.out_of_time(now=120 - 3 * 5.0 - RESERVE_S + 0.1)
-    assert not plan.out_of_time(now=120 - 3 * 5.0 - RESERVE_S - 0.1)
+    assert plan.out_of_time(now=120 - 3 * 5.0 - MIN_RESERVE_S + 0.1)
+    assert not plan.out_of_time(now=120 - 3 * 5.0 - MIN_RESERVE_S - 0.1)
 
 
 @pytest.mark.parametrize("max_steps", [1, 7, 8, 9, 20, 24, 25])
@@ -74,7 +104,7 @@ def test_the_time_plan_never_goes_past_max_steps_or_back_before_the_current_step
     late.start_timing(0, now=0.0)
     step = max(1, max_steps // 2)  # out of time: the run ends at the step it has reached
     assert late.fit(step, max_steps, now=59.0, eval_interval=500, eval_cost_steps=1) == step
-    assert late.out_of_time(now=60 - RESERVE_S + 0.1) and not late.out_of_time(now=1.0)
+    assert late.out_of_time(now=60 - MIN_RESERVE_S + 0.1) and not late.out_of_time(now=1.0)
 
 
 def test_without_a_time_limit_the_plan_changes_nothing():

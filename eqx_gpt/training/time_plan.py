@@ -3,7 +3,11 @@ and sets the schedule's length (the horizon) to the steps that fit before `--max
 
 import math
 
-RESERVE_S = 15.0  # seconds kept before the deadline for the last checkpoint, the plot and the sample
+# Seconds kept before the deadline for what follows the last step: a checkpoint, the plot, loading
+# the best model and compiling the sampler. That is start-up's kind of work (loading, compiling), so
+# the reserve is the measured start-up time, within these bounds: a fast machine keeps less.
+RESERVE_S = 15.0
+MIN_RESERVE_S = 3.0
 # The final validation reads the split in windows every context_length // 2 tokens: twice the
 # windows of a periodic evaluation, which also covers fixed training batches. Priced as two.
 FINAL_VALIDATION_EVALS = 2.0
@@ -20,6 +24,7 @@ class TimePlan:
 
     def __init__(self, max_minutes: float, max_steps: int, t_start: float, reserve_s: float = RESERVE_S):
         self.max_steps = max_steps
+        self.t_start = t_start
         self.reserve_s = reserve_s  # kept before the deadline for what follows the last step
         self.deadline = t_start + 60 * max_minutes if max_minutes else math.inf
         self.timed_from: tuple[int, float] | None = None  # (step, time) after compilation
@@ -31,7 +36,10 @@ class TimePlan:
         return math.isfinite(self.deadline)
 
     def start_timing(self, step: int, now: float) -> None:
+        """Start timing the steps (called once the first step, which compiles, has run); the time
+        since `t_start` is the start-up, which sets the reserve."""
         self.timed_from = (step, now)
+        self.reserve_s = min(self.reserve_s, max(MIN_RESERVE_S, now - self.t_start))
 
     @property
     def seconds_per_evaluation(self) -> float | None:

@@ -6,6 +6,7 @@ from eqx_gpt.model.config import DictConfig, check_fields
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
 
 
 def _help(text: str, **kwargs):
@@ -53,8 +54,15 @@ class TrainConfig(DictConfig):
     muon_ns_steps: int = _help(
         "under --optimizer muon: Newton-Schulz iterations that orthogonalise each update", default=5
     )
-    min_lr: float = _help("learning rate at the end of the cosine decay", default=1e-4)
+    min_lr: float = _help("learning rate at the end of the decay", default=1e-4)
     warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
+    schedule: str = _help(
+        "after the warm-up: 'cosine' (half a cosine from lr to min_lr over the rest of the run) or "
+        "'wsd' (warm-up, stable: lr until the last --decay-fraction of the run, then a linear decay "
+        "to min_lr)",
+        default="cosine",
+    )
+    decay_fraction: float = _help("under --schedule wsd: the fraction of the run spent decaying", default=0.4)
     weight_decay: float = _help(
         "weight decay of the weight matrices (AdamW's; under --optimizer muon, of the Muon group)",
         default=0.1,
@@ -97,6 +105,7 @@ class TrainConfig(DictConfig):
                 "grad_clip",
                 "adam_weight_decay",
                 "muon_momentum",
+                "decay_fraction",
                 *(("adam_lr",) if self.adam_lr is not None else ()),
             ),
         )
@@ -114,6 +123,10 @@ class TrainConfig(DictConfig):
                 f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "
                 f"{self.adam_weight_decay}"
             )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not 0 < self.decay_fraction <= 1:
+            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
         if self.init_from is not None and self.tokenizer != "gpt2":

@@ -14,7 +14,7 @@ from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
-from eqx_gpt.training.schedule import warmup_steps
+from eqx_gpt.training.schedule import decay_start, warmup_steps
 from eqx_gpt.training.train_config import TrainConfig
 
 
@@ -203,17 +203,25 @@ def describe_optimizer(config: TrainConfig, horizon: int) -> str:
         f" (--warmup-steps {c.warmup_steps} shortened to half the run)" if warmup < c.warmup_steps else ""
     )
     if c.optimizer == "adamw":
+        decay = _decay(c, horizon, f"{c.min_lr:g}")
         return (
-            f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, cosine to {c.min_lr:g} at step "
-            f"{horizon}; betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
+            f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, {decay}; "
+            f"betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
             f"gradient clip {c.grad_clip:g}"
         )
-    adam_lr = c.adam_lr or c.lr
+    adam_lr, decay = c.adam_lr or c.lr, _decay(c, horizon, f"{c.min_lr / c.lr:g} of their peak")
     return (
         f"Muon (momentum {c.muon_momentum:g}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
         f"block matrices: lr {c.lr:g}, weight decay "
         f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}, betas "
         f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
-        f"warmed up over {warmup} steps{shortened}, then a cosine to {c.min_lr / c.lr:g} of their peak "
-        f"at step {horizon}; gradient clip {c.grad_clip:g}"
+        f"warmed up over {warmup} steps{shortened}, then {decay}; "
+        f"gradient clip {c.grad_clip:g}"
     )
+
+
+def _decay(config: TrainConfig, horizon: int, floor: str) -> str:
+    """What the schedule does after the warm-up, in words (`floor`: where it ends)."""
+    if config.schedule == "cosine":
+        return f"a cosine to {floor} at step {horizon}"
+    return f"stable until step {decay_start(config, horizon)}, then linear to {floor} at step {horizon}"
