@@ -89,6 +89,29 @@ def test_max_minutes_fits_the_schedule_to_the_steps_that_fit(tmp_path, corpus, m
     assert lrs[-1] == pytest.approx(0.002, rel=0.05) and max(lrs) == pytest.approx(0.02)
 
 
+@pytest.mark.parametrize(("step_s", "capped"), [(0.1, False), (0.02, True)])
+def test_the_budget_decides_whether_time_or_max_steps_ends_the_schedule(
+    tmp_path, corpus, monkeypatch, step_s, capped
+):
+    # The same recipe on a slow machine and on one five times faster: the slow one fits its cosine
+    # to the 45 s; the fast one would fit about 1,500 steps but stops at max_steps, where a preset's
+    # model stops gaining, with its schedule ending there, and says so.
+    clock = SimulatedClock(monkeypatch, step_s=step_s)
+    result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.75, max_steps=400)
+    plan = [line for line in lines if line.startswith("time plan: ")]
+    meta = json.loads((tmp_path / "run" / "latest.json").read_text())
+    assert meta["step"] == meta["schedule_steps"] == result.step
+    lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
+    assert lrs[-1] == pytest.approx(0.002, rel=0.05)  # the cosine reaches min_lr either way
+    if capped:
+        assert result.step == 400 and clock() < 1000.0 + 45 - 20, lines  # done early
+        assert len(plan) == 1 and "steps would fit in 0.75 min; the run stops at 400" in plan[0], plan
+        assert int(plan[0].split()[2]) > 1000
+    else:
+        assert 300 < result.step < 350 and clock() > 1000.0 + 45 - 10, lines
+        assert plan and "schedule refitted" in plan[0], plan
+
+
 def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
     clock = SimulatedClock(monkeypatch, step_s=0.05)
     dispatch = eqx_gpt.training.run.dispatch_steps

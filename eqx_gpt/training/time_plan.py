@@ -65,17 +65,24 @@ class TimePlan:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
         return now > self.deadline - self._after_last_step(self.seconds_per_evaluation or 0.0)
 
-    def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
-        """The horizon that ends the run at the deadline, within `[step, max_steps]`.
+    def steps_that_fit(self, step: int, now: float, eval_interval: int, eval_cost_steps: float) -> int | None:
+        """The step at which the run must end to finish at the deadline, `max_steps` aside (None:
+        no time limit, or no step timed yet).
 
         Each step costs its measured time plus its share of the evaluations every `eval_interval`
         steps; `eval_cost_steps` prices an evaluation in training steps until one has been timed.
         """
         rate = self.steps_per_second(step, now)
         if not self.limited or rate is None:
-            return horizon
+            return None
         measured = self.seconds_per_evaluation
         per_eval = eval_cost_steps / rate if measured is None else measured
         budget = self.deadline - now - self._after_last_step(per_eval)
         seconds_per_step = 1 / rate + per_eval / eval_interval
-        return max(step, min(self.max_steps, step + int(budget / seconds_per_step)))
+        return max(step, step + int(budget / seconds_per_step))
+
+    def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
+        """The horizon that ends the run at the deadline, within `[step, max_steps]` (`horizon`
+        unchanged without a time limit or a timed step)."""
+        fits = self.steps_that_fit(step, now, eval_interval, eval_cost_steps)
+        return horizon if fits is None else max(step, min(self.max_steps, fits))
