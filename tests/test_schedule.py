@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.schedule import decay_start, learning_rate, warmup_steps
 from eqx_gpt.training.time_plan import MIN_RESERVE_S, RESERVE_S, TimePlan
 from eqx_gpt.training.train_config import TrainConfig
@@ -113,3 +114,24 @@ def test_without_a_time_limit_the_plan_changes_nothing():
     assert not plan.limited and math.isinf(plan.deadline)
     assert plan.fit(10, 50, now=1e9, eval_interval=10, eval_cost_steps=1) == 50
     assert not plan.out_of_time(now=1e9)
+
+
+@pytest.mark.parametrize(
+    ("steps_per_s", "ends_at"),
+    [(3.0, "time"), (10.0, "time"), (17.0, "max_steps")],  # about the Zen 1 EPYC, the Intel, a Zen 5
+)
+def test_the_default_recipe_fits_slow_machines_to_time_and_stops_fast_ones_at_its_max_steps(
+    steps_per_s, ends_at
+):
+    config = resolve_options({}).train  # what `uv run train.py` runs
+    plan = TimePlan(config.max_minutes, config.max_steps, t_start=0.0)
+    plan.start_timing(1, now=7.0)  # start-up: 7 s
+    step, now = 21, 7.0 + 20 / steps_per_s
+    fits = plan.steps_that_fit(step, now, config.eval_interval, eval_cost_steps=25)
+    horizon = plan.fit(step, config.max_steps, now, config.eval_interval, eval_cost_steps=25)
+    assert fits == pytest.approx(steps_per_s * (60 * config.max_minutes - 7 - 7), rel=0.1)
+    assert horizon == (min(fits, config.max_steps) if ends_at == "time" else config.max_steps)
+    assert (fits > config.max_steps) == (ends_at == "max_steps")
+    # Either way the rates reach their peak after the warm-up and end at zero at the horizon.
+    assert learning_rate(config.warmup_steps, config, horizon) == pytest.approx(config.lr)
+    assert learning_rate(horizon, config, horizon) == config.min_lr == 0.0

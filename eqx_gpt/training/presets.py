@@ -70,7 +70,8 @@ PRESETS = {
         "the previous default: the same model with AdamW, stopping at 7,000 steps or 9 minutes",
         # Tuned by short runs on 2 cores: at equal tokens, batch 16 beat batch 32 (more updates) at
         # the same tokens/s, and lr 5e-3 beat 2e-3 and 1e-2 (the preset kept 4e-3, just below it);
-        # context 64 runs about twice the tokens/s of context 128 on CPU. Past ~7,000 steps this
+        # context 64 then ran about twice the tokens/s of context 128 on CPU (on 2026-11-24's code
+        # 1.05x, and context 128 did not lower the loss at equal tokens). Past ~7,000 steps this
         # model overfits the 1M training characters faster than a longer schedule helps.
         model=_CPU_MODEL,
         train=_CPU_ADAMW_TRAIN,
