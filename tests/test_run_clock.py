@@ -112,6 +112,26 @@ def test_the_budget_decides_whether_time_or_max_steps_ends_the_schedule(
         assert plan and "schedule refitted" in plan[0], plan
 
 
+def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_ends(
+    tmp_path, corpus, monkeypatch
+):
+    clock = SimulatedClock(monkeypatch, step_s=0.1)
+    result, lines = _run(
+        corpus, tmp_path / "run", clock, max_minutes=0.75, schedule="wsd", decay_fraction=0.5
+    )
+    assert any("stable until step" in line and "then linear to 0.1 of their peak" in line for line in lines)
+    records = [r for r in _records(tmp_path / "run") if "lr" in r]
+    lrs = {r["step"]: r["lr"] for r in records}
+    # The last step runs one step of the line above min_lr: the line is round(0.5 * horizon) long.
+    assert max(lrs) == result.step
+    assert lrs[result.step] == pytest.approx(0.002 + 0.018 / round(0.5 * result.step), rel=1e-4)
+    # The refits move only the decay: every step before the run's last two fifths ran at the peak.
+    stable = [lr for step, lr in lrs.items() if 6 < step <= 0.4 * result.step]
+    assert stable and stable == [pytest.approx(0.02)] * len(stable)
+    after = [lrs[step] for step in sorted(lrs) if step > 0.4 * result.step]
+    assert all(a >= b for a, b in zip(after, after[1:], strict=False)) and after[0] > after[-1]
+
+
 def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
     clock = SimulatedClock(monkeypatch, step_s=0.05)
     dispatch = eqx_gpt.training.run.dispatch_steps

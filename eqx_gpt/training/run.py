@@ -451,15 +451,18 @@ def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
     # step's worth of tokens): the fixed training batches, then the whole validation split.
-    c = run.config
+    c, now = run.config, run.now()
     eval_cost = (c.eval_batches + len(run.val_ids) / run.tokens_per_step) / 3
-    fits = run.plan.steps_that_fit(run.step, run.now(), c.eval_interval, eval_cost)
-    horizon = run.plan.fit(run.step, run.horizon, run.now(), c.eval_interval, eval_cost)
-    if announce and fits is not None and fits > c.max_steps:
-        # More steps than the recipe wants: a preset's max_steps is where its model stops gaining.
-        run.log(f"time plan: {fits} steps would fit in {c.max_minutes:g} min; the run stops at {c.max_steps}")
-    elif announce and horizon != run.horizon:
-        run.log(f"time plan: {horizon} steps fit in {c.max_minutes:g} min; schedule refitted")
+    horizon = run.plan.fit(run.step, run.horizon, now, c.eval_interval, eval_cost)
+    if announce:
+        fits = run.plan.steps_that_fit(run.step, now, c.eval_interval, eval_cost)
+        if fits is not None and fits > c.max_steps:
+            # More steps than the recipe wants: a preset's max_steps is where its model stops gaining.
+            run.log(
+                f"time plan: {fits} steps would fit in {c.max_minutes:g} min; the run stops at {c.max_steps}"
+            )
+        elif horizon != run.horizon:
+            run.log(f"time plan: {horizon} steps fit in {c.max_minutes:g} min; schedule refitted")
     run.horizon = horizon
 
 
