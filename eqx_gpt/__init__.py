@@ -4,7 +4,6 @@ Every module is an `eqx.Module` acting on one example or on a whole batch passed
 jaxtyping shape annotations checked by beartype when JAX traces the call.
 """
 
-from eqx_gpt import _moved
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
 from eqx_gpt.generation.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
@@ -30,8 +29,6 @@ from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.evaluate import Evaluation, evaluate, evaluate_text
-
-_moved.install()
 
 __all__ = [
     "GPT",

@@ -7,8 +7,6 @@ check runs when JAX traces the function, so inside `jit` it costs nothing at run
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-from eqx_gpt._moved import moved_names
-
 typechecked = jaxtyped(typechecker=beartype)
 
 
@@ -25,13 +23,3 @@ def is_whole(value, low: int, high: float = float("inf")) -> bool:
     """Whether `value` is an `int` (not a `bool`) in `[low, high]`: how every count and size a user
     passes is checked before it reaches JAX."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-# Names that moved to other modules in the layout of the wings; still importable from here.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "OneLineParser": "eqx_gpt.cli:OneLineParser",
-        "finite_float": "eqx_gpt.cli:finite_float",
-    },
-)

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, PRNGKeyArray
 
-from eqx_gpt._moved import moved_names
 from eqx_gpt.streams import typed_key
 
 # Dropout decides with 16 random bits per element, so rates are multiples of 1/65536.
@@ -57,13 +56,3 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
         keep = jax.vmap(lambda k: keep_mask(k, rate, inner))(key.reshape(-1)).reshape(x.shape)
     scale = jnp.asarray(1.0 / keep_probability(rate), x.dtype)
     return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
-
-
-# Names that moved to other modules in the layout of the wings; still importable from here.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "split_key": "eqx_gpt.streams:split_key",
-        "keys_per_sequence": "eqx_gpt.streams:keys_per_sequence",
-    },
-)

@@ -178,13 +178,3 @@ class Transformer(eqx.Module):
 
         _, weights = self.decoder.run(layer, x)
         return self.decoder.as_array(weights)
-
-
-def __getattr__(name: str):
-    """`translate` lived here before the generation wing; `from eqx_gpt.transformer import translate`
-    still works."""
-    if name == "translate":
-        from eqx_gpt.generation.translate import translate
-
-        return translate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from eqx_gpt._moved import moved_names
 from eqx_gpt.streams import batch_key
 
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -106,17 +105,3 @@ def fixed_batches(
             for i in range(n_batches)
         ]
     )
-
-
-# Names that moved to other modules in the layout of the wings; still importable from here.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "batch_key": "eqx_gpt.streams:batch_key",
-        "TRAIN_BATCHES": "eqx_gpt.streams:TRAIN_BATCHES",
-        "DROPOUT": "eqx_gpt.streams:DROPOUT",
-        "EVAL_TRAIN_BATCHES": "eqx_gpt.streams:EVAL_TRAIN_BATCHES",
-        "EVAL_VAL_BATCHES": "eqx_gpt.streams:EVAL_VAL_BATCHES",
-        "INIT": "eqx_gpt.streams:INIT",
-    },
-)

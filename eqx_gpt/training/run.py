@@ -32,7 +32,6 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from eqx_gpt._moved import moved_names
 from eqx_gpt.checkpoint import (
     BEST,
     LATEST,
@@ -510,7 +509,7 @@ class _StopFlag:
 def train(
     settings: dict,
     out_dir: str | Path = "out",
-    *old_form,
+    *,
     resume: bool = False,
     overwrite: bool = False,
     sample_tokens: int = 300,
@@ -529,11 +528,6 @@ def train(
     input; Ctrl-C or SIGTERM saves a checkpoint and returns with `interrupted`. `now` is the clock
     that `max_minutes` is measured by (tests pass a simulated one).
     """
-    if old_form or not isinstance(settings, dict) or not isinstance(out_dir, str | Path):
-        raise TypeError(
-            "train(settings, out_dir) takes one dict of settings: pass {**model_options, "
-            "**train_config.to_dict(), 'preset': None} where it took (model_options, train_config)"
-        )
     t_start = now()
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     out_dir = Path(out_dir)
@@ -666,12 +660,3 @@ def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
     if sample is not None:
         run.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
     return TrainResult(run.step, final.loss, run.best_val, elapsed, False, sample, run.out_dir)
-
-
-# Names that moved to other modules in the layout of the wings; still importable from here.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "RESUMABLE_CHANGES": "eqx_gpt.training.options:RESUMABLE_CHANGES",
-    },
-)

@@ -8,7 +8,6 @@ rate and each step is passed its rate, so changing the horizon needs no recompil
 
 import math
 
-from eqx_gpt._moved import moved_names
 from eqx_gpt.training.train_config import TrainConfig
 
 
@@ -45,15 +44,3 @@ def learning_rate(step: int, config: TrainConfig, horizon: int) -> float:
     if c.schedule == "wsd":
         return c.lr + progress * (c.min_lr - c.lr)
     return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
-
-
-# Names that moved to other modules in the layout of the wings; still importable from here.
-__getattr__ = moved_names(
-    __name__,
-    {
-        "TimePlan": "eqx_gpt.training.time_plan:TimePlan",
-        "RESERVE_S": "eqx_gpt.training.time_plan:RESERVE_S",
-        "FINAL_VALIDATION_EVALS": "eqx_gpt.training.time_plan:FINAL_VALIDATION_EVALS",
-        "describe_schedule": "eqx_gpt.training.train_step:describe_optimizer",
-    },
-)
