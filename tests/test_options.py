@@ -7,7 +7,6 @@ import pytest
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.options import OptionsError, resolve_options
 from eqx_gpt.training.presets import PRESETS
-from eqx_gpt.training.run import train
 from eqx_gpt.training.train_config import TrainConfig
 
 CHECKPOINT = {
@@ -59,8 +58,3 @@ def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
     with pytest.raises(OptionsError, match=words) as error:
         resolve_options(settings)
     assert "\n" not in str(error.value)
-
-
-def test_train_names_its_new_form_to_a_caller_of_the_old_one(tmp_path):
-    with pytest.raises(TypeError, match=r"train\(settings, out_dir\) takes one dict"):
-        train({"d_model": 32}, TrainConfig(), tmp_path)
