@@ -7,6 +7,8 @@ into the same tokenizer (checkpoints store it beside the weights).
 
 from collections.abc import Iterable
 
+import numpy as np
+
 from eqx_gpt._checks import is_whole
 
 
@@ -49,6 +51,20 @@ class CharTokenizer:
             raise TokenizerError(
                 "prompt has characters the tokenizer does not know: " + ", ".join(map(repr, unknown))
             ) from None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as a `uint32` array, computed in numpy (a corpus is millions of characters)."""
+        unknown = np.iinfo(np.uint32).max
+        if not hasattr(self, "_table"):  # the id of each code point up to the largest known one
+            codepoints = np.array([ord(c) for c in self.chars])
+            table = np.full(codepoints.max() + 2, unknown, np.uint32)  # the last entry: beyond them all
+            table[codepoints] = np.arange(len(codepoints))
+            self._table = table
+        codepoints = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        ids = self._table[np.minimum(codepoints, len(self._table) - 1)]
+        if len(ids) and ids.max() == unknown:
+            self.encode(text)  # raises, naming the unknown characters
+        return ids
 
     def decode(self, ids: Iterable[int]) -> str:
         chars, n = self.chars, len(self.chars)
@@ -114,6 +130,11 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> list[int]:
         # Special tokens such as "<|endoftext|>" are encoded as plain text, never as control ids.
         return self._encoding.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """`encode(text)` as a `uint32` array, without a Python list between (tiktoken releases the
+        GIL meanwhile, so threads encode in parallel)."""
+        return self._encoding.encode_to_numpy(text, disallowed_special=())
 
     def decode(self, ids: Iterable[int]) -> str:
         ids = [int(i) for i in ids]

@@ -1,72 +1,115 @@
-"""The bundled corpus, bad data files, the 90/10 split, and batches that depend only on (seed, step)."""
+"""The training data: the bundled corpus, the 90/10 split, batches that depend only on (seed, step)
+and are read from the shards, and the bounded validation windows."""
 
+import functools
 import hashlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_gpt.streams import TRAIN_BATCHES
+from eqx_gpt.data.prepare import prepare
+from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.streams import TRAIN_BATCHES, batch_key
+from eqx_gpt.tokenizer import CharTokenizer
+from eqx_gpt.training.batches import fixed_batches, get_batch, windows_reader
 from eqx_gpt.training.corpus import (
     SHAKESPEARE_SHA256,
     DataError,
-    get_batch,
+    check_split,
+    load_corpus,
     load_text,
     shakespeare_path,
     split_text,
-    to_ids,
 )
+from eqx_gpt.training.evaluate import final_windows, periodic_windows, sampled, whole_text
+from eqx_gpt.training.parallel import data_mesh, shard_rows
+from eqx_gpt.training.train_config import TrainConfig
 
 
-def test_bundled_shakespeare_is_the_known_text():
+@functools.partial(jax.jit, static_argnames=("seed", "stream", "batch_size", "length"))
+def _batch_the_old_way(data, step, *, seed, stream, batch_size, length):
+    """How batches were drawn before the shards: from the whole corpus on the device."""
+    starts = jax.random.randint(batch_key(seed, stream, step), (batch_size,), 0, data.shape[0] - length + 1)
+    return jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(data, s, length))(starts)
+
+
+def test_the_bundled_corpus_tokenizes_and_splits_as_the_text_did():
     text = load_text()
     assert len(text) == 1_115_394
     assert hashlib.sha256(shakespeare_path().read_bytes()).hexdigest() == SHAKESPEARE_SHA256
+    corpus = load_corpus(None, {"kind": "char"})
+    assert corpus.identity == SHAKESPEARE_SHA256 and corpus.folder is None  # small: in memory
+    tokenizer = CharTokenizer.from_text(text)
+    assert corpus.tokenizer == tokenizer
     train, val = split_text(text)
     assert len(train) == 1_003_854 and train + val == text
+    np.testing.assert_array_equal(corpus.train.to_array(), tokenizer.encode(train))
+    np.testing.assert_array_equal(corpus.val.to_array(), tokenizer.encode(val))
 
 
-def test_bad_data_files_give_one_line_errors(tmp_path):
-    empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
-    latin1 = tmp_path / "latin1.txt"
-    latin1.write_bytes("Roméo".encode("latin-1"))
-    cases = [
-        (tmp_path / "missing.txt", "does not exist"),
-        (tmp_path, "is a directory"),
-        (empty, "is empty"),
-        (latin1, "is not UTF-8"),
-    ]
-    for path, message in cases:
-        with pytest.raises(DataError, match=message) as info:
-            load_text(path)
-        assert "\n" not in str(info.value)
-    assert load_text(_write(tmp_path / "ok.txt", "héllo")) == "héllo"
+def test_batches_from_the_shards_are_the_batches_drawn_from_the_whole_array(tmp_path, monkeypatch):
+    monkeypatch.setattr("eqx_gpt.data.chunks.CHUNK_BYTES", 1000)  # many shards: windows cross them
+    ids = np.random.default_rng(0).integers(0, 7, 20_000)
+    (tmp_path / "c.txt").write_text("".join("abcdefg"[i] for i in ids))
+    corpus = prepare(tmp_path / "c.txt", {"kind": "char"}, cache=tmp_path / "cache", in_memory_bytes=0)
+    assert len(corpus.manifest.shards) == 20
+    whole = jnp.asarray(corpus.train.to_array())
+    for step in (0, 1, 77):
+        kw = dict(seed=3, stream=TRAIN_BATCHES, batch_size=64, length=17)
+        a = get_batch(corpus.train, step, **kw)
+        np.testing.assert_array_equal(a, np.asarray(_batch_the_old_way(whole, step, **kw)))
+        np.testing.assert_array_equal(a, get_batch(corpus.train, step, **kw))  # the same every time
+    assert not np.array_equal(get_batch(corpus.train, 1, **kw), get_batch(corpus.train, 2, **kw))
+    fixed = fixed_batches(corpus.train, n_batches=3, **kw)
+    assert fixed.shape == (3, 64, 17) and np.array_equal(fixed[1], get_batch(corpus.train, 1, **kw))
 
 
-def _write(path, text):
-    path.write_text(text, encoding="utf-8")
-    return path
+def test_a_span_reads_windows_across_shards_and_refuses_windows_outside_it():
+    flat = np.arange(100, dtype=np.uint16)
+    span = TokenSpan([flat[:30], flat[30:31], flat[31:]]).span(10, 90)
+    starts = np.array([0, 15, 19, 20, 21, 70])
+    np.testing.assert_array_equal(span.rows(starts, 10), flat[10 + starts[:, None] + np.arange(10)])
+    assert span.rows(starts, 10).dtype == np.int32 and len(span) == 80
+    with pytest.raises(ValueError, match="leave the span"):
+        span.rows(np.array([71]), 10)
 
 
-def test_a_split_shorter_than_one_window_is_rejected():
-    assert to_ids(list(range(17)), "validation", 16, "f").shape == (17,)
+def test_each_process_reads_only_its_rows_and_an_unused_slot_is_zeros():
+    span = TokenSpan([np.arange(50, dtype=np.uint16)])
+    starts = np.array([[3, 5, 7, 9], [-1, -1, -1, -1]])
+    read = windows_reader(span, starts, 4)
+    whole = read((slice(None), slice(None), slice(None)))
+    assert whole.shape == (2, 4, 4) and not whole[1].any()
+    np.testing.assert_array_equal(whole[0, 2], [7, 8, 9, 10])
+    np.testing.assert_array_equal(read((slice(0, 1), slice(2, 4))), whole[:1, 2:4])
+    asked = []
+    array = jax.make_array_from_callback(  # the multi-process path of `shard_rows`, in one process
+        whole.shape, jax.sharding.NamedSharding(data_mesh(), jax.sharding.PartitionSpec(None, "data")),
+        lambda index: asked.append(index) or read(index),
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(array), whole)
+    assert len(asked) == data_mesh().size
+    np.testing.assert_array_equal(np.asarray(shard_rows(read, whole.shape, data_mesh(), 1)), whole)
+
+
+def test_a_split_shorter_than_one_window_is_refused():
+    check_split(TokenSpan([np.zeros(17, np.uint16)]), "validation", 16, "f")
     with pytest.raises(DataError, match="fewer than one window of context_length \\+ 1 = 17"):
-        to_ids(list(range(16)), "validation", 16, "f")
+        check_split(TokenSpan([np.zeros(16, np.uint16)]), "validation", 16, "f")
 
 
-def test_batches_are_a_pure_function_of_seed_and_step():
-    data = jnp.arange(1000, dtype=jnp.int32)
-
-    def batch(seed, step):
-        return np.asarray(get_batch(data, step, seed=seed, stream=TRAIN_BATCHES, batch_size=8, length=17))
-
-    a = batch(0, 5)
-    assert a.shape == (8, 17)
-    np.testing.assert_array_equal(a, batch(0, 5))
-    np.testing.assert_array_equal(a, batch(0, jnp.int32(5)))  # traced or Python step: same batch
-    assert not np.array_equal(a, batch(0, 6))
-    assert not np.array_equal(a, batch(1, 5))
-    # Each row is a window of consecutive tokens that lies inside the data.
-    np.testing.assert_array_equal(a - a[:, :1], np.broadcast_to(np.arange(17), a.shape))
-    assert a.min() >= 0 and a.max() < 1000
+def test_evaluation_windows_cover_the_split_within_the_budget():
+    default = TrainConfig().eval_tokens
+    ts = periodic_windows(111_540, 64, default)  # Tiny Shakespeare's split: whole, as it always was
+    assert ts.whole and ts.n_predicted == 111_539 and ts.stride == 64
+    final = final_windows(111_540, 64, default)
+    assert final.whole and final.stride == 32 and final.n_predicted == 111_539
+    big = periodic_windows(10**8, 64, default)  # a large split: the same evenly spread windows each time
+    assert not big.whole and big.n_predicted <= default and len(big) == default // 64
+    assert big.starts[0] == 0 and big.starts[-1] == 10**8 - 65 and np.all(np.diff(big.starts) >= 64)
+    np.testing.assert_array_equal(big.starts, periodic_windows(10**8, 64, default).starts)
+    final = final_windows(10**8, 64, default)
+    assert not final.whole and final.n_predicted == 8 * big.n_predicted
+    assert whole_text(5, 64, 32).n_predicted == 4 and sampled(5, 64, 10).whole  # shorter than a window

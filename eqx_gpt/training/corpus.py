@@ -1,28 +1,25 @@
-"""The training corpus: loading, the train/validation split, and random batches.
+"""The training corpus: the bundled Tiny Shakespeare or `--data PATH`, prepared into token shards
+(`eqx_gpt.data`), split 90/10, and checked against the checkpoint a run resumes.
 
-A batch is `batch_size` random windows of `context_length + 1` consecutive tokens: the first
-`context_length` are the input, the last `context_length` the targets. Which windows are drawn is a
-pure function of `(seed, step)`, so a resumed run sees exactly the batches it would have seen.
+The corpus's identity (`data_sha256` in checkpoints) is the sha256 of its file, or for a folder
+of its files' names and hashes (`Manifest.identity`); a resumed run refuses any other corpus.
 """
 
-import functools
 import hashlib
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Int
-
-from eqx_gpt.streams import batch_key
+from eqx_gpt.checkpoint import CheckpointError
+from eqx_gpt.data.manifest import TRAIN_FRACTION
+from eqx_gpt.data.prepare import Corpus, prepare
+from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.data.sources import DataError
 
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-TRAIN_FRACTION = 0.9
+BUNDLED = "Tiny Shakespeare (bundled)"
 
-
-class DataError(ValueError):
-    """The corpus cannot be used (one-line message naming the file and the fix)."""
+__all__ = ["DataError", "SHAKESPEARE_SHA256", "load_corpus", "load_text", "shakespeare_path", "split_text"]
 
 
 def shakespeare_path() -> Path:
@@ -30,12 +27,48 @@ def shakespeare_path() -> Path:
     return Path(str(resources.files("eqx_gpt") / "data" / "tinyshakespeare.txt"))
 
 
-def load_text(path: str | Path | None = None) -> str:
-    """The corpus as a string: the bundled Tiny Shakespeare when `path` is None, else a UTF-8 file.
+def load_corpus(
+    data: str | None,
+    tokenizer: dict,
+    *,
+    resumes: dict | None = None,
+    log: Callable[[str], None] = lambda line: None,
+    progress=None,
+) -> Corpus:
+    """The corpus at `data` (None: the bundled Tiny Shakespeare, checked against its known sha256)
+    tokenized by `tokenizer` (see `prepare`). `resumes` is the metadata of the checkpoint a run
+    resumes: a corpus other than its `data_sha256` is refused before anything is tokenized."""
+    bundled = data is None
+    source = BUNDLED if bundled else data
 
-    The bundled file is checked against its known sha256, so a damaged install is reported rather
-    than trained on.
-    """
+    def check(sha: str) -> None:
+        if bundled and sha != SHAKESPEARE_SHA256:
+            raise DataError(
+                f"bundled corpus {shakespeare_path()} does not match its sha256; reinstall eqx_gpt"
+            )
+        if resumes is not None and resumes.get("data_sha256") not in (None, sha):
+            raise CheckpointError(
+                f"{source} is not the corpus the checkpoint in {Path(resumes['path']).parent}/ was trained "
+                f"on (its sha256 differs); pass --data PATH to that corpus"
+            )
+
+    return prepare(
+        shakespeare_path() if bundled else data, tokenizer, check_identity=check, log=log, progress=progress
+    )
+
+
+def check_split(tokens: TokenSpan, name: str, context_length: int, source: str) -> None:
+    """Refuse a split shorter than one window of `context_length + 1` tokens."""
+    if len(tokens) < context_length + 1:
+        raise DataError(
+            f"{source}: the {name} split has {len(tokens)} tokens, fewer than one window of "
+            f"context_length + 1 = {context_length + 1}; use a longer file or a smaller --context-length"
+        )
+
+
+def load_text(path: str | Path | None = None) -> str:
+    """A small text whole, as a string: the bundled Tiny Shakespeare when `path` is None (checked
+    against its sha256), else a UTF-8 file. Training reads corpora with `load_corpus` instead."""
     bundled = path is None
     path = shakespeare_path() if bundled else Path(path)
     try:
@@ -60,48 +93,7 @@ def load_text(path: str | Path | None = None) -> str:
 
 
 def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, str]:
-    """The first `train_fraction` of the characters for training, the rest for validation."""
+    """The first `train_fraction` of the characters for training, the rest for validation (for a
+    char tokenizer, the same split as `Corpus.train` and `Corpus.val`)."""
     n = int(len(text) * train_fraction)
     return text[:n], text[n:]
-
-
-def to_ids(ids: list[int], name: str, context_length: int, source: str) -> Int[Array, " n"]:
-    """`ids` as a device array, checked to hold at least one window of `context_length + 1`."""
-    if len(ids) < context_length + 1:
-        raise DataError(
-            f"{source}: the {name} split has {len(ids)} tokens, fewer than one window of "
-            f"context_length + 1 = {context_length + 1}; use a longer file or a smaller --context-length"
-        )
-    return jnp.asarray(np.asarray(ids, dtype=np.int32))
-
-
-def sample_windows(data: Int[Array, " n"], key: jax.Array, batch_size: int, length: int) -> Int[Array, "b l"]:
-    """`batch_size` windows of `length` consecutive tokens of `data`, starting uniformly at random."""
-    starts = jax.random.randint(key, (batch_size,), 0, data.shape[0] - length + 1)
-    return jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(data, s, length))(starts)
-
-
-@functools.partial(jax.jit, static_argnames=("seed", "stream", "batch_size", "length"))
-def get_batch(
-    data: Int[Array, " n"],
-    step: Int[Array, ""] | int,
-    *,
-    seed: int,
-    stream: int,
-    batch_size: int,
-    length: int,
-) -> Int[Array, "b l"]:
-    """The batch of `stream` at `step`: `batch_size` windows of `length` tokens, the same every time."""
-    return sample_windows(data, batch_key(seed, stream, step), batch_size, length)
-
-
-def fixed_batches(
-    data: Int[Array, " n"], *, seed: int, stream: int, n_batches: int, batch_size: int, length: int
-) -> Int[Array, "k b l"]:
-    """`n_batches` batches that never change during a run (evaluation uses the same ones each time)."""
-    return jnp.stack(
-        [
-            get_batch(data, i, seed=seed, stream=stream, batch_size=batch_size, length=length)
-            for i in range(n_batches)
-        ]
-    )

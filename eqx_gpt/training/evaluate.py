@@ -1,4 +1,5 @@
-"""The loss of a model on a whole text, every position predicted once.
+"""The loss of a model on a text: over the whole of it, every position predicted once, or over a
+fixed sample of its windows within a token budget.
 
 A model sees at most `context_length` tokens, so a long text is cut into windows. With
 `stride == context_length` they do not overlap: cheap, but the first positions of each window
@@ -6,7 +7,11 @@ are predicted from little context. With a smaller stride (`final` evaluations us
 `context_length // 2`) the windows overlap and each counts only the targets that no earlier
 window counted, so every target after the first `context_length` is predicted from at least
 `context_length - stride` tokens. Either way every token but the first (which nothing precedes)
-is a target exactly once, so the mean is over `len(tokens) - 1` predictions.
+is a target exactly once, so the mean is over `len(tokens) - 1` predictions (`whole_text`).
+
+A split larger than the budget is sampled instead (`sampled`): windows spread evenly over it,
+the same at every evaluation, each counting all its targets. The periodic evaluations of a run
+read `periodic_windows`, the final one `final_windows`: a bounded cost whatever the corpus size.
 """
 
 from collections.abc import Callable
@@ -19,9 +24,11 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from eqx_gpt._checks import is_whole
+from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.model.gpt import GPT
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
+FINAL_EVAL_FACTOR = 8  # the final validation reads up to this many times the periodic budget
 
 
 def windows_per_call(context: int) -> int:
@@ -35,24 +42,78 @@ def windows_per_call(context: int) -> int:
 @dataclass(frozen=True)
 class Evaluation:
     loss: float  # mean cross-entropy in nats per predicted token
-    n_predicted: int  # tokens predicted: len(tokens) - 1
-    stride: int  # tokens between window starts
+    n_predicted: int  # tokens predicted: len(tokens) - 1 over the whole text
+    stride: int  # tokens between window starts (a sample: its windows' length)
+    whole: bool = True  # every token of the text predicted (False: a sample of its windows)
 
 
-def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(starts, counted)`: window `w` holds tokens `starts[w] : starts[w] + context + 1` and counts
-    the loss of its target `j` (token `starts[w] + 1 + j`) where `counted[w, j]`."""
+@dataclass(frozen=True)
+class Windows:
+    """Windows of `context + 1` tokens of a text of `n_tokens`: window `w` starts at `starts[w]` and
+    counts the loss of its targets `first[w] <= j < end[w]` (target `j` is token `starts[w] + 1 + j`)."""
+
+    starts: np.ndarray
+    first: np.ndarray
+    end: np.ndarray
+    context: int
+    n_tokens: int
+    stride: int
+    whole: bool
+
+    @property
+    def n_predicted(self) -> int:
+        return int(np.sum(self.end - self.first))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def whole_text(n_tokens: int, context: int, stride: int) -> Windows:
+    """Windows every `stride` tokens, the last one ending at the last token, that predict every
+    token but the first exactly once (see the module docstring)."""
     if n_tokens < 2:
         raise ValueError(f"evaluation needs at least 2 tokens (one to predict from), got {n_tokens}")
     last_start = max(0, n_tokens - 1 - context)  # the window that ends at the last token
-    starts = list(range(0, last_start, stride)) + [last_start]
-    counted = np.zeros((len(starts), context), bool)
-    covered = 0  # targets 1 .. covered are counted already
-    for w, s in enumerate(starts):
-        end = min(s + context, n_tokens - 1)  # the last target this window predicts
-        counted[w, max(covered, s) - s : end - s] = True
-        covered = end
-    return np.asarray(starts), counted
+    starts = np.append(np.arange(0, last_start, stride), last_start)
+    ends = np.minimum(starts + context, n_tokens - 1)  # the last target each window predicts
+    covered = np.append(0, ends[:-1])  # targets 1 .. covered are counted by earlier windows
+    return Windows(
+        starts, np.maximum(covered, starts) - starts, ends - starts, context, n_tokens, stride, True
+    )
+
+
+def sampled(n_tokens: int, context: int, budget: int) -> Windows:
+    """`budget // context` windows (at least one) spread evenly over the text, each counting all
+    its `context` targets: about `budget` predicted tokens, the same every time."""
+    if n_tokens < context + 1:
+        return whole_text(n_tokens, context, context)
+    k = min(max(1, budget // context), n_tokens // context)
+    starts = np.linspace(0, n_tokens - 1 - context, k).round().astype(np.int64)
+    return Windows(starts, np.zeros(k, np.int64), np.full(k, context), context, n_tokens, context, False)
+
+
+def periodic_windows(n_tokens: int, context: int, budget: int) -> Windows:
+    """What a run's periodic evaluations read: the whole split in non-overlapping windows if it
+    fits `budget` tokens (Tiny Shakespeare's does), else an even sample of `budget` tokens."""
+    return (
+        whole_text(n_tokens, context, context) if n_tokens <= budget else sampled(n_tokens, context, budget)
+    )
+
+
+def final_windows(n_tokens: int, context: int, budget: int) -> Windows:
+    """What a run's final validation reads: the whole split in overlapping windows (every
+    `context // 2`) if it is at most `FINAL_EVAL_FACTOR` times the periodic budget, else an even
+    sample of that many tokens."""
+    if n_tokens <= FINAL_EVAL_FACTOR * budget:
+        return whole_text(n_tokens, context, max(1, context // 2))
+    return sampled(n_tokens, context, FINAL_EVAL_FACTOR * budget)
+
+
+def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(starts, counted)` of `whole_text`: `counted[w, j]` says whether window `w` counts target `j`."""
+    w = whole_text(n_tokens, context, stride)
+    j = np.arange(context)
+    return w.starts, (j >= w.first[:, None]) & (j < w.end[:, None])
 
 
 @eqx.filter_jit
@@ -64,6 +125,26 @@ def _summed_loss(
     return jnp.sum(losses * weight)
 
 
+def _summed(model: GPT, n_rows: int, read, *, batch: int, place, stop) -> float | None:
+    """`sum(weight * loss)` over `n_rows` windows, `batch` per jitted call; `read(i, j)` gives the
+    `(rows, weight)` of windows `i..j`. The last call is padded with zero weight, so every call has
+    one shape. None as soon as `stop()` is true between calls. One call is kept in flight while the
+    next is dispatched."""
+    total, in_flight = 0.0, None
+    for i in range(0, n_rows, batch):
+        if stop():
+            return None
+        rows, weight = read(i, min(i + batch, n_rows))
+        padded_rows = np.zeros((batch, rows.shape[1]), np.int32)
+        padded_rows[: len(rows)] = rows
+        padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
+        padded_weight[: len(weight)] = weight
+        result = _summed_loss(model, place(padded_rows), place(padded_weight))
+        total += 0.0 if in_flight is None else float(in_flight)
+        in_flight = result
+    return total + (0.0 if in_flight is None else float(in_flight))
+
+
 def summed_loss(
     model: GPT,
     rows: Int[np.ndarray, "n window"],
@@ -73,23 +154,39 @@ def summed_loss(
     place=lambda x: x,
     stop: Callable[[], bool] = lambda: False,
 ) -> float | None:
-    """`sum(weight * loss)` over the windows `rows` (no dropout), `batch` rows per jitted call
-    (the last call padded with zero weight, so every call has one shape). Returns None as soon as
-    `stop()` is true between calls. One call is kept in flight while the next is dispatched."""
-    n_calls = -(-len(rows) // batch)
-    padded_rows = np.zeros((n_calls * batch, rows.shape[1]), np.int32)
-    padded_rows[: len(rows)] = rows
-    padded_weight = np.zeros((n_calls * batch, weight.shape[1]), np.float32)
-    padded_weight[: len(weight)] = weight
-    total, in_flight = 0.0, None
-    for i in range(n_calls):
-        if stop():
-            return None
-        part = slice(i * batch, (i + 1) * batch)
-        result = _summed_loss(model, place(padded_rows[part]), place(padded_weight[part]))
-        total += 0.0 if in_flight is None else float(in_flight)
-        in_flight = result
-    return total + float(in_flight)
+    """`sum(weight * loss)` over the windows `rows` (no dropout), `batch` rows per jitted call;
+    None if `stop()` turns true between calls."""
+    read = lambda i, j: (rows[i:j], weight[i:j])
+    return _summed(model, len(rows), read, batch=batch, place=place, stop=stop)
+
+
+def evaluate_windows(
+    model: GPT,
+    tokens: TokenSpan,
+    plan: Windows,
+    *,
+    place=lambda x: x,
+    batch: int | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> Evaluation | None:
+    """Mean next-token loss of `model` (no dropout) over the windows `plan` of `tokens`, read from
+    them a call at a time (a split is never copied whole). See `evaluate` for the arguments."""
+    context, j = plan.context, np.arange(plan.context)
+
+    def read(i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        starts, fits = plan.starts[i:k], plan.starts[i:k] + context + 1 <= len(tokens)
+        rows = np.zeros((k - i, context + 1), np.int32)  # a text shorter than a window: zeros after it
+        rows[fits] = tokens.rows(starts[fits], context + 1)
+        for r in np.flatnonzero(~fits):
+            rows[r, : len(tokens) - starts[r]] = tokens.span(int(starts[r]), len(tokens)).to_array()
+        weight = (j >= plan.first[i:k, None]) & (j < plan.end[i:k, None])
+        return rows, weight.astype(np.float32)
+
+    batch = windows_per_call(context) if batch is None else batch
+    total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop)
+    if total is None:
+        return None
+    return Evaluation(total / plan.n_predicted, plan.n_predicted, plan.stride, plan.whole)
 
 
 def evaluate(
@@ -101,25 +198,20 @@ def evaluate(
     batch: int | None = None,
     stop: Callable[[], bool] = lambda: False,
 ) -> Evaluation | None:
-    """Mean next-token loss of `model` over all of `tokens` `(n,)` (no dropout), in windows of
-    `context_length` started every `stride` tokens (default `context_length // 2`; see the module
-    docstring). Runs `batch` windows per jitted call (default `windows_per_call(context_length)`);
-    `place` puts each call's `(batch, ...)` arrays on devices. Returns None if `stop()` turns true
-    between calls (an interrupted run does not wait for the whole split)."""
+    """Mean next-token loss of `model` over all of `tokens` `(n,)` (an array, or a `TokenSpan`; no
+    dropout), in windows of `context_length` started every `stride` tokens (default
+    `context_length // 2`; see the module docstring). Runs `batch` windows per jitted call (default
+    `windows_per_call(context_length)`); `place` puts each call's `(batch, ...)` arrays on devices.
+    Returns None if `stop()` turns true between calls (an interrupted run does not wait for the
+    whole split)."""
     context = model.config.context_length
     stride = max(1, context // 2) if stride is None else stride
     if not is_whole(stride, 1, context):
         raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
-    ids = np.asarray(tokens, np.int32).reshape(-1)
-    starts, counted = windows(len(ids), context, stride)
-    padded_ids = np.concatenate([ids, np.zeros(context + 1, np.int32)])
-    rows = padded_ids[starts[:, None] + np.arange(context + 1)]
-    batch = windows_per_call(context) if batch is None else batch
-    total = summed_loss(model, rows, counted.astype(np.float32), batch=batch, place=place, stop=stop)
-    if total is None:
-        return None
-    n = int(counted.sum())
-    return Evaluation(total / n, n, stride)
+    if not isinstance(tokens, TokenSpan):
+        tokens = TokenSpan([np.asarray(tokens, np.int32).reshape(-1)])
+    plan = whole_text(len(tokens), context, stride)
+    return evaluate_windows(model, tokens, plan, place=place, batch=batch, stop=stop)
 
 
 def evaluate_text(model: GPT, tokenizer, text: str, *, stride: int | None = None) -> Evaluation:

@@ -134,3 +134,13 @@ def shard_parameters(tree, mesh: Mesh):
 def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
     """Split `batch` along `batch_axis` over the mesh (asynchronous; no copy on one device)."""
     return _place(batch, batch_sharding(mesh, batch_axis))
+
+
+def shard_rows(read, shape: tuple[int, ...], mesh: Mesh, batch_axis: int = 0) -> jax.Array:
+    """The array of `shape` split along `batch_axis` over the mesh, built from `read(index)`, which
+    returns the part `index` (a tuple of slices) of it. In a multi-process run each process reads
+    only the rows of its own devices; in one process, the whole array at once."""
+    sharding = batch_sharding(mesh, batch_axis)
+    if jax.process_count() == 1:
+        return jax.device_put(read(tuple(slice(None) for _ in shape)), sharding)
+    return jax.make_array_from_callback(shape, sharding, read)

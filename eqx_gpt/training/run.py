@@ -19,7 +19,6 @@ evaluations.
 
 import collections
 import functools
-import hashlib
 import math
 import signal
 import threading
@@ -44,24 +43,35 @@ from eqx_gpt.checkpoint import (
     read_metadata,
     save_checkpoint,
 )
+from eqx_gpt.data.prepare import Corpus
+from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, TRAIN_BATCHES, batch_key
-from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, Tokenizer, TokenizerError, tokenizer_from_dict
-from eqx_gpt.training.corpus import (
-    DataError,
-    fixed_batches,
-    get_batch,
-    load_text,
-    split_text,
-    to_ids,
+from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
+from eqx_gpt.training.batches import fixed_batches, window_starts, windows_reader
+from eqx_gpt.training.corpus import BUNDLED, DataError, check_split, load_corpus
+from eqx_gpt.training.evaluate import (
+    Evaluation,
+    Windows,
+    evaluate_windows,
+    final_windows,
+    periodic_windows,
+    summed_loss,
+    windows_per_call,
 )
-from eqx_gpt.training.evaluate import Evaluation, evaluate, summed_loss, windows_per_call
 from eqx_gpt.training.options import INIT_FROM_OPTIONS, OptionsError, RunOptions, resolve_options
-from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch, shard_parameters
+from eqx_gpt.training.parallel import (
+    check_batch,
+    data_mesh,
+    replicate,
+    shard_batch,
+    shard_parameters,
+    shard_rows,
+)
 from eqx_gpt.training.progress import Progress, clock
 from eqx_gpt.training.run_dir import (
     METRICS_NAME,
@@ -116,8 +126,8 @@ class Run:
     model_config: GPTConfig
     out_dir: Path
     tokenizer: Tokenizer
-    train_ids: jax.Array
-    val_ids: jax.Array
+    train_ids: TokenSpan  # the splits' tokens, memory-mapped (read by `TokenSpan.rows`)
+    val_ids: TokenSpan
     mesh: jax.sharding.Mesh
     model: GPT
     opt_state: object
@@ -169,24 +179,26 @@ def _optimizer_and_step(config: TrainConfig, dropout: bool):
     return optimizer, make_train_steps(optimizer, config, dropout=dropout)
 
 
-def make_tokenizer(kind: str, text: str) -> Tokenizer:
-    return CharTokenizer.from_text(text) if kind == "char" else GPT2Tokenizer()
+def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dict) -> dict:
+    """What the corpus is tokenized with: the checkpoint's tokenizer on resume, GPT-2's (of
+    --init-from's vocabulary) when fine-tuning, else --tokenizer ('char': the corpus's characters)."""
+    if meta is not None:
+        return {"kind": "char"} if meta["tokenizer"].get("kind") == "char" else meta["tokenizer"]
+    if config.init_from is not None:
+        return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options)).to_dict()
+    return {"kind": config.tokenizer}
 
 
-def _load_corpus(config: TrainConfig, meta: dict | None) -> tuple[str, str, str, TrainConfig]:
-    """`(text, source name, sha256, config)`: the corpus, checked against the checkpoint's on
-    resume, and the config with the data path made absolute (so a run resumes from anywhere)."""
-    text = load_text(config.data)
-    source = config.data or "Tiny Shakespeare (bundled)"
-    data_sha = hashlib.sha256(text.encode()).hexdigest()
-    if meta is not None and meta.get("data_sha256") not in (None, data_sha):
-        raise CheckpointError(
-            f"{source} is not the corpus the checkpoint in {Path(meta['path']).parent}/ was trained on "
-            f"(its sha256 differs); pass --data PATH to that corpus"
-        )
+def _load_corpus(
+    config: TrainConfig, meta: dict | None, tokenizer: dict, log: Callable[[str], None]
+) -> tuple[Corpus, str, TrainConfig]:
+    """`(corpus, source name, config)`: the corpus tokenized (once; later runs map its shards),
+    checked against the checkpoint's on resume, and the config with the data path made absolute
+    (so a run resumes from anywhere)."""
+    corpus = load_corpus(config.data, tokenizer, resumes=meta, log=log, progress=Progress())
     if config.data is not None:
         config = replace(config, data=str(Path(config.data).resolve()))
-    return text, source, data_sha, config
+    return corpus, config.data or BUNDLED, config
 
 
 def start_run(
@@ -201,15 +213,15 @@ def start_run(
     (fresh, or from the checkpoint `options.checkpoint` describes). Reads `out_dir` but writes
     nothing there."""
     model_options, config, meta = options.model, options.train, options.checkpoint
-    text, source, data_sha, config = _load_corpus(config, meta)
     fine_tune = meta is None and config.init_from is not None
     if fine_tune:  # the shape and the tokenizer are GPT-2's
         config = replace(config, init_from=str(Path(config.init_from).resolve()))
         model_options = {k: v for k, v in model_options.items() if k in INIT_FROM_OPTIONS}
-    model_config, tokenizer = _model_config_and_tokenizer(model_options, config, text, meta)
-    train_text, val_text = split_text(text)
-    train_ids = to_ids(tokenizer.encode(train_text), "train", model_config.context_length, source)
-    val_ids = to_ids(tokenizer.encode(val_text), "validation", model_config.context_length, source)
+    corpus, source, config = _load_corpus(config, meta, _tokenizer_wanted(config, meta, model_options), log)
+    model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+    train_ids, val_ids = corpus.train, corpus.val
+    check_split(train_ids, "train", model_config.context_length, source)
+    check_split(val_ids, "validation", model_config.context_length, source)
     mesh = data_mesh()
     try:
         check_batch(mesh, config.batch_size, config.grad_accum)
@@ -241,15 +253,19 @@ def start_run(
     # device, or (--fsdp) split over them too.
     place = shard_parameters if config.fsdp else replicate
     model, opt_state = place((model, opt_state), mesh)
-    eval_train_rows = np.asarray(fixed_batches(
+    eval_train_rows = fixed_batches(
         train_ids, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
         batch_size=config.batch_size, length=model_config.context_length + 1,
-    )).reshape(-1, model_config.context_length + 1)  # fmt: skip
+    ).reshape(-1, model_config.context_length + 1)  # fmt: skip
     preset = options.preset
+    # The final validation's cost, in periodic evaluations: the time plan keeps that much back.
+    final_evals = _val_windows(val_ids, model_config, config, final=True).starts.size / (
+        _val_windows(val_ids, model_config, config, final=False).starts.size
+    )
     checkpoint_meta = {
         **({"preset": preset} if preset else {}),
         "data": source,
-        "data_sha256": data_sha,
+        "data_sha256": corpus.identity,
         "n_params": count_params(model),
     }
     log(f"data: {source}, {len(train_ids):,} train / {len(val_ids):,} validation tokens; "
@@ -258,7 +274,7 @@ def start_run(
         config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer, train_ids=train_ids,
         val_ids=val_ids, mesh=mesh, model=model, opt_state=opt_state, train_steps=train_steps,
         eval_train_rows=eval_train_rows,
-        metrics=None, plan=TimePlan(config.max_minutes, config.max_steps, t_start),
+        metrics=None, plan=TimePlan(config.max_minutes, config.max_steps, t_start, final_evals=final_evals),
         checkpoint_meta=checkpoint_meta, log=log, now=now, start=start, step=start, horizon=horizon,
         best_val=best_val,
         last_eval=_saved_evaluation(meta),
@@ -267,16 +283,19 @@ def start_run(
 
 
 def _model_config_and_tokenizer(
-    model_options: dict, config: TrainConfig, text: str, meta: dict | None
+    model_options: dict, config: TrainConfig, corpus: Corpus, meta: dict | None
 ) -> tuple[GPTConfig, Tokenizer]:
     """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
     (`model_options` then holds only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
     if meta is None and config.init_from is not None:
         model_config = read_gpt2_config(config.init_from, **model_options)
         return model_config, gpt2_tokenizer(model_config)
-    tokenizer = (
-        make_tokenizer(config.tokenizer, text) if meta is None else tokenizer_from_dict(meta["tokenizer"])
-    )
+    tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
+    if tokenizer != corpus.tokenizer:  # the same corpus has the same characters: a damaged cache
+        raise TrainingError(
+            f"the corpus's tokens ({corpus.tokenizer!r}, in {corpus.folder}) are not the checkpoint's "
+            f"({tokenizer!r}); delete that folder and resume again"
+        )
     try:
         return GPTConfig(vocab_size=tokenizer.vocab_size, **model_options), tokenizer
     except (TypeError, ValueError) as e:
@@ -316,15 +335,18 @@ def dispatch_steps(run: Run, n: int) -> None:
     c, window = run.config, run.model_config.context_length + 1
     steps = list(range(run.step, run.step + n))
     lrs = [learning_rate(s, c, run.horizon) for s in steps]
-    batches = np.zeros((STEPS_PER_CALL, c.batch_size, window), np.int32)
+    starts = np.full((STEPS_PER_CALL, c.batch_size), -1, np.int64)  # -1: an unused slot, zeros
     for i, s in enumerate(steps):
-        batches[i] = get_batch(
-            run.train_ids, s, seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size, length=window
-        )
+        starts[i] = window_starts(
+            s, n_tokens=len(run.train_ids), seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size,
+            length=window,
+        )  # fmt: skip
+    # Each process reads only its own devices' rows of the windows from the maps.
+    batches = shard_rows(windows_reader(run.train_ids, starts, window), (*starts.shape, window), run.mesh, 1)
     step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
     step_ids[:n], rates[:n] = steps, lrs
     run.model, run.opt_state, losses = run.train_steps(
-        run.model, run.opt_state, shard_batch(batches, run.mesh, batch_axis=1), step_ids, rates, np.int32(n)
+        run.model, run.opt_state, batches, step_ids, rates, np.int32(n)
     )
     run.step += n
     run.pending.append(([s + 1 for s in steps], losses, lrs))
@@ -393,11 +415,17 @@ def _eval_batch(run: Run) -> int:
     return -(-windows_per_call(run.model_config.context_length) // run.mesh.size) * run.mesh.size
 
 
-def validation_loss(run: Run, stride: int) -> Evaluation | None:
-    """The loss over the whole validation split, in windows `stride` tokens apart (`evaluate`);
-    None if the run was asked to stop meanwhile."""
-    return evaluate(
-        run.model, run.val_ids, stride=stride, place=_place(run), batch=_eval_batch(run), stop=run.stopping
+def _val_windows(val_ids: TokenSpan, model_config: GPTConfig, config: TrainConfig, *, final: bool) -> Windows:
+    """The validation windows a periodic (or the final) evaluation reads, within `--eval-tokens`."""
+    choose = final_windows if final else periodic_windows
+    return choose(len(val_ids), model_config.context_length, config.eval_tokens)
+
+
+def validation_loss(run: Run, windows: Windows) -> Evaluation | None:
+    """The loss over `windows` of the validation split (`evaluate_windows`); None if the run was
+    asked to stop meanwhile."""
+    return evaluate_windows(
+        run.model, run.val_ids, windows, place=_place(run), batch=_eval_batch(run), stop=run.stopping
     )
 
 
@@ -411,13 +439,15 @@ def train_loss(run: Run) -> float | None:
 
 def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> bool:
     """Evaluate (the train loss on fixed windows; the validation loss over the whole split, in
-    non-overlapping windows, so that no sampling noise can pick the best checkpoint), log it,
+    non-overlapping windows, so that no sampling noise can pick the best checkpoint, or on a
+    larger corpus over the same evenly spread windows each time, `--eval-tokens`), log it,
     checkpoint `latest` (and `best` if it is) and redraw the loss plot. Returns False, having
     recorded nothing, if the run was asked to stop before the evaluation finished."""
     read_losses(run, run.step, bar, t_start)
     t0 = run.now()
     train = train_loss(run)
-    val = validation_loss(run, stride=run.model_config.context_length) if train is not None else None
+    periodic = _val_windows(run.val_ids, run.model_config, run.config, final=False)
+    val = validation_loss(run, periodic) if train is not None else None
     if val is None:
         return False
     val_loss = val.loss
@@ -449,9 +479,9 @@ def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> bool:
 def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
-    # step's worth of tokens): the fixed training batches, then the whole validation split.
+    # step's worth of tokens): the fixed training batches, then the validation tokens it reads.
     c, now = run.config, run.now()
-    eval_cost = (c.eval_batches + len(run.val_ids) / run.tokens_per_step) / 3
+    eval_cost = (c.eval_batches + min(len(run.val_ids), c.eval_tokens) / run.tokens_per_step) / 3
     horizon = run.plan.fit(run.step, run.horizon, now, c.eval_interval, eval_cost)
     if announce:
         fits = run.plan.steps_that_fit(run.step, now, c.eval_interval, eval_cost)
@@ -628,12 +658,36 @@ def interrupted(run: Run, t_start: float) -> TrainResult:
     return TrainResult(run.step, val, run.best_val, run.now() - t_start, True, None, run.out_dir)
 
 
+def final_validation(run: Run) -> tuple[Evaluation | None, str]:
+    """The final model's validation loss and what it covers: the whole split in overlapping
+    windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
+    no time left for it, the last evaluation's figure. None if a stop came meanwhile."""
+    context, n = run.model_config.context_length, len(run.val_ids)
+    if not run.plan.affords(run.now(), run.plan.final_evals):
+        periodic = _val_windows(run.val_ids, run.model_config, run.config, final=False)
+        last = Evaluation(run.last_eval[1], periodic.n_predicted, periodic.stride, periodic.whole)
+        return last, (
+            f"(the last evaluation's, over {last.n_predicted:,} predicted tokens: the final validation "
+            f"would not fit in the time left)"
+        )
+    windows = _val_windows(run.val_ids, run.model_config, run.config, final=True)
+    final = validation_loss(run, windows)
+    if final is None or final.whole:
+        covers = f"over all {windows.n_predicted:,} predicted tokens of the split"
+        return final, f"{covers} (windows of {context} every {windows.stride})"
+    return final, (
+        f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(windows):,} evenly "
+        f"spread windows of {context}; the whole split is over 8x --eval-tokens)"
+    )
+
+
 def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
     """The end of a run that reached its horizon: the final model's loss over the whole validation
-    split in overlapping windows (the figure to quote), a sample from the best checkpoint, the summary.
-    A stop during the final validation skips it and the sample: the checkpoints are complete."""
+    split in overlapping windows (the figure to quote; `final_validation`), a sample from the best
+    checkpoint, the summary. A stop during the final validation skips it and the sample: the
+    checkpoints are complete."""
     t0, stride = run.now(), max(1, run.model_config.context_length // 2)
-    final = validation_loss(run, stride=stride)
+    final, covers = final_validation(run)
     val = run.last_eval[1]
     if final is None:
         run.log(
@@ -642,12 +696,15 @@ def finish(run: Run, sample_tokens: int, t_start: float) -> TrainResult:
             f"{checkpoint_file(run.out_dir, LATEST)} --stride {stride}"
         )
         return TrainResult(run.step, val, run.best_val, run.now() - t_start, True, None, run.out_dir)
-    run.metrics.write({"step": run.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted})
-    run.log(
-        f"final validation: loss {final.loss:.4f} over all {final.n_predicted:,} predicted tokens of the "
-        f"split (windows of {run.model_config.context_length} every {final.stride}) "
-        f"in {run.now() - t0:.1f} s"
+    run.metrics.write(
+        {
+            "step": run.step,
+            "final_val_loss": final.loss,
+            "val_tokens": final.n_predicted,
+            "whole_split": final.whole,
+        }
     )
+    run.log(f"final validation: loss {final.loss:.4f} {covers} in {run.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
         best = load_model(run.out_dir)[0] if checkpoint_file(run.out_dir, BEST).exists() else run.model

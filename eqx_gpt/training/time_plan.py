@@ -8,8 +8,9 @@ import math
 # the reserve is the measured start-up time, within these bounds: a fast machine keeps less.
 RESERVE_S = 15.0
 MIN_RESERVE_S = 3.0
-# The final validation reads the split in windows every context_length // 2 tokens: twice the
-# windows of a periodic evaluation, which also covers fixed training batches. Priced as two.
+# The final validation of Tiny Shakespeare reads the split in windows every context_length // 2
+# tokens: twice the windows of a periodic evaluation (which also covers fixed training batches).
+# A run prices its own (`final_evals`: its windows over a periodic evaluation's).
 FINAL_VALIDATION_EVALS = 2.0
 
 
@@ -22,8 +23,16 @@ class TimePlan:
     told and can be tested without waiting.
     """
 
-    def __init__(self, max_minutes: float, max_steps: int, t_start: float, reserve_s: float = RESERVE_S):
+    def __init__(
+        self,
+        max_minutes: float,
+        max_steps: int,
+        t_start: float,
+        reserve_s: float = RESERVE_S,
+        final_evals: float = FINAL_VALIDATION_EVALS,
+    ):
         self.max_steps = max_steps
+        self.final_evals = final_evals  # the final validation's cost, in periodic evaluations
         self.t_start = t_start
         self.reserve_s = reserve_s  # kept before the deadline for what follows the last step
         self.deadline = t_start + 60 * max_minutes if max_minutes else math.inf
@@ -59,7 +68,13 @@ class TimePlan:
     def _after_last_step(self, per_eval: float) -> float:
         """Seconds a run needs after its last step: the evaluation there, the final validation and
         the reserve (checkpoint, plot, sample)."""
-        return (1 + FINAL_VALIDATION_EVALS) * per_eval + self.reserve_s
+        return (1 + self.final_evals) * per_eval + self.reserve_s
+
+    def affords(self, now: float, evaluations: float) -> bool:
+        """Whether `evaluations` (in periodic evaluations' time) fit before the deadline, the reserve
+        kept (True before any evaluation is timed, and without a time limit)."""
+        per_eval = self.seconds_per_evaluation
+        return per_eval is None or now + evaluations * per_eval + self.reserve_s <= self.deadline
 
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""

@@ -72,9 +72,15 @@ class TrainConfig(DictConfig):
     grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
     eval_interval: int = _help("evaluate and checkpoint every this many steps", default=250)
     eval_batches: int = _help(
-        "fixed training batches averaged for the train loss at each evaluation (validation always "
-        "covers the whole split)",
+        "fixed training batches averaged for the train loss at each evaluation (validation: "
+        "see --eval-tokens)",
         default=8,
+    )
+    eval_tokens: int = _help(
+        "validation tokens each evaluation may read: the whole split if it has no more (Tiny "
+        "Shakespeare's 111,540 tokens), else the same evenly spread windows of this many tokens each "
+        "time; the final validation reads the whole split up to 8x this, else a sample of 8x",
+        default=131_072,
     )
     log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
     seed: int = _help("seed of initialisation, batches and dropout", default=0)
@@ -93,6 +99,7 @@ class TrainConfig(DictConfig):
                 "eval_interval",
                 "muon_ns_steps",
                 "eval_batches",
+                "eval_tokens",
                 "log_interval",
             ),
             finite=(

@@ -1,0 +1,56 @@
+"""Grain against a plain memory map, for the training batches (docs/ARCHITECTURE.md: "Data").
+
+Both read batches of 32 random windows of 65 tokens from a 100M-token uint16 file on disk (200 MB,
+in the page cache after a first pass): a numpy gather from `np.memmap` (what `TokenSpan.rows`
+does per shard), and Grain's `MapDataset` (shuffled window indices, mapped to slices, batched).
+Grain is not a dependency; run it in a throwaway environment:
+
+    uv run --no-project --with grain --with numpy python bench/data_grain.py
+"""
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+N_TOKENS, BATCH, WINDOW, BATCHES = 100_000_000, 32, 65, 2000
+
+
+def main() -> None:
+    import grain
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tokens.bin"
+        np.random.default_rng(0).integers(0, 65, N_TOKENS, dtype=np.uint16).tofile(path)
+        tokens = np.memmap(path, np.uint16, mode="r")
+        rng = np.random.default_rng(1)
+        tokens[::4096].sum()  # touch every page once: both read from the page cache
+
+        t0 = time.perf_counter()
+        for _ in range(BATCHES):
+            starts = rng.integers(0, N_TOKENS - WINDOW + 1, BATCH)
+            batch = tokens[starts[:, None] + np.arange(WINDOW)].astype(np.int32)
+        memmap_us = (time.perf_counter() - t0) / BATCHES * 1e6
+
+        dataset = (
+            grain.MapDataset.range(N_TOKENS - WINDOW + 1)
+            .shuffle(seed=1)
+            .map(lambda i: np.asarray(tokens[i : i + WINDOW], np.int32))
+            .batch(BATCH)
+        )
+        iterator = iter(dataset)
+        next(iterator)
+        t0 = time.perf_counter()
+        for _ in range(BATCHES):
+            batch = next(iterator)
+        grain_us = (time.perf_counter() - t0) / BATCHES * 1e6
+        assert batch.shape == (BATCH, WINDOW)
+    print(
+        f"per batch of {BATCH} x {WINDOW}: np.memmap gather {memmap_us:.0f} us, "
+        f"Grain MapDataset {grain_us:.0f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The data path at scale (issue 30): a 1 GB text, prepared and trained on, against Tiny Shakespeare.
+
+    uv run python bench/data_path.py [--mb 1100] [--gpt2-mb 100] [--steps 20]
+
+Builds the text at run time in a temporary folder (Tiny Shakespeare repeated; never committed)
+and reports, each in a child process with its own cache folder:
+  1. preparation throughput in MB/s, char tokenizer (the whole text) and GPT-2 BPE (a slice of
+     `--gpt2-mb`, since BPE is slower), with each child's peak RSS;
+  2. the issue's check: `train.py --data F --max-steps 20 --max-minutes 0 --sample-tokens 0`,
+     first run (preparing) and a second run into another folder: wall time, time to the first
+     step, peak RSS (`wait4` of the child: the largest process);
+  3. steps/s of the same model on the mapped 1 GB corpus and on the bundled corpus (in memory),
+     interleaved in one process, from the runs' own tokens/s records.
+The machine may be shared: run it under `nice` on an idle one for figures to report.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from train_default import cpu_model  # noqa: E402
+
+PREPARE = """
+import sys, time
+from eqx_gpt.data.prepare import prepare
+from eqx_gpt.tokenizer import GPT2Tokenizer
+kind = sys.argv[2]
+t0 = time.perf_counter()
+c = prepare(sys.argv[1], {"kind": "char"} if kind == "char" else GPT2Tokenizer().to_dict())
+print(time.perf_counter() - t0, len(c.tokens))
+"""
+
+
+def run_child(command: list[str], env: dict, first_line: str | None = None) -> dict:
+    """Run `command`; its wall time, the time until a line containing `first_line`, its peak RSS."""
+    t0 = time.perf_counter()
+    child = subprocess.Popen(
+        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    first, lines = None, []
+    for line in child.stdout:
+        lines.append(line)
+        if first is None and first_line and first_line in line:
+            first = time.perf_counter() - t0
+    _, status, usage = os.wait4(child.pid, 0)
+    if status != 0:
+        sys.exit(f"{command} failed:\n{''.join(lines[-20:])}")
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "first_s": first,
+        "rss_gb": usage.ru_maxrss / 2**20,
+        "out": lines,
+    }
+
+
+def make_text(folder: Path, mb: int) -> Path:
+    """Tiny Shakespeare repeated to about `mb` MB, written in pieces."""
+    one = (ROOT / "eqx_gpt" / "data" / "tinyshakespeare.txt").read_bytes()
+    path = folder / f"shakespeare-{mb}mb.txt"
+    with open(path, "wb") as f:
+        for _ in range(max(1, mb * 10**6 // len(one))):
+            f.write(one)
+    return path
+
+
+def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict) -> None:
+    for kind, source in (("char", text), ("gpt2", None)):
+        if source is None:
+            source = tmp / f"slice-{gpt2_mb}mb.txt"
+            with open(text, "rb") as f:
+                source.write_bytes(f.read(gpt2_mb * 10**6).rsplit(b"\n", 1)[0] + b"\n")
+        child_env = {**env, "EQX_GPT_DATA_CACHE": str(tmp / f"cache-prepare-{kind}")}
+        result = run_child([sys.executable, "-c", PREPARE, str(source), kind], child_env)
+        seconds, n_tokens = result["out"][-1].split()
+        mb = source.stat().st_size / 1e6
+        print(
+            f"prepare {kind}: {mb:,.0f} MB -> {int(n_tokens):,} tokens in {float(seconds):.1f} s = "
+            f"{mb / float(seconds):.1f} MB/s; peak RSS {result['rss_gb']:.2f} GB"
+        )
+
+
+def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
+    env = {**env, "EQX_GPT_DATA_CACHE": str(tmp / "cache-check")}
+    for name in ("first run (prepares)", "second run (maps)"):
+        out = tmp / f"run-{name.split()[0]}"
+        argv = ["--data", str(text), "--out-dir", str(out), "--max-steps", str(steps), "--max-minutes", "0"]
+        result = run_child(
+            [sys.executable, "train.py", *argv, "--sample-tokens", "0"],
+            env,
+            first_line="compiled the training step",
+        )
+        final = next(line for line in result["out"] if line.startswith("final validation"))
+        print(
+            f"train.py --data ({name}), {steps} steps: {result['wall_s']:.1f} s wall, first step at "
+            f"{result['first_s']:.1f} s, peak RSS {result['rss_gb']:.2f} GB; {final.strip()}"
+        )
+
+
+def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -> None:
+    os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
+    from eqx_gpt.training.run import train
+
+    rates = {"mapped 1 GB corpus": [], "bundled corpus in memory": []}
+    for r in range(rounds):
+        for name, data in (("mapped 1 GB corpus", str(text)), ("bundled corpus in memory", None)):
+            out = tmp / f"speed-{r}-{name.split()[0]}"
+            settings = {
+                "data": data,
+                "max_steps": steps,
+                "max_minutes": 0,
+                "eval_interval": steps,
+                "eval_tokens": 4096,
+            }
+            train(settings, out, sample_tokens=0, log=lambda _: None, progress=False)
+            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            rates[name] += [x["tokens_per_s"] for x in records if "tokens_per_s" in x and x["step"] > 40]
+    for name, values in rates.items():
+        print(
+            f"steps: {name}: median {statistics.median(values) / 1e3:.2f}k tokens/s over {len(values)} logs"
+        )
+    a, b = (statistics.median(v) for v in rates.values())
+    print(f"mapped / in memory: {a / b:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=1100, help="size of the text to build, MB")
+    parser.add_argument("--gpt2-mb", type=int, default=100, help="slice of it that GPT-2 BPE prepares, MB")
+    parser.add_argument("--steps", type=int, default=20, help="steps of the issue's check")
+    args = parser.parse_args()
+    print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.1f}")
+    env = {**os.environ}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        text = make_text(tmp, args.mb)
+        print(f"text: {text.stat().st_size / 1e6:,.0f} MB (Tiny Shakespeare repeated)")
+        preparation(text, args.gpt2_mb, tmp, env)
+        issue_check(text, args.steps, tmp, env)
+        steps_per_second(text, tmp)
+    print(f"load after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
