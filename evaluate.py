@@ -11,26 +11,20 @@ import argparse
 import sys
 from pathlib import Path
 
-from eqx_gpt.cli import OneLineParser
+from eqx_gpt.cli import OneLineParser, add_checkpoint_argument, whole_number
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(
         prog="evaluate.py", description="Mean next-token loss of a checkpoint over a whole text."
     )
-    p.add_argument(
-        "--checkpoint",
-        metavar="PATH",
-        type=Path,
-        default=Path("out"),
-        help="run directory or checkpoint file",
-    )
+    add_checkpoint_argument(p)
     p.add_argument(
         "--text", metavar="PATH", type=Path, help="UTF-8 text to score (default: the validation split of the "
         "corpus the checkpoint was trained on, when that is the bundled Tiny Shakespeare)"
     )  # fmt: skip
     p.add_argument(
-        "--stride", type=int, help="tokens between window starts (default: context_length // 2; "
+        "--stride", type=whole_number(1), help="tokens between window starts (default: context_length // 2; "
         "context_length gives non-overlapping windows)"
     )  # fmt: skip
     return p.parse_args(argv)

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from eqx_gpt.cli import OneLineParser, finite_float
+from eqx_gpt.cli import OneLineParser, add_checkpoint_argument, finite_float, seed_number, whole_number
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -23,27 +23,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     source.add_argument(
         "--prompt-file", metavar="PATH", type=Path, help="read the prompt from this UTF-8 file"
     )
+    add_checkpoint_argument(p)
     p.add_argument(
-        "--checkpoint",
-        metavar="PATH",
-        type=Path,
-        default=Path("out"),
-        help="run directory (its best checkpoint, else latest) or checkpoint file (default: out/)",
-    )
-    p.add_argument(
-        "--max-new-tokens", metavar="N", type=int, default=500, help="tokens to generate (default 500)"
+        "--max-new-tokens",
+        metavar="N",
+        type=whole_number(0),
+        default=500,
+        help="tokens to generate (default 500)",
     )
     p.add_argument(
         "--temperature", metavar="T", type=finite_float, default=0.8, help="0 means greedy (default 0.8)"
     )
-    p.add_argument("--top-k", metavar="K", type=int, help="sample among the K most likely tokens only")
+    p.add_argument(
+        "--top-k", metavar="K", type=whole_number(1), help="sample among the K most likely tokens only"
+    )
     p.add_argument(
         "--top-p", metavar="P", type=finite_float, help="sample from the smallest set of mass >= P, in (0, 1]"
     )
     p.add_argument(
-        "--num-samples", metavar="N", type=int, default=1, help="samples, one after another (default 1)"
+        "--num-samples",
+        metavar="N",
+        type=whole_number(1),
+        default=1,
+        help="samples, one after another (default 1)",
     )
-    p.add_argument("--seed", type=int, default=1337, help="same seed, same text (default 1337)")
+    p.add_argument("--seed", type=seed_number, default=1337, help="same seed, same text (default 1337)")
     p.add_argument(
         "--attention-png",
         metavar="PATH",
@@ -84,12 +88,7 @@ def _sampling_options(args):
     """The `SamplingOptions` of the flags (a bad value raises a one-line `ValueError`)."""
     from eqx_gpt.generation.sampling import SamplingOptions
 
-    options = SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.num_samples < 1:
-        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
-    return options
+    return SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
 def _check_picture_paths(args) -> None:

@@ -22,9 +22,9 @@ from eqx_gpt.model.config import (
     POSITION_KINDS,
     GPTConfig,
 )
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.parallel import initialize_distributed
-from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS, preset_values
+from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.training.run import RunError, train
 from eqx_gpt.training.train_config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 

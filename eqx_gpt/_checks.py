@@ -19,7 +19,13 @@ def check_last_dim(x, expected: int, what: str, field: str) -> None:
         )
 
 
-def is_whole(value, low: int, high: float = float("inf")) -> bool:
+# Counts and sizes become int32 arrays inside JAX, so a larger one would overflow there (or in the
+# conversion) far from where it was given; seeds go to `jax.random.key`, which takes an int64.
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1
+
+
+def is_whole(value, low: int, high: int = INT32_MAX) -> bool:
     """Whether `value` is an `int` (not a `bool`) in `[low, high]`: how every count and size a user
-    passes is checked before it reaches JAX."""
+    passes is checked before it reaches JAX (by default at most `INT32_MAX`)."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high

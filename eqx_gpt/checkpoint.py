@@ -26,8 +26,10 @@ import jax
 from jax.experimental import multihost_utils
 
 from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.gpt2 import CONFIG_NAME, WEIGHTS_NAME, gpt2_tokenizer, is_gpt2_directory, load_gpt2
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.template import model_template
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 
@@ -40,6 +42,21 @@ NAMES = (BEST, LATEST)
 # checkpoint without the record is a GPT's (written before there were two).
 MODELS = {"GPT": (GPT, GPTConfig), "Transformer": (Transformer, TransformerConfig)}
 WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (examples/translate.py)"}
+
+
+# What each metadata field must be (JSON gives ints, floats, strings and dicts): checked on reading,
+# so a hand-edited or damaged file is one line, never a TypeError deep in a run.
+METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model_config": dict, "train_config": dict,
+                  "tokenizer": dict}  # fmt: skip
+OPTIONAL_TYPES = {"val_loss": float, "best_val_loss": float, "val_loss_step": int, "schedule_steps": int,
+                  "model": str, "data_sha256": str}  # fmt: skip
+
+
+def _is_of(value: Any, kind: type) -> bool:
+    """Whether a JSON value is a `kind` (an int counts as a float; a bool is neither)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
 
 
 class CheckpointError(ValueError):
@@ -126,6 +143,11 @@ def delete_checkpoints(out_dir: str | Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def holds_run(directory: str | Path) -> bool:
+    """Whether `directory` holds an eqx_gpt run: its marker is a checkpoint's metadata file."""
+    return any(checkpoint_file(directory, name).is_file() for name in NAMES)
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """The metadata (`.json`) path of a checkpoint.
 
@@ -137,7 +159,15 @@ def find_checkpoint(path: str | Path) -> Path:
         for name in NAMES:
             if checkpoint_file(path, name).is_file():
                 return checkpoint_file(path, name)
-        raise CheckpointError(f"no checkpoint in {path}/: run `uv run train.py` first")
+        if (path / WEIGHTS_NAME).exists() and not (path / CONFIG_NAME).exists():
+            raise CheckpointError(
+                f"{path}/ has {WEIGHTS_NAME} but no {CONFIG_NAME}; a Hugging Face GPT-2 folder needs both: "
+                f"download {CONFIG_NAME} too"
+            )
+        raise CheckpointError(
+            f"no checkpoint in {path}/ (neither an eqx_gpt run's {BEST}.json or {LATEST}.json nor a Hugging "
+            f"Face GPT-2's {CONFIG_NAME}): run `uv run train.py --out-dir {path}` first"
+        )
     if path.suffix == ".eqx":  # a weights file: its JSON is `<name>.json` beside it
         path = path.with_name(path.name.rsplit("-", 1)[0] + ".json")
     if not path.is_file():
@@ -158,9 +188,20 @@ def read_metadata(path: str | Path) -> dict:
         raise CheckpointError(
             f"checkpoint {path} has format version {meta.get('version')}, expected {VERSION}"
         )
-    for key in ("step", "weights", "sha256", "model_config", "train_config", "tokenizer"):
+    for key, kind in METADATA_TYPES.items():
         if key not in meta:
             raise CheckpointError(f"checkpoint {path} lacks {key!r}; it is corrupt")
+        if not _is_of(meta[key], kind):
+            raise CheckpointError(
+                f"checkpoint {path}: {key!r} is {meta[key]!r}, not {kind.__name__}; the file is corrupt"
+            )
+    for key, kind in OPTIONAL_TYPES.items():
+        if meta.get(key) is not None and not _is_of(meta[key], kind):
+            raise CheckpointError(
+                f"checkpoint {path}: {key!r} is {meta[key]!r}, not {kind.__name__}; the file is corrupt"
+            )
+    if meta["step"] < 0:
+        raise CheckpointError(f"checkpoint {path}: 'step' is {meta['step']}, below 0; the file is corrupt")
     if Path(meta["weights"]).name != meta["weights"]:
         raise CheckpointError(f"checkpoint {path} names a weights file outside its directory")
     meta["path"] = str(path)
@@ -178,13 +219,6 @@ def _read_weights(meta: dict) -> io.BytesIO:
             f"checkpoint weights {path} do not match their recorded sha256; the file is corrupt"
         )
     return io.BytesIO(data)
-
-
-def model_template(config: GPTConfig | TransformerConfig) -> GPT | Transformer:
-    """The model of `config` (a `GPT` or a `Transformer`) with arrays that are shapes only (no
-    memory, no compute)."""
-    model_class = next(model for model, config_class in MODELS.values() if isinstance(config, config_class))
-    return eqx.filter_eval_shape(model_class, config, key=jax.random.key(0))
 
 
 def _model_kind(meta: dict, kind: str | None) -> str:
@@ -241,12 +275,13 @@ def load_model(
 
     The model is the class the checkpoint records (`GPT` or `Transformer`); `kind="GPT"` (or
     `"Transformer"`) refuses the other with a one-line `CheckpointError`. `path` may also be a
-    Hugging Face GPT-2 directory (`config.json` and `model.safetensors`, see `eqx_gpt.gpt2`); its
-    metadata is then the model config and the directory.
+    Hugging Face GPT-2 directory (`config.json` saying `"model_type": "gpt2"`, and
+    `model.safetensors`; see `eqx_gpt.gpt2`); its metadata is then the model config and the
+    directory. A folder is told apart by its marker: a run's own checkpoints come first, so a stray
+    `config.json` in a run folder is never read as a GPT-2.
     """
-    from eqx_gpt.gpt2 import gpt2_tokenizer, is_gpt2_directory, load_gpt2
-
-    if is_gpt2_directory(path) and kind in (None, "GPT"):
+    path = Path(path)
+    if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
         model = load_gpt2(path)
         tokenizer = gpt2_tokenizer(model.config)
         meta = {"path": str(path), "format": "huggingface-gpt2", "model_config": model.config.to_dict()}

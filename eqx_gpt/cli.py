@@ -1,8 +1,12 @@
 """What the command-line faces share: an argument parser whose errors are one line and exit code
-2, and the number type their float flags parse with."""
+2, the number types their flags parse with (every number is range-checked where it enters), and
+the `--checkpoint` argument of sample.py, evaluate.py and export.py."""
 
 import argparse
 import math
+from pathlib import Path
+
+from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -21,3 +25,32 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
+
+
+def whole_number(low: int, high: int = INT32_MAX):
+    """argparse type of the CLIs' integer flags: an integer in `[low, high]` (counts and sizes become
+    int32 arrays in JAX, so `high` is at most `INT32_MAX` by default)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not is_whole(value, low, high):
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text}")
+        return value
+
+    return parse
+
+
+seed_number = whole_number(0, SEED_MAX)
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """`--checkpoint PATH` (default `out`): a run directory, whose best checkpoint is read (else its
+    latest), or a checkpoint file; sample.py and evaluate.py also take a Hugging Face GPT-2 folder."""
+    parser.add_argument(
+        "--checkpoint", metavar="PATH", type=Path, default=Path("out"),
+        help="run directory (its best checkpoint, else latest), checkpoint file, or Hugging Face GPT-2 "
+        "folder (default: out/)",
+    )  # fmt: skip

@@ -20,10 +20,10 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_gpt.checkpoint import CheckpointError, model_template
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.template import model_template
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -50,17 +50,24 @@ TENSORS = {
     **{f"h.*.{name}": (lambda m, get=get: get(m.blocks.layers)) for name, get in BLOCK_TENSORS.items()},
 }  # fmt: skip
 # The token table (padded) and an untied head (transposed) are handled on their own.
+# Hugging Face's activation names and ours; the first name of each of ours is the one written back.
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+HF_ACTIVATIONS = {ours: hf for hf, ours in reversed(ACTIVATIONS.items())}
 GPT2_OPTIONS = dict(positions="learned", bias=True, norm="layer", norm_position="pre")
 
 
-class GPT2FormatError(CheckpointError):
+class GPT2FormatError(ValueError):
     """A directory is not a loadable GPT-2, or a model cannot be written as one (one line)."""
 
 
 def is_gpt2_directory(path: str | Path) -> bool:
-    """Whether `path` looks like a Hugging Face model directory (it holds a `config.json`)."""
-    return Path(path).is_dir() and (Path(path) / CONFIG_NAME).is_file()
+    """Whether `path` is a Hugging Face GPT-2 directory: its marker is a `config.json` that parses
+    and says `"model_type": "gpt2"` (any other `config.json` is not one)."""
+    try:
+        hf = json.loads((Path(path) / CONFIG_NAME).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(hf, dict) and hf.get("model_type") == "gpt2"
 
 
 def read_gpt2_config(directory: str | Path, **options) -> GPTConfig:
@@ -75,13 +82,54 @@ def read_gpt2_config(directory: str | Path, **options) -> GPTConfig:
 
 def _read_config(directory: Path, options: dict) -> tuple[GPTConfig, int]:
     """`(config, n_positions)`: see `read_gpt2_config`."""
+    path, hf = _read_hf_config(directory)
+    try:
+        n_positions, vocab_size = int(hf["n_positions"]), int(hf["vocab_size"])
+        sizes = dict(d_model=int(hf["n_embd"]), n_heads=int(hf["n_head"]), n_layers=int(hf["n_layer"]),
+                     d_hidden=hf.get("n_inner"), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                     tie_embeddings=bool(hf.get("tie_word_embeddings", True)))  # fmt: skip
+    except KeyError as e:
+        raise GPT2FormatError(f"{path} lacks {e.args[0]!r}; it is not a complete GPT-2 config") from None
+    except (TypeError, ValueError) as e:
+        raise GPT2FormatError(f"{path}: {e}") from None
+    options = {"context_length": n_positions, **options}
+    if options["context_length"] > n_positions:
+        raise GPT2FormatError(
+            f"context_length {options['context_length']} is longer than the {n_positions} positions "
+            f"{directory}/ was trained on; pass at most {n_positions}"
+        )
+    if vocab_size > GPT2_VOCAB_SIZE:
+        raise GPT2FormatError(
+            f"{path}: vocab_size {vocab_size} is larger than GPT-2's BPE ({GPT2_VOCAB_SIZE} ids)"
+        )
+    activation = ACTIVATIONS[hf.get("activation_function", "gelu_new")]
+    try:
+        config = GPTConfig(vocab_size=vocab_size, activation=activation, **sizes, **GPT2_OPTIONS, **options)
+    except (TypeError, ValueError) as e:
+        raise GPT2FormatError(f"{path}: {e}") from None
+    return config, n_positions
+
+
+def _read_hf_config(directory: Path) -> tuple[Path, dict]:
+    """`(path, contents)` of the directory's `config.json`, checked to describe a GPT-2 that eqx_gpt
+    builds."""
     path = directory / CONFIG_NAME
+    if not directory.exists():
+        raise GPT2FormatError(
+            f"no folder {directory}: a Hugging Face GPT-2 is a folder holding {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME}"
+        )
+    if not directory.is_dir():
+        raise GPT2FormatError(
+            f"{directory} is not a folder; a Hugging Face GPT-2 is a folder holding {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME}" + (f": pass {directory.parent}/" if directory.name == CONFIG_NAME else "")
+        )
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise GPT2FormatError(
             f"{directory}/ has no {CONFIG_NAME}; a Hugging Face GPT-2 directory holds {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME} (README: 'GPT-2')"
+            f"{WEIGHTS_NAME}: download {CONFIG_NAME} too (README: 'GPT-2')"
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise GPT2FormatError(f"{path} is unreadable ({type(e).__name__}); download it again") from None
@@ -98,32 +146,7 @@ def _read_config(directory: Path, options: dict) -> tuple[GPTConfig, int]:
             f"{path}: eqx_gpt cannot build a GPT-2 with "
             f"{unsupported or f'activation_function={activation!r}'}"
         )
-    try:
-        n_positions = int(hf["n_positions"])
-        options = {"context_length": n_positions, **options}
-        if options["context_length"] > n_positions:
-            raise GPT2FormatError(
-                f"context_length {options['context_length']} is longer than the {n_positions} positions "
-                f"{directory}/ was trained on; pass at most {n_positions}"
-            )
-        if int(hf["vocab_size"]) > GPT2_VOCAB_SIZE:
-            raise GPT2FormatError(
-                f"{path}: vocab_size {hf['vocab_size']} is larger than GPT-2's BPE ({GPT2_VOCAB_SIZE} ids)"
-            )
-        config = GPTConfig(
-            vocab_size=int(hf["vocab_size"]), d_model=int(hf["n_embd"]), n_heads=int(hf["n_head"]),
-            n_layers=int(hf["n_layer"]), d_hidden=hf.get("n_inner"),
-            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            activation=ACTIVATIONS[activation], tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            **GPT2_OPTIONS, **options,
-        )  # fmt: skip
-        return config, n_positions
-    except KeyError as e:
-        raise GPT2FormatError(f"{path} lacks {e.args[0]!r}; it is not a complete GPT-2 config") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, GPT2FormatError):
-            raise
-        raise GPT2FormatError(f"{path}: {e}") from None
+    return path, hf
 
 
 def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
@@ -138,6 +161,13 @@ def _read_tensors(directory: Path) -> dict[str, np.ndarray]:
             weight_map = json.loads((directory / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
             raise GPT2FormatError(f"{directory / INDEX_NAME} is unreadable; download it again") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) and Path(name).name == name for name in weight_map.values()
+        ):
+            raise GPT2FormatError(
+                f"{directory / INDEX_NAME}: weight_map must map tensor names to file names in {directory}/; "
+                f"download it again"
+            )
         files = [directory / name for name in sorted(set(weight_map.values()))]
     else:
         other = (
@@ -224,11 +254,10 @@ def gpt2_config_dict(config: GPTConfig) -> dict:
             f"{GPT2_VOCAB_SIZE} ids"
         )
     c = config
-    hf_activation = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}[c.activation]
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
         "n_positions": c.context_length, "n_ctx": c.context_length, "n_embd": c.d_model, "n_head": c.n_heads,
-        "n_layer": c.n_layers, "n_inner": c.d_hidden, "activation_function": hf_activation,
+        "n_layer": c.n_layers, "n_inner": c.d_hidden, "activation_function": HF_ACTIVATIONS[c.activation],
         "layer_norm_epsilon": c.norm_eps, "tie_word_embeddings": c.tie_embeddings, "resid_pdrop": c.dropout,
         "embd_pdrop": c.dropout, "attn_pdrop": c.dropout, "initializer_range": 0.02,
         **({"bos_token_id": 50256, "eos_token_id": 50256} if c.vocab_size == GPT2_VOCAB_SIZE else {}),

@@ -58,7 +58,7 @@ def test_round_trip_is_exact(tmp_path):
 
 
 def test_find_checkpoint_prefers_best_then_latest(tmp_path):
-    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/: run `uv run train.py` first"):
+    with pytest.raises(CheckpointError, match=f"no checkpoint in {tmp_path}/ .*: run `uv run train.py"):
         find_checkpoint(tmp_path)
     _save(tmp_path, seed=1, step=5)
     assert find_checkpoint(tmp_path) == tmp_path / "latest.json"

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig, generate, load_model
-from eqx_gpt.checkpoint import model_template
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.gpt2 import GPT2FormatError, load_gpt2, read_gpt2_config, save_gpt2
+from eqx_gpt.model.template import model_template
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-gpt2"

@@ -45,7 +45,7 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     with pytest.raises(OptionsError, match="--d-model 64 contradicts"):
         resolve_options({"d_model": 64}, CHECKPOINT)
     # A preset named anew counts as settings for its values: cpu-adamw's batch size contradicts.
-    with pytest.raises(OptionsError, match="--batch-size 16 contradicts"):
+    with pytest.raises(OptionsError, match=r"--preset cpu-adamw \(it sets batch_size=16\) contradicts"):
         resolve_options({"preset": "cpu-adamw"}, CHECKPOINT)
 
 

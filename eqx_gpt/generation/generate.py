@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt._checks import is_whole
+from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
     SamplingOptions,
@@ -165,7 +165,7 @@ def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
     context = model.config.context_length
     keep = options.window_keep(context)
     if not is_whole(max_new_tokens, 0):
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        raise ValueError(f"max_new_tokens must be an integer in [0, {INT32_MAX}], got {max_new_tokens!r}")
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(

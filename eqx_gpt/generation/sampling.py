@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt._checks import is_whole, typechecked
+from eqx_gpt._checks import INT32_MAX, is_whole, typechecked
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -21,7 +21,9 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if top_k is not None and not is_whole(top_k, 1):
-        raise ValueError(f"top_k must be an integer >= 1 (or None to keep every token), got {top_k!r}")
+        raise ValueError(
+            f"top_k must be an integer in [1, {INT32_MAX}] (or None to keep every token), got {top_k!r}"
+        )
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
 
@@ -47,9 +49,9 @@ class SamplingOptions:
     def __post_init__(self):
         check_sampling_args(self.temperature, self.top_k, self.top_p)
         if self.keep is not None and not is_whole(self.keep, 1):
-            raise ValueError(f"keep must be an integer >= 1 (or None), got {self.keep!r}")
+            raise ValueError(f"keep must be an integer in [1, {INT32_MAX}] (or None), got {self.keep!r}")
         if not is_whole(self.chunk_size, 1):
-            raise ValueError(f"chunk_size must be an integer >= 1, got {self.chunk_size!r}")
+            raise ValueError(f"chunk_size must be an integer in [1, {INT32_MAX}], got {self.chunk_size!r}")
 
     def window_keep(self, context_length: int) -> int:
         """The tokens kept when the window slides, for a model of `context_length`."""
@@ -85,6 +87,8 @@ def _rank(logits):
 def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
     """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id)."""
     _, rank = _rank(logits)
+    if isinstance(k, int):  # a k past the vocabulary keeps every token (and never overflows int32)
+        k = min(k, logits.shape[-1])
     return jnp.where(rank < k, logits, -jnp.inf)
 
 

@@ -4,7 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from eqx_gpt._checks import is_whole
+from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.model.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -141,7 +141,7 @@ def check_fields(config, *, positive: tuple[str, ...] = (), finite: tuple[str, .
     for field in positive:
         value = getattr(config, field)
         if not is_whole(value, 1):
-            raise ValueError(f"{name}.{field} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name}.{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
     for field in finite:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

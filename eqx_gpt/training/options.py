@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS, preset_values
+from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 from eqx_gpt.training.train_config import TrainConfig
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
@@ -60,6 +60,18 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
         raise OptionsError(str(e)) from None
 
 
+# Every setting's dataclass default, and the settings that name files.
+DEFAULTS = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING}  # fmt: skip
+PATH_SETTINGS = ("init_from", "data")
+
+
+def preset_values(name: str | None) -> dict:
+    """Every `GPTConfig` (but `vocab_size`) and `TrainConfig` field's value under preset `name`
+    (None: no preset): the dataclass default, overridden by the preset."""
+    return {**DEFAULTS, **(PRESETS[name].values() if name is not None else {})}
+
+
 def _fresh(settings: dict, preset: str | None) -> RunOptions:
     shape = [k for k in settings if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
     if settings.get("init_from") is not None and shape:
@@ -68,27 +80,36 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             f"{settings['init_from']}; leave it out (only "
             f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
         )
-    defaults = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)
-                if f.default is not dataclasses.MISSING}  # fmt: skip
-    values = {**(defaults if preset is None else preset_values(preset)), **settings}
+    values = {**preset_values(preset), **settings}
+    if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
+        values["init_from"] = str(Path(values["init_from"]).expanduser().resolve())
     train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-    return RunOptions({k: values[k] for k in MODEL_FIELDS if k in values}, train, preset)
+    # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
+    model_fields = INIT_FROM_OPTIONS if train.init_from is not None else MODEL_FIELDS
+    return RunOptions({k: values[k] for k in model_fields if k in values}, train, preset)
 
 
 def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:
-    given = {**(PRESETS[preset].values() if preset else {}), **settings}
+    preset_given = PRESETS[preset].values() if preset else {}
+    given = {**preset_given, **settings}
     saved_model = {k: v for k, v in checkpoint["model_config"].items() if k != "vocab_size"}
     saved_train = checkpoint["train_config"]
     for name, value in given.items():
-        saved = saved_model if name in MODEL_FIELDS else saved_train
-        if name == "preset" or name in RESUMABLE_CHANGES or name not in saved or saved[name] == value:
+        if name == "preset" or name in RESUMABLE_CHANGES:
             continue
+        saved = saved_model if name in MODEL_FIELDS else saved_train
+        # A checkpoint written before a setting existed ran with its default.
+        saved_value = saved.get(name, DEFAULTS.get(name))
+        if _same_setting(name, value, saved_value):
+            continue
+        flag = f"--{name.replace('_', '-')} {value}"
+        culprit = flag if name in settings else f"--preset {preset} (it sets {name}={value!r})"
+        older = "" if name in saved else f", the default of a checkpoint older than {flag.split()[0]}"
         raise OptionsError(
-            f"--{name.replace('_', '-')} {value} contradicts the checkpoint in "
-            f"{Path(checkpoint['path']).parent} ({name}={saved[name]}); drop the flag to resume, or pass "
-            f"another --out-dir to start afresh"
+            f"{culprit} contradicts the checkpoint in {Path(checkpoint['path']).parent} ({name}="
+            f"{saved_value!r}{older}); drop it to resume, or pass another --out-dir to start afresh"
         )
     train = {**saved_train, **{k: v for k, v in given.items() if k in RESUMABLE_CHANGES}}
     try:
@@ -96,3 +117,11 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
     except ValueError as e:
         raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid train config: {e}") from None
     return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), checkpoint)
+
+
+def _same_setting(name: str, value, saved) -> bool:
+    """Whether a setting given on resume is the checkpoint's: paths compare resolved (the checkpoint
+    records them absolute, a flag gives them as typed)."""
+    if name in PATH_SETTINGS and value is not None and saved is not None:
+        return Path(value).expanduser().resolve() == Path(saved).expanduser().resolve()
+    return value == saved

@@ -1,14 +1,10 @@
 """Named recipes: a model shape and a training config that go together.
 
 A preset is a set of overrides of `GPTConfig`'s and `TrainConfig`'s field defaults; command-line
-flags override the preset in turn (`preset_values`).
+flags override the preset in turn (`options.preset_values`, where every merge happens).
 """
 
-import dataclasses
 from dataclasses import dataclass, field
-
-from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.training.train_config import TrainConfig
 
 DEFAULT_PRESET = "cpu"
 FINETUNE_PRESET = "finetune-shakespeare"  # the default preset of `train.py --init-from DIR`
@@ -110,15 +106,3 @@ PRESETS = {
         train={**_NANOGPT_TRAIN, "optimizer": "muon", "lr": 0.02, "min_lr": 0.002, "adam_lr": 1e-3},
     ),
 }
-
-
-def preset_values(name: str) -> dict:
-    """Every `GPTConfig` (but `vocab_size`) and `TrainConfig` field's value under preset `name`:
-    the dataclass default, overridden by the preset."""
-    defaults = {
-        f.name: f.default
-        for cls in (GPTConfig, TrainConfig)
-        for f in dataclasses.fields(cls)
-        if f.default is not dataclasses.MISSING
-    }
-    return {**defaults, **PRESETS[name].values()}

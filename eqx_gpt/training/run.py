@@ -39,7 +39,6 @@ from eqx_gpt.checkpoint import (
     delete_checkpoints,
     load_checkpoint,
     load_model,
-    model_template,
     read_metadata,
     save_checkpoint,
 )
@@ -47,9 +46,10 @@ from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
-from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.template import model_template
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, TRAIN_BATCHES, batch_key
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.batches import fixed_batches, window_starts, windows_reader
@@ -63,7 +63,7 @@ from eqx_gpt.training.evaluate import (
     summed_loss,
     windows_per_call,
 )
-from eqx_gpt.training.options import INIT_FROM_OPTIONS, OptionsError, RunOptions, resolve_options
+from eqx_gpt.training.options import OptionsError, RunOptions, resolve_options
 from eqx_gpt.training.parallel import (
     check_batch,
     data_mesh,
@@ -104,7 +104,15 @@ class TrainingError(ValueError):
 
 
 # Everything a run can refuse with: one-line messages that name the fix (all `ValueError`s).
-RunError = (TrainingError, RunDirError, DataError, CheckpointError, TokenizerError, OptionsError)
+RunError = (
+    TrainingError,
+    RunDirError,
+    DataError,
+    CheckpointError,
+    GPT2FormatError,
+    TokenizerError,
+    OptionsError,
+)
 
 
 @dataclass
@@ -213,10 +221,7 @@ def start_run(
     (fresh, or from the checkpoint `options.checkpoint` describes). Reads `out_dir` but writes
     nothing there."""
     model_options, config, meta = options.model, options.train, options.checkpoint
-    fine_tune = meta is None and config.init_from is not None
-    if fine_tune:  # the shape and the tokenizer are GPT-2's
-        config = replace(config, init_from=str(Path(config.init_from).resolve()))
-        model_options = {k: v for k, v in model_options.items() if k in INIT_FROM_OPTIONS}
+    fine_tune = meta is None and config.init_from is not None  # the shape and tokenizer are GPT-2's
     corpus, source, config = _load_corpus(config, meta, _tokenizer_wanted(config, meta, model_options), log)
     model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
     train_ids, val_ids = corpus.train, corpus.val

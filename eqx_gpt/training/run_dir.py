@@ -19,9 +19,11 @@ from eqx_gpt.checkpoint import (
     CheckpointError,
     checkpoint_file,
     checkpoint_paths,
+    holds_run,
     read_metadata,
 )
 from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.gpt2 import is_gpt2_directory
 
 LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
@@ -62,6 +64,11 @@ def describe_run(out_dir: Path) -> str | None:
 
 def check_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to start afresh in a folder that holds a run, unless `overwrite` asks to replace it."""
+    if is_gpt2_directory(out_dir) and not holds_run(out_dir):
+        raise RunDirError(
+            f"{out_dir}/ holds a Hugging Face GPT-2 model, not a run; pass another --out-dir (a run's "
+            f"checkpoints are never written beside a model they could be mistaken for)"
+        )
     found = describe_run(out_dir)
     if resume and found is None:
         raise RunDirError(f"--resume but no checkpoint in {out_dir}/; run without --resume to start")
@@ -123,6 +130,33 @@ class RunDirLock:
         os.close(self.fd)
 
 
+# The numbers a record of `metrics.jsonl` may hold (the plot and a resumed run read them).
+NUMBERS = (
+    "loss",
+    "lr",
+    "tokens_per_s",
+    "train_loss",
+    "val_loss",
+    "elapsed_s",
+    "final_val_loss",
+    "val_tokens",
+)
+
+
+def _check_record(record: dict, path: Path, number: int) -> None:
+    """Refuse a record of `metrics.jsonl` whose step is not a whole number >= 0, or whose losses,
+    rates and times are not numbers (a hand-edited file), in one line naming the line."""
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise RunDirError(f"{path} line {number}: 'step' is {step!r}, not a whole number >= 0; fix or "
+                          f"delete that line, then resume")  # fmt: skip
+    for key in NUMBERS:
+        value = record.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RunDirError(f"{path} line {number}: {key!r} is {value!r}, not a number; fix or delete "
+                              f"that line, then resume")  # fmt: skip
+
+
 class Metrics:
     """`metrics.jsonl`: one JSON object per line, appended and flushed; on resume, the lines up to
     the checkpoint's step are kept and later ones (from after the checkpoint) dropped."""
@@ -131,14 +165,16 @@ class Metrics:
         self.path = path
         self.records: list[dict] = []
         if keep_until is not None and path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a crash
                     continue
-                if isinstance(record, dict) and record.get("step", math.inf) <= keep_until:
-                    if "final_val_loss" not in record:  # a resumed run ends with its own
-                        self.records.append(record)
+                if not isinstance(record, dict):
+                    continue
+                _check_record(record, path, number)
+                if record.get("step", math.inf) <= keep_until and "final_val_loss" not in record:
+                    self.records.append(record)  # a resumed run ends with its own final line
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self.file = open(path, "a", encoding="utf-8")
 

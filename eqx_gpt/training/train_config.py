@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from eqx_gpt._checks import SEED_MAX, is_whole
 from eqx_gpt.model.config import DictConfig, check_fields
 
 TOKENIZERS = ("char", "gpt2")
@@ -116,6 +117,8 @@ class TrainConfig(DictConfig):
                 *(("adam_lr",) if self.adam_lr is not None else ()),
             ),
         )
+        if not is_whole(self.seed, 0, SEED_MAX):
+            raise ValueError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
