@@ -108,9 +108,9 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
     os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
     from eqx_gpt.training.run import train
 
-    rates = {"mapped 1 GB corpus": [], "bundled corpus in memory": []}
+    rates = {"mapped corpus": [], "bundled corpus in memory": []}
     for r in range(rounds):
-        for name, data in (("mapped 1 GB corpus", str(text)), ("bundled corpus in memory", None)):
+        for name, data in (("mapped corpus", str(text)), ("bundled corpus in memory", None)):
             out = tmp / f"speed-{r}-{name.split()[0]}"
             settings = {
                 "data": data,

@@ -126,7 +126,7 @@ class Run:
     model_config: GPTConfig
     out_dir: Path
     tokenizer: Tokenizer
-    train_ids: TokenSpan  # the splits' tokens, memory-mapped (read by `TokenSpan.rows`)
+    train_ids: TokenSpan  # the splits' tokens, read from the shards as needed (`TokenSpan.rows`)
     val_ids: TokenSpan
     mesh: jax.sharding.Mesh
     model: GPT
@@ -192,7 +192,7 @@ def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dic
 def _load_corpus(
     config: TrainConfig, meta: dict | None, tokenizer: dict, log: Callable[[str], None]
 ) -> tuple[Corpus, str, TrainConfig]:
-    """`(corpus, source name, config)`: the corpus tokenized (once; later runs map its shards),
+    """`(corpus, source name, config)`: the corpus tokenized (once; later runs open its shards),
     checked against the checkpoint's on resume, and the config with the data path made absolute
     (so a run resumes from anywhere)."""
     corpus = load_corpus(config.data, tokenizer, resumes=meta, log=log, progress=Progress())
@@ -341,7 +341,7 @@ def dispatch_steps(run: Run, n: int) -> None:
             s, n_tokens=len(run.train_ids), seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size,
             length=window,
         )  # fmt: skip
-    # Each process reads only its own devices' rows of the windows from the maps.
+    # Each process reads only its own devices' rows of the windows from the shards.
     batches = shard_rows(windows_reader(run.train_ids, starts, window), (*starts.shape, window), run.mesh, 1)
     step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
     step_ids[:n], rates[:n] = steps, lrs
