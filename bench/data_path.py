@@ -89,7 +89,7 @@ def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict) -> None:
 
 def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
     env = {**env, "EQX_GPT_DATA_CACHE": str(tmp / "cache-check")}
-    for name in ("first run (prepares)", "second run (maps)"):
+    for name in ("first run (prepares)", "second run (reads the cache)"):
         out = tmp / f"run-{name.split()[0]}"
         argv = ["--data", str(text), "--out-dir", str(out), "--max-steps", str(steps), "--max-minutes", "0"]
         result = run_child(

@@ -55,6 +55,7 @@ from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.batches import fixed_batches, window_starts, windows_reader
 from eqx_gpt.training.corpus import BUNDLED, DataError, check_split, load_corpus
 from eqx_gpt.training.evaluate import (
+    FINAL_EVAL_FACTOR,
     Evaluation,
     Windows,
     evaluate_windows,
@@ -677,7 +678,7 @@ def final_validation(run: Run) -> tuple[Evaluation | None, str]:
         return final, f"{covers} (windows of {context} every {windows.stride})"
     return final, (
         f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(windows):,} evenly "
-        f"spread windows of {context}; the whole split is over 8x --eval-tokens)"
+        f"spread windows of {context}; the whole split is over {FINAL_EVAL_FACTOR}x --eval-tokens)"
     )
 
 
