@@ -1,13 +1,16 @@
-"""Grain against a plain memory map, for the training batches (docs/ARCHITECTURE.md: "Data").
+"""Grain against a memory map and against plain reads, for the training batches (ARCHITECTURE "Data").
 
-Both read batches of 32 random windows of 65 tokens from a 100M-token uint16 file on disk (200 MB,
-in the page cache after a first pass): a numpy gather from `np.memmap` (what `TokenSpan.rows`
-does per shard), and Grain's `MapDataset` (shuffled window indices, mapped to slices, batched).
+Each reads batches of 32 random windows of 65 tokens from a 100M-token uint16 file on disk (200 MB,
+in the page cache after a first pass): a numpy gather from `np.memmap`, one `os.pread` per window
+(what `ShardFile` does), and Grain's `MapDataset` (shuffled indices, mapped to slices, batched).
+It also prints the process's resident memory after each, since a map's pages count there.
 Grain is not a dependency; run it in a throwaway environment:
 
     uv run --no-project --with grain --with numpy python bench/data_grain.py
 """
 
+import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -15,6 +18,10 @@ from pathlib import Path
 import numpy as np
 
 N_TOKENS, BATCH, WINDOW, BATCHES = 100_000_000, 32, 65, 2000
+
+
+def rss_mb() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) // 1024
 
 
 def main() -> None:
@@ -32,6 +39,15 @@ def main() -> None:
             starts = rng.integers(0, N_TOKENS - WINDOW + 1, BATCH)
             batch = tokens[starts[:, None] + np.arange(WINDOW)].astype(np.int32)
         memmap_us = (time.perf_counter() - t0) / BATCHES * 1e6
+        memmap_rss = rss_mb()
+
+        fd = os.open(path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        for _ in range(BATCHES):
+            starts = rng.integers(0, N_TOKENS - WINDOW + 1, BATCH)
+            batch = np.stack([np.frombuffer(os.pread(fd, 2 * WINDOW, 2 * int(s)), np.uint16) for s in starts])
+        pread_us = (time.perf_counter() - t0) / BATCHES * 1e6
+        os.close(fd)
 
         dataset = (
             grain.MapDataset.range(N_TOKENS - WINDOW + 1)
@@ -47,8 +63,8 @@ def main() -> None:
         grain_us = (time.perf_counter() - t0) / BATCHES * 1e6
         assert batch.shape == (BATCH, WINDOW)
     print(
-        f"per batch of {BATCH} x {WINDOW}: np.memmap gather {memmap_us:.0f} us, "
-        f"Grain MapDataset {grain_us:.0f} us"
+        f"per batch of {BATCH} x {WINDOW}: np.memmap gather {memmap_us:.0f} us (resident memory then "
+        f"{memmap_rss} MB), os.pread per window {pread_us:.0f} us, Grain MapDataset {grain_us:.0f} us"
     )
 
 

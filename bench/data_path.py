@@ -89,7 +89,7 @@ def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict) -> None:
 
 def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
     env = {**env, "EQX_GPT_DATA_CACHE": str(tmp / "cache-check")}
-    for name in ("first run (prepares)", "second run (maps)"):
+    for name in ("first run (prepares)", "second run (reads the cache)"):
         out = tmp / f"run-{name.split()[0]}"
         argv = ["--data", str(text), "--out-dir", str(out), "--max-steps", str(steps), "--max-minutes", "0"]
         result = run_child(
@@ -108,9 +108,9 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
     os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
     from eqx_gpt.training.run import train
 
-    rates = {"mapped 1 GB corpus": [], "bundled corpus in memory": []}
+    rates = {"mapped corpus": [], "bundled corpus in memory": []}
     for r in range(rounds):
-        for name, data in (("mapped 1 GB corpus", str(text)), ("bundled corpus in memory", None)):
+        for name, data in (("mapped corpus", str(text)), ("bundled corpus in memory", None)):
             out = tmp / f"speed-{r}-{name.split()[0]}"
             settings = {
                 "data": data,

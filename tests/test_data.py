@@ -111,5 +111,5 @@ def test_evaluation_windows_cover_the_split_within_the_budget():
     assert big.starts[0] == 0 and big.starts[-1] == 10**8 - 65 and np.all(np.diff(big.starts) >= 64)
     np.testing.assert_array_equal(big.starts, periodic_windows(10**8, 64, default).starts)
     final = final_windows(10**8, 64, default)
-    assert not final.whole and final.n_predicted == 8 * big.n_predicted
+    assert not final.whole and final.n_predicted == 4 * big.n_predicted
     assert whole_text(5, 64, 32).n_predicted == 4 and sampled(5, 64, 10).whole  # shorter than a window

@@ -1,7 +1,7 @@
-"""The data wing: a corpus of any size, tokenized once into memory-mapped token shards.
+"""The data wing: a corpus of any size, tokenized once into token shards on disk.
 
 `sources` finds and reads the files of `--data PATH` (text, .jsonl); `chunks` cuts them into units
 of work; `prepare` tokenizes them into shards in the cache (`cache`), described by a `manifest`,
-or maps the shards a previous run wrote; `shards` reads windows of tokens from them. It knows
+or opens the shards a previous run wrote; `shards` reads windows of tokens from them. It knows
 nothing of models or training: `training/corpus.py` and `training/batches.py` use it.
 """

@@ -1,10 +1,10 @@
-"""Preparing a corpus: tokenize it once into shards in the cache, and map them on every later start.
+"""Preparing a corpus: tokenize it once into shards in the cache, and read them on every later start.
 
-`prepare(path, tokenizer)` returns a `Corpus` whose tokens are read from memory-mapped shards:
+`prepare(path, tokenizer)` returns a `Corpus` whose tokens are read from shard files as needed:
 
 - The cache entry of `(path, tokenizer)` (`cache.py`) is used as it is when its manifest names the
   same files with the same sizes and modification times, and every shard has its exact size.
-  Nothing is hashed or read then: a run starts in the time it takes to map the shards.
+  Nothing is hashed or read then: a run starts in the time it takes to stat the files.
 - Otherwise, under the entry's lock: the sources are hashed; the entry is kept if only their
   modification times changed (the manifest is rewritten); else the corpus is tokenized into a
   new entry by one thread per core, chunk by chunk (`chunks.py`), with a progress bar. A char
@@ -28,7 +28,7 @@ from pathlib import Path
 from eqx_gpt.data.cache import EntryLock, cache_root, entry_name, fsync, new_folder, publish, remove_leftovers
 from eqx_gpt.data.chunks import Chunk, characters, chunk_bytes, plan_chunks, tokens, write_shard
 from eqx_gpt.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceRecord, identity, token_dtype
-from eqx_gpt.data.shards import TokenSpan, map_shard
+from eqx_gpt.data.shards import TokenSpan, open_shards
 from eqx_gpt.data.sources import DataError, Source, find_sources, sha256_of
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
@@ -43,8 +43,8 @@ class Corpus:
     tokens: TokenSpan
     tokenizer: Tokenizer
     manifest: Manifest
-    folder: Path | None  # the cache entry the shards are mapped from (None: tokenized in memory)
-    prepared: bool  # tokenized by this call (False: mapped from the cache as it was)
+    folder: Path | None  # the cache entry the shards are read from (None: tokenized in memory)
+    prepared: bool  # tokenized by this call (False: read from the cache as it was)
 
     @property
     def train(self) -> TokenSpan:
@@ -144,7 +144,7 @@ def _same_kind(prepared: dict, asked: dict) -> bool:
 
 
 def _open(entry: Path, manifest: Manifest, *, prepared: bool) -> Corpus:
-    shards = [map_shard(entry / s.name, manifest.dtype) for s in manifest.shards]
+    shards = open_shards(entry, manifest.shards, manifest.dtype)
     return Corpus(TokenSpan(shards), tokenizer_from_dict(manifest.tokenizer), manifest, entry, prepared)
 
 

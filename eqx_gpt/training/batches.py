@@ -3,8 +3,8 @@
 The first `context_length` tokens of a window are the input, the last `context_length` the targets.
 Where the windows start is a pure function of `(seed, stream, step)` computed by JAX
 (`window_starts`), so a resumed run sees exactly the batches it would have seen; the tokens are
-then read with numpy from the corpus's shards (`TokenSpan.rows`), which are memory-mapped: no
-corpus is ever copied whole into memory or onto a device.
+then read from the corpus's shard files (`TokenSpan.rows`), a window at a time: no corpus is ever
+copied whole into memory or onto a device.
 """
 
 import functools

@@ -28,7 +28,7 @@ from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.model.gpt import GPT
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
-FINAL_EVAL_FACTOR = 8  # the final validation reads up to this many times the periodic budget
+FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
 
 
 def windows_per_call(context: int) -> int:

@@ -55,6 +55,7 @@ from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 from eqx_gpt.training.batches import fixed_batches, window_starts, windows_reader
 from eqx_gpt.training.corpus import BUNDLED, DataError, check_split, load_corpus
 from eqx_gpt.training.evaluate import (
+    FINAL_EVAL_FACTOR,
     Evaluation,
     Windows,
     evaluate_windows,
@@ -134,7 +135,7 @@ class Run:
     model_config: GPTConfig
     out_dir: Path
     tokenizer: Tokenizer
-    train_ids: TokenSpan  # the splits' tokens, memory-mapped (read by `TokenSpan.rows`)
+    train_ids: TokenSpan  # the splits' tokens, read from the shards as needed (`TokenSpan.rows`)
     val_ids: TokenSpan
     mesh: jax.sharding.Mesh
     model: GPT
@@ -200,7 +201,7 @@ def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dic
 def _load_corpus(
     config: TrainConfig, meta: dict | None, tokenizer: dict, log: Callable[[str], None]
 ) -> tuple[Corpus, str, TrainConfig]:
-    """`(corpus, source name, config)`: the corpus tokenized (once; later runs map its shards),
+    """`(corpus, source name, config)`: the corpus tokenized (once; later runs open its shards),
     checked against the checkpoint's on resume, and the config with the data path made absolute
     (so a run resumes from anywhere)."""
     corpus = load_corpus(config.data, tokenizer, resumes=meta, log=log, progress=Progress())
@@ -346,7 +347,7 @@ def dispatch_steps(run: Run, n: int) -> None:
             s, n_tokens=len(run.train_ids), seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size,
             length=window,
         )  # fmt: skip
-    # Each process reads only its own devices' rows of the windows from the maps.
+    # Each process reads only its own devices' rows of the windows from the shards.
     batches = shard_rows(windows_reader(run.train_ids, starts, window), (*starts.shape, window), run.mesh, 1)
     step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
     step_ids[:n], rates[:n] = steps, lrs
@@ -682,7 +683,7 @@ def final_validation(run: Run) -> tuple[Evaluation | None, str]:
         return final, f"{covers} (windows of {context} every {windows.stride})"
     return final, (
         f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(windows):,} evenly "
-        f"spread windows of {context}; the whole split is over 8x --eval-tokens)"
+        f"spread windows of {context}; the whole split is over {FINAL_EVAL_FACTOR}x --eval-tokens)"
     )
 
 

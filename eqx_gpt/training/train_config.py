@@ -19,7 +19,9 @@ class TrainConfig(DictConfig):
     """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
 
     data: str | None = _help(
-        "UTF-8 text file to train on (default: the bundled Tiny Shakespeare)", default=None
+        'a UTF-8 text file, a .jsonl file of {"text": ...} lines, or a folder of them, to train on; '
+        "tokenized once into the token cache (default: the bundled Tiny Shakespeare)",
+        default=None,
     )
     tokenizer: str = _help(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
@@ -80,7 +82,7 @@ class TrainConfig(DictConfig):
     eval_tokens: int = _help(
         "validation tokens each evaluation may read: the whole split if it has no more (Tiny "
         "Shakespeare's 111,540 tokens), else the same evenly spread windows of this many tokens each "
-        "time; the final validation reads the whole split up to 8x this, else a sample of 8x",
+        "time; the final validation reads the whole split up to 4x this, else a sample of 4x",
         default=131_072,
     )
     log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
