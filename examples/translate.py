@@ -30,6 +30,9 @@ import numpy as np
 import optax
 
 from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
+from eqx_gpt.checkpoint import delete_checkpoints, holds_run
+from eqx_gpt.cli import OneLineParser, finite_float, seed_number, whole_number
+from eqx_gpt.gpt2 import is_gpt2_directory
 from eqx_gpt.training.progress import Progress, clock
 from eqx_gpt.training.schedule import learning_rate
 from eqx_gpt.training.time_plan import TimePlan
@@ -58,8 +61,16 @@ class CharVocab:
     def size(self) -> int:
         return len(self.chars) + 3
 
-    def encode(self, text: str) -> list[int]:
-        return [self.ids[ch] for ch in text if ch in self.ids]  # unseen characters are dropped
+    def encode(self, text: str, *, strict: bool = False) -> list[int]:
+        """The ids of `text`'s characters. Characters the vocabulary lacks are dropped (held-out data
+        may hold a few), or with `strict` refused in one line, naming them."""
+        unknown = sorted({ch for ch in text if ch not in self.ids})
+        if strict and unknown:
+            raise ValueError(
+                f"{text!r} holds {''.join(unknown)!r}, not among the {len(self.chars)} characters the model "
+                f"was trained on; write it with those"
+            )
+        return [self.ids[ch] for ch in text if ch in self.ids]
 
     def decode(self, ids) -> str:
         out = []
@@ -234,25 +245,32 @@ def draw_cross_attention(model, source: str, target: str, vocabs, path: Path) ->
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="translate.py", description=__doc__.splitlines()[0])
     p.add_argument(
         "--pairs", type=Path, help="Tatoeba/Anki english<TAB>french file (default: the dates task)"
     )
     p.add_argument(
         "--minutes",
-        type=float,
+        type=finite_float,
         default=2.4,
         help="training time, compile included (schedule fitted); 0: no limit, train --max-steps",
     )
-    p.add_argument("--max-steps", type=int, default=20_000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2, help="encoder and decoder layers each")
-    p.add_argument("--max-len", type=int, default=48, help="longest source or target, in characters")
-    p.add_argument("--held-out", type=int, default=1000, help="pairs kept out of training and scored")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=whole_number(1), default=20_000)
+    p.add_argument("--batch-size", type=whole_number(1), default=64)
+    p.add_argument("--lr", type=finite_float, default=1e-3)
+    p.add_argument("--d-model", type=whole_number(1), default=128, help="a multiple of 8 (4 heads, even)")
+    p.add_argument("--layers", type=whole_number(1), default=2, help="encoder and decoder layers each")
+    p.add_argument(
+        "--max-len", type=whole_number(3), default=48, help="longest source or target, in characters"
+    )
+    p.add_argument(
+        "--held-out", type=whole_number(1), default=1000, help="pairs kept out of training and scored"
+    )
+    p.add_argument("--seed", type=seed_number, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("out-translate"), help="its checkpoint goes here")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace the run already in --out-dir (else it is refused)"
+    )
     p.add_argument("--attention-png", type=Path, help="draw the cross-attention of one held-out example")
     p.add_argument(
         "--translate", metavar="TEXT", action="append",
@@ -262,10 +280,38 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def translate_saved(out_dir: Path, sources: list[str]) -> list[str]:
-    """Greedy translations of `sources` by the model a training run saved in `out_dir`."""
+    """Greedy translations of `sources` by the model a training run saved in `out_dir`; a source
+    that is empty, too long or holds characters the model never saw is refused in one line."""
     model, _, meta = load_model(out_dir, kind="Transformer")
     vocabs = CharVocab.from_dict(meta["tokenizer"]), CharVocab.from_dict(meta["target_tokenizer"])
+    for source in sources:
+        if not source.strip():
+            raise ValueError("--translate got an empty text; pass the text to translate")
+        if len(source) > model.config.max_len:
+            raise ValueError(
+                f"--translate {source!r} has {len(source)} characters; the model reads at most "
+                f"{model.config.max_len}"
+            )
+        vocabs[0].encode(source, strict=True)
     return translate_all(model, sources, vocabs, model.config.max_len)
+
+
+def check_settings(args) -> None:
+    """Refuse settings that cannot make a run, and an --out-dir holding a run, before any work."""
+    TransformerConfig(
+        src_vocab_size=4, tgt_vocab_size=4, max_len=args.max_len, d_model=args.d_model, n_heads=4,
+        n_encoder_layers=args.layers, n_decoder_layers=args.layers, pad_id=PAD,
+    )  # fmt: skip
+    if args.minutes < 0 or not args.lr > 0:
+        raise ValueError(f"need --minutes >= 0 and --lr > 0, got {args.minutes} and {args.lr}")
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        raise ValueError(f"--out-dir {args.out_dir} is a file; pass a folder")
+    if args.out_dir.is_dir() and (holds_run(args.out_dir) or is_gpt2_directory(args.out_dir)):
+        if not args.overwrite or is_gpt2_directory(args.out_dir) and not holds_run(args.out_dir):
+            raise ValueError(
+                f"{args.out_dir}/ already holds a model; pass another --out-dir, or --overwrite to replace "
+                f"the run there"
+            )
 
 
 def load_data(args) -> tuple[list, list]:
@@ -291,6 +337,7 @@ def main(argv=None) -> int:
             print(f"{source!r} -> {guess!r}")
         return 0
     try:
+        check_settings(args)
         if args.attention_png is not None:
             from eqx_gpt.visualize import check_figure_path
 
@@ -321,6 +368,7 @@ def main(argv=None) -> int:
     )
     model, opt_state, steps = train(model, train_pairs, vocabs, args)
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    delete_checkpoints(args.out_dir)  # --overwrite: the run there is replaced whole
     save_checkpoint(
         args.out_dir, "latest", model, opt_state, step=steps, tokenizer=vocabs[0], train_config={},
         target_tokenizer=vocabs[1].to_dict(),

@@ -282,7 +282,8 @@ def test_init_from_picks_the_fine_tuning_preset_and_its_options(monkeypatch):
     preset = PRESETS[FINETUNE_PRESET]
     seen = _configs_given_to_train(monkeypatch, ["--init-from", "gpt2-dir", "--max-steps", "7"])
     assert seen["preset"] == FINETUNE_PRESET
-    assert seen["train"] == TrainConfig(**{**preset.train, "init_from": "gpt2-dir", "max_steps": 7})
+    init_from = str(Path("gpt2-dir").resolve())  # recorded absolute: the run resumes from anywhere
+    assert seen["train"] == TrainConfig(**{**preset.train, "init_from": init_from, "max_steps": 7})
     assert seen["model"].context_length == preset.model["context_length"]
 
 

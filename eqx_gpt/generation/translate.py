@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
+from eqx_gpt._checks import is_whole
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
     SamplingOptions,
@@ -78,8 +79,13 @@ def translate(
     options = with_settings(options, settings)
     c = model.config
     src = np.asarray(src, np.int32)
-    if src.ndim != 2:
-        raise ValueError(f"translate takes sources of shape (batch, src_seq), got {src.shape}")
+    if src.ndim != 2 or 0 in src.shape:
+        raise ValueError(f"translate takes sources of shape (batch, src_seq), neither 0, got {src.shape}")
+    for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
+        if not is_whole(value, 0, c.tgt_vocab_size - 1):
+            raise ValueError(
+                f"{name} must be a target id in [0, tgt_vocab_size={c.tgt_vocab_size}), got {value!r}"
+            )
     if not 1 <= max_new_tokens <= c.max_len:
         raise ValueError(f"max_new_tokens must be in [1, max_len={c.max_len}], got {max_new_tokens}")
     if src.size and (src.min() < 0 or src.max() >= c.src_vocab_size):

@@ -5,9 +5,10 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt._checks import check_last_dim, is_whole, typechecked
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.positions import rotary_embedding
@@ -48,7 +49,27 @@ def padding_mask(
         return tokens != pad_id
     if kv_seq is None:
         raise ValueError("padding_mask(lengths=...) needs kv_seq=, the padded length")
-    return jnp.arange(kv_seq) < jnp.asarray(lengths)[..., None]
+    if not is_whole(kv_seq, 0):
+        raise ValueError(f"padding_mask: kv_seq must be a whole number >= 0, got {kv_seq!r}")
+    lengths = _check_lengths(lengths, kv_seq)
+    return jnp.arange(kv_seq) < lengths[..., None]
+
+
+def _check_lengths(lengths, kv_seq: int) -> Int[Array, "*batch"]:
+    """`lengths` as an integer array, refused (one line) unless whole numbers in `[0, kv_seq]`;
+    under `jit` only the dtype can be checked, the values being unknown."""
+    if isinstance(lengths, jax.core.Tracer):
+        if not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"padding_mask: lengths must be integers, got dtype {lengths.dtype}")
+        return lengths
+    values = np.asarray(lengths)
+    if values.dtype == bool or not np.issubdtype(values.dtype, np.integer):
+        raise ValueError(f"padding_mask: lengths must be whole numbers, got {values.tolist()!r}")
+    if values.size and (values.min() < 0 or values.max() > kv_seq):
+        raise ValueError(
+            f"padding_mask: lengths must be in [0, kv_seq={kv_seq}], got {values.min()}..{values.max()}"
+        )
+    return jnp.asarray(values)
 
 
 @typechecked

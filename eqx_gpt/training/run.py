@@ -81,6 +81,7 @@ from eqx_gpt.training.run_dir import (
     RunDirLock,
     check_run_dir,
     check_writable,
+    final_recorded,
 )
 from eqx_gpt.training.schedule import learning_rate
 from eqx_gpt.training.time_plan import TimePlan
@@ -251,7 +252,8 @@ def start_run(
         start, best_val = meta["step"], meta.get("best_val_loss") or math.inf
         same_length = meta["train_config"]["max_steps"] == config.max_steps
         horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
-        if start >= horizon and (_saved_evaluation(meta) or (None,))[0] == start:  # else: evaluate it
+        finished = start >= horizon and (_saved_evaluation(meta) or (None,))[0] == start
+        if finished and final_recorded(out_dir / METRICS_NAME, start):  # else: finish it now
             raise TrainingError(
                 f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
             )
@@ -468,9 +470,11 @@ def evaluate_and_save(run: Run, bar: Progress, t_start: float) -> bool:
     run.last_eval = (run.step, val_loss)
     elapsed = round(run.now() - t_start, 2)
     run.metrics.write({"step": run.step, "train_loss": train, "val_loss": val_loss, "elapsed_s": elapsed})
-    save(run, LATEST)
+    # `best` before `latest`: a kill between the two leaves `latest` at the previous evaluation, so
+    # the resumed run redoes this step rather than trusting a `best` that was never written.
     if is_best:
         save(run, BEST)
+    save(run, LATEST)
     plot_losses(run.metrics.records, run.out_dir / "loss.png")
     run.read_points.clear()  # keep evaluation time out of tokens/s
     run.read_points.append((run.step, run.now()))
@@ -605,6 +609,7 @@ def _evaluated(run: Run) -> bool:
 def _loop(run: Run, sample_tokens: int, progress: bool, t_start: float) -> TrainResult:
     c, bar = run.config, Progress(enabled=progress)
     run.read_points.append((run.start, t_start))
+    repair_best(run)
     try:
         with _StopFlag() as stop:
             run.stopping = lambda: stop.set
@@ -636,6 +641,17 @@ def _loop(run: Run, sample_tokens: int, progress: bool, t_start: float) -> Train
             return finish(run, sample_tokens, t_start)
     finally:
         bar.clear()
+
+
+def repair_best(run: Run) -> None:
+    """On resume, rewrite `best` when `latest`'s own evaluation is the best but `best` is from
+    another step: a run killed between the two writes, before they were ordered, left it behind."""
+    if run.last_saved is None or run.last_eval is None or run.last_eval != (run.step, run.best_val):
+        return
+    best = checkpoint_file(run.out_dir, BEST)
+    if not best.exists() or read_metadata(best)["step"] != run.step:
+        run.log(f"best checkpoint behind the latest (step {run.step}, the best): rewritten")
+        save(run, BEST)
 
 
 def _time_first_step(run: Run, bar: Progress, t_start: float) -> None:

@@ -130,6 +130,22 @@ class RunDirLock:
         os.close(self.fd)
 
 
+def final_recorded(metrics: Path, step: int) -> bool:
+    """Whether `metrics.jsonl` holds the final validation of the run finished at `step`."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "final_val_loss" in record and record.get("step") == step:
+            return True
+    return False
+
+
 # The numbers a record of `metrics.jsonl` may hold (the plot and a resumed run read them).
 NUMBERS = (
     "loss",
