@@ -42,8 +42,10 @@ MODEL_HELP = {
     "norm_position": "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)",
     "positions": "'sinusoidal' (the paper's table), 'learned' (GPT-2's) or 'rope' (rotary, in attention)",
     "bias": "biases in every projection (GPT-2's)",
-    "activation": "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu' (exact) or 'relu' (the paper's)",
+    "activation": "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2'",
     "tie_embeddings": "the head is the token embedding, transposed (GPT-2's)",
+    "zero_init": "output projections and head start at zero: each block starts as the identity",
+    "logit_softcap": "bound the logits to (-cap, cap) with cap * tanh(logits / cap)",
 }
 CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,

@@ -246,7 +246,9 @@ def gpt2_tokenizer(config: GPTConfig) -> GPT2Tokenizer:
 
 def gpt2_config_dict(config: GPTConfig) -> dict:
     """The Hugging Face `config.json` of a GPT-2-shaped `config` (`GPT2FormatError` if it is not one)."""
-    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in GPT2_OPTIONS.items() if getattr(config, k) != v]
+    gpt2_like = {**GPT2_OPTIONS, "logit_softcap": None}  # and an activation Hugging Face names
+    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in gpt2_like.items() if getattr(config, k) != v]
+    mismatched += [f"activation={config.activation!r}"] * (config.activation not in HF_ACTIVATIONS)
     if mismatched or config.vocab_size > GPT2_VOCAB_SIZE:
         raise GPT2FormatError(
             f"the model is not GPT-2-shaped ({', '.join(mismatched) or f'vocab_size={config.vocab_size}'}); "

@@ -11,7 +11,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NORM_KINDS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope")
-ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu")
+ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu", "relu2")
 
 
 class DictConfig:
@@ -49,8 +49,13 @@ class GPTConfig(DictConfig):
         keys rotated by position in every self-attention (RoPE). The last two add the token
         vectors unscaled, as GPT-2 does.
     bias: biases in every projection (attention and MLP), as GPT-2 has; LayerNorm has its own.
-    activation: the MLP's non-linearity: "gelu_tanh" (the default, GPT-2's), "gelu" (exact) or "relu".
+    activation: the MLP's non-linearity: "gelu_tanh" (the default, GPT-2's), "gelu" (exact), "relu"
+        (the paper's) or "relu2" (relu squared, the speedruns').
     tie_embeddings: the head is the token embedding, transposed (GPT-2's weight tying).
+    zero_init: the projections that write into the residual stream (attention out, MLP out) and the
+        head start at zero, so every block starts as the identity and the first logits are uniform
+        (the speedruns' initialisation); False: GPT-2's scaled normal.
+    logit_softcap: if set, logits are `cap * tanh(logits / cap)`, bounded in (-cap, cap).
     """
 
     vocab_size: int
@@ -69,6 +74,8 @@ class GPTConfig(DictConfig):
     bias: bool = False
     activation: str = "gelu_tanh"
     tie_embeddings: bool = False
+    zero_init: bool = False
+    logit_softcap: float | None = None
 
     def __post_init__(self):
         if self.d_hidden is None:
@@ -94,7 +101,7 @@ class GPTConfig(DictConfig):
         for name, kinds in (("positions", POSITION_KINDS), ("activation", ACTIVATION_KINDS)):
             if getattr(self, name) not in kinds:
                 raise ValueError(f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}")
-        for name in ("bias", "tie_embeddings"):
+        for name in ("bias", "tie_embeddings", "zero_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.positions == "sinusoidal" and self.d_model % 2:
@@ -107,6 +114,11 @@ class GPTConfig(DictConfig):
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps > 0:
             raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps}")
+        cap = self.logit_softcap
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf
+        ):
+            raise ValueError(f"GPTConfig.logit_softcap must be a finite number > 0 (or None), got {cap!r}")
         if self.norm not in NORM_KINDS or self.norm_position not in NORM_POSITIONS:
             raise ValueError(
                 f"GPTConfig: norm must be one of {NORM_KINDS} and norm_position one of {NORM_POSITIONS}, "

@@ -67,7 +67,7 @@ class GPT(eqx.Module):
         blocks = LayerStack(make_block, jax.random.split(k_blocks, c.n_layers), unroll=c.scan_unroll)
         # GPT-2's scaled init: each residual branch adds variance, so shrink the projections that
         # write into the residual stream by 1/sqrt(2 * n_layers).
-        scale = 1.0 / math.sqrt(2 * c.n_layers)
+        scale = 0.0 if c.zero_init else 1.0 / math.sqrt(2 * c.n_layers)
         self.blocks = eqx.tree_at(
             lambda s: (s.layers.attn.w_out, s.layers.mlp.w_out),
             blocks,
@@ -75,7 +75,8 @@ class GPT(eqx.Module):
         )
         self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_position == "pre" else None
         tied = c.tie_embeddings
-        self.head = None if tied else 0.02 * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
+        head_std = 0.0 if c.zero_init else 0.02
+        self.head = None if tied else head_std * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
 
     def _embed(self, tokens, start, table_length: int):
         """Token vectors plus the position vectors of positions `start .. start + new - 1`, read
@@ -94,7 +95,9 @@ class GPT(eqx.Module):
     def _logits(self, x):
         head = self.embed.T if self.head is None else self.head
         logits = linear(x if self.final_norm is None else self.final_norm(x), head)
-        return logits[..., : self.config.vocab_size].astype(jnp.float32)
+        logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
 
     def _check_ids(self, tokens) -> None:
         """Refuse token ids outside `[0, vocab_size)` where they are concrete (not under `jit`).

@@ -37,9 +37,19 @@ def _gelu_backward(x, grad):
 gelu.defvjp(_gelu_forward, _gelu_backward)
 
 # The MLP's non-linearity by name: "gelu_tanh" (GPT-2's, and the default), "gelu" (the exact,
-# erf-based GELU of BERT and PyTorch's default) and "relu" (the paper's).
+# erf-based GELU of BERT and PyTorch's default), "relu" (the paper's) and "relu2" (relu squared:
+# modded-nanogpt's and nanochat's, sparse like relu with a smooth kink).
 ACTIVATIONS = dict(
-    zip(ACTIVATION_KINDS, (gelu, lambda x: jax.nn.gelu(x, approximate=False), jax.nn.relu), strict=True)
+    zip(
+        ACTIVATION_KINDS,
+        (
+            gelu,
+            lambda x: jax.nn.gelu(x, approximate=False),
+            jax.nn.relu,
+            lambda x: jnp.square(jax.nn.relu(x)),
+        ),
+        strict=True,
+    )
 )
 
 
