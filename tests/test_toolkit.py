@@ -199,6 +199,20 @@ def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_
     assert sampled.shape == (3, 8)
 
 
+def test_the_encoder_decoders_cached_decode_is_its_whole_pass_one_position_at_a_time():
+    model = Transformer(CONFIG, key=jax.random.key(2))
+    src = jnp.asarray([[5, 6, 7, 0], [4, 9, 12, 3]], jnp.int32)
+    tgt = jnp.asarray([[1, 7, 8, 9, 10], [1, 3, 4, 5, 6]], jnp.int32)
+    whole = model(src, tgt)
+    memory_kv, cache = model.memory_kv(model.encode(src)), model.init_cache(2, 5)
+    step = eqx.filter_jit(Transformer.decode)
+    for i in range(5):
+        logits, cache = step(model, tgt[:, i : i + 1], cache, jnp.int32(i), memory_kv, src)
+        np.testing.assert_allclose(logits[:, 0], whole[:, i], atol=1e-5)
+    with pytest.raises(ValueError, match="capacity in \\[1, max_len"):
+        model.init_cache(2, CONFIG.max_len + 1)
+
+
 def _example():
     spec = importlib.util.spec_from_file_location("translate_example", ROOT / "examples" / "translate.py")
     module = importlib.util.module_from_spec(spec)

@@ -21,9 +21,6 @@ from eqx_gpt.generation.sampling import (
     sampling_arrays,
     with_settings,
 )
-from eqx_gpt.model.attention import KVCache, padding_mask
-from eqx_gpt.model.linear import linear
-from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.transformer import Transformer
 
 
@@ -31,30 +28,21 @@ from eqx_gpt.model.transformer import Transformer
 def _translate(model: Transformer, src, bos_id, eos_id, key, temperature, top_k, top_p, n_steps: int):
     """The cached decoding loop: encode once, project each layer's cross keys/values once, then
     one position per token. Returns `(batch, n_steps)` ids; after `eos_id` a row emits `pad_id`."""
-    c = model.config
-    batch = src.shape[0]
-    memory = model.encode(src)
-    context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
-    _, context_kv = model.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
-    empty = lambda layers: KVCache.zeros((*layers, batch), c.n_heads, c.d_model // c.n_heads, n_steps)
-    cache = model.decoder.per_layer(empty)
-    positions = sinusoidal_positions(n_steps, c.d_model)
+    pad_id, batch = model.config.pad_id, src.shape[0]
+    memory_kv = model.memory_kv(model.encode(src))
 
     def step(i, carry):
         cache, token, done, out = carry
-        x = model._embed(model.tgt_embed, token[:, None], positions[i][None], None)
-
-        def layer(block, x, per_layer):
-            cache_i, kv_i = per_layer
-            return block.decode(x, cache_i, i, kv_i, context_mask)
-
-        x, cache = model.decoder.run(layer, x, (cache, context_kv))
-        logits = linear(x if model.decoder_norm is None else model.decoder_norm(x), model.head)[:, 0]
-        token = jnp.where(done, c.pad_id, sample_rows(logits, key, i, temperature, top_k, top_p))
+        logits, cache = model.decode(token[:, None], cache, i, memory_kv, src)
+        token = jnp.where(done, pad_id, sample_rows(logits[:, 0], key, i, temperature, top_k, top_p))
         return cache, token, done | (token == eos_id), out.at[:, i].set(token)
 
-    start = (cache, jnp.full((batch,), bos_id, jnp.int32), jnp.zeros((batch,), bool))
-    out = jnp.full((batch, n_steps), c.pad_id, jnp.int32)
+    start = (
+        model.init_cache(batch, n_steps),
+        jnp.full((batch,), bos_id, jnp.int32),
+        jnp.zeros((batch,), bool),
+    )
+    out = jnp.full((batch, n_steps), pad_id, jnp.int32)
     return jax.lax.fori_loop(0, n_steps, step, (*start, out))[3]
 
 

@@ -16,8 +16,8 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import typechecked
-from eqx_gpt.model.attention import causal_mask, padding_mask
+from eqx_gpt._checks import is_whole, typechecked
+from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, DictConfig, check_fields
 from eqx_gpt.model.dropout import dropout
@@ -124,8 +124,7 @@ class Transformer(eqx.Module):
         x, _ = self.encoder.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
-    @typechecked
-    def decode(
+    def _decode_whole(
         self,
         tgt: Int[Array, "*batch tgt_seq"],
         memory: Float[Array, "*batch src_seq d_model"],
@@ -133,8 +132,8 @@ class Transformer(eqx.Module):
         *,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
     ) -> Float[Array, "*batch tgt_seq tgt_vocab"]:
-        """Next-token logits for every target position, attending causally to the target and to
-        the memory of `src` (whose padding is hidden)."""
+        """Next-token logits for every target position at once (teacher forcing), attending
+        causally to the target and to the memory of `src` (whose padding is hidden)."""
         self._check(tgt, "target")
         c, seq = self.config, tgt.shape[-1]
         k_embed, k_layers = (
@@ -161,7 +160,50 @@ class Transformer(eqx.Module):
         """Logits `(tgt_seq, tgt_vocab)` for `tgt` given `src` (teacher forcing: position t sees
         target tokens 0..t and the whole source). Dropout only with a `key`."""
         k_enc, k_dec = (None, None) if key is None else split_key(keys_per_sequence(key, src.shape[:-1]), 2)
-        return self.decode(tgt, self.encode(src, key=k_enc), src, key=k_dec)
+        return self._decode_whole(tgt, self.encode(src, key=k_enc), src, key=k_dec)
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty self-attention `KVCache` for every decoder layer and `batch` target rows, of
+        `capacity` positions: keys `(n_layers, batch, n_heads, d_head, capacity)`."""
+        c = self.config
+        if not is_whole(capacity, 1, c.max_len) or not is_whole(batch, 1):
+            raise ValueError(f"init_cache needs batch >= 1 and capacity in [1, max_len={c.max_len}]")
+        empty = lambda layers: KVCache.zeros((*layers, batch), c.n_heads, c.d_model // c.n_heads, capacity)
+        return self.decoder.per_layer(empty)
+
+    def memory_kv(self, memory: Float[Array, "batch src_seq d_model"]):
+        """Each decoder layer's cross-attention keys and values of `memory` (from `encode`): what
+        every decoding step attends to, projected once per source."""
+        _, kv = self.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
+        return kv
+
+    def decode(
+        self,
+        tgt: Int[Array, "batch new"],
+        cache: KVCache,
+        start: Int[Array, ""] | int,
+        memory_kv,
+        src: Int[Array, "batch src_seq"],
+    ) -> tuple[Float[Array, "batch new tgt_vocab"], KVCache]:
+        """Logits for the target tokens `tgt` at positions `start, ..., start + new - 1`, reading
+        and updating the decoder's self-attention `cache` (from `init_cache`) and attending to the
+        source through `memory_kv` (from `memory_kv(encode(src))`; `src` hides its padding).
+
+        Equal (up to float rounding) to the last `new` rows of `__call__(src, target so far)`, but
+        costs only the new positions: `GPT.decode`'s meaning, for the encoder-decoder."""
+        c = self.config
+        capacity = self.decoder.first(cache).v.shape[-2]
+        table = sinusoidal_positions(capacity, c.d_model)
+        positions = jax.lax.dynamic_slice_in_dim(table, start, tgt.shape[-1])
+        x = self._embed(self.tgt_embed, tgt, positions, None)
+        context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
+
+        def layer(block, x, per_layer):
+            cache_i, kv_i = per_layer
+            return block.decode(x, cache_i, start, kv_i, context_mask)
+
+        x, cache = self.decoder.run(layer, x, (cache, memory_kv))
+        return linear(x if self.decoder_norm is None else self.decoder_norm(x), self.head), cache
 
     @typechecked
     def cross_attention_weights(

@@ -1,0 +1,90 @@
+"""The package's layout, read from its source: the wings, what may import what, no cycles, and no
+module reaching into another's private names. ARCHITECTURE.md states these rules; this checks them."""
+
+import ast
+from pathlib import Path
+
+LIBRARY = Path(__file__).resolve().parents[1] / "eqx_gpt"
+WINGS = ("model", "generation", "training", "data")
+# What the model may not know of: how it is trained, sampled, stored or fed.
+ABOVE_THE_MODEL = (
+    "eqx_gpt.generation", "eqx_gpt.training", "eqx_gpt.data", "eqx_gpt.checkpoint", "eqx_gpt.gpt2",
+    "eqx_gpt.files", "eqx_gpt.cli", "eqx_gpt.visualize", "eqx_gpt.tokenizer",
+)  # fmt: skip
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """`(module, names)` for every `import` and `from ... import` in the file, wherever it is."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in LIBRARY.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names in _imports(path):
+            if not module.startswith("eqx_gpt"):
+                continue
+            # `from eqx_gpt.model import gpt` imports the module eqx_gpt.model.gpt
+            targets |= {f"{module}.{n}" for n in names if f"{module}.{n}" in modules} or {module}
+        graph[name] = {t for t in targets if t in modules and t != name and t != "eqx_gpt"}
+    return graph
+
+
+def test_the_package_is_a_few_flat_modules_and_its_wings():
+    flat = sorted(p.name for p in LIBRARY.glob("*.py"))
+    wings = sorted(p.name for p in LIBRARY.iterdir() if (p / "__init__.py").exists())
+    assert len(flat) <= 12, flat
+    assert len(wings) >= 3 and set(WINGS) <= set(wings), wings
+
+
+def test_the_import_graph_has_no_cycle():
+    graph, state, cycles = _graph(), {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_the_model_imports_nothing_above_it_and_generation_no_training():
+    wrong = []
+    for module, targets in _graph().items():
+        for target in targets:
+            if module.startswith("eqx_gpt.model") and target.startswith(ABOVE_THE_MODEL):
+                wrong.append(f"{module} imports {target}")
+            if module.startswith("eqx_gpt.generation") and target.startswith("eqx_gpt.training"):
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, wrong
+
+
+def test_no_module_imports_a_private_name_of_another():
+    wrong = [
+        f"{_module_name(path)} imports {module}.{name}"
+        for path in LIBRARY.rglob("*.py")
+        for module, names in _imports(path)
+        for name in names
+        if module.startswith("eqx_gpt") and name.startswith("_") and not name.startswith("__")
+    ]
+    assert not wrong, wrong
