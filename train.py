@@ -28,25 +28,6 @@ from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.training.run import RunError, train
 from eqx_gpt.training.train_config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 
-MODEL_HELP = {
-    "context_length": "tokens the model sees at once",
-    "d_model": "width of the residual stream (even, divisible by n_heads)",
-    "n_heads": "attention heads",
-    "n_layers": "decoder blocks",
-    "d_hidden": "MLP width (default: 4 * d_model)",
-    "dropout": "dropout rate while training",
-    "norm_eps": "epsilon of every norm",
-    "scan_unroll": "layers per iteration of the layer scan (speed vs compile time)",
-    "compute_dtype": "dtype of activations and matmuls; parameters stay float32",
-    "norm": "'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)",
-    "norm_position": "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)",
-    "positions": "'sinusoidal' (the paper's table), 'learned' (GPT-2's) or 'rope' (rotary, in attention)",
-    "bias": "biases in every projection (GPT-2's)",
-    "activation": "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2'",
-    "tie_embeddings": "the head is the token embedding, transposed (GPT-2's)",
-    "zero_init": "output projections and head start at zero: each block starts as the identity",
-    "logit_softcap": "bound the logits to (-cap, cap) with cap * tanh(logits / cap)",
-}
 CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,
     "tokenizer": TOKENIZERS,
@@ -106,8 +87,7 @@ def build_parser(preset: str = DEFAULT_PRESET) -> OneLineParser:
                 dest=f.name,
                 **action,
                 **choices,
-                help=f"{MODEL_HELP[f.name] if cls is GPTConfig else f.metadata['help']} "
-                f"(default: {shown[f.name]})",
+                help=f"{f.metadata['help']} (default: {shown[f.name]})",
             )
     return p
 

@@ -1,10 +1,9 @@
 """The model's hyperparameters in one frozen dataclass."""
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
-from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt.configs import DictConfig, check_fields, described
 from eqx_gpt.model.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -12,18 +11,6 @@ NORM_KINDS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope")
 ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu", "relu2")
-
-
-class DictConfig:
-    """`to_dict` and `from_dict` for the frozen config dataclasses (`GPTConfig`, `TransformerConfig`,
-    `TrainConfig`): JSON-ready dicts, as checkpoints store them."""
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        return config_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -59,23 +46,37 @@ class GPTConfig(DictConfig):
     """
 
     vocab_size: int
-    context_length: int = 256
-    d_model: int = 384
-    n_heads: int = 6
-    n_layers: int = 6
-    d_hidden: int | None = None
-    dropout: float = 0.0
-    norm_eps: float = 1e-5
-    scan_unroll: int = 1
-    compute_dtype: str = "float32"
-    norm: str = "rms"
-    norm_position: str = "pre"
-    positions: str = "sinusoidal"
-    bias: bool = False
-    activation: str = "gelu_tanh"
-    tie_embeddings: bool = False
-    zero_init: bool = False
-    logit_softcap: float | None = None
+    context_length: int = described("tokens the model sees at once", default=256)
+    d_model: int = described("width of the residual stream (even, divisible by n_heads)", default=384)
+    n_heads: int = described("attention heads", default=6)
+    n_layers: int = described("decoder blocks", default=6)
+    d_hidden: int | None = described("MLP width (default: 4 * d_model)", default=None)
+    dropout: float = described("dropout rate while training", default=0.0)
+    norm_eps: float = described("epsilon of every norm", default=1e-5)
+    scan_unroll: int = described("layers per iteration of the layer scan (speed vs compile time)", default=1)
+    compute_dtype: str = described(
+        "dtype of activations and matmuls; parameters stay float32", default="float32"
+    )
+    norm: str = described("'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)", default="rms")
+    norm_position: str = described(
+        "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)", default="pre"
+    )
+    positions: str = described(
+        "'sinusoidal' (the paper's table), 'learned' (GPT-2's) or 'rope' (rotary, in attention)",
+        default="sinusoidal",
+    )
+    bias: bool = described("biases in every projection (GPT-2's)", default=False)
+    activation: str = described(
+        "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2'",
+        default="gelu_tanh",
+    )
+    tie_embeddings: bool = described("the head is the token embedding, transposed (GPT-2's)", default=False)
+    zero_init: bool = described(
+        "output projections and head start at zero: each block starts as the identity", default=False
+    )
+    logit_softcap: float | None = described(
+        "bound the logits to (-cap, cap) with cap * tanh(logits / cap)", default=None
+    )
 
     def __post_init__(self):
         if self.d_hidden is None:
@@ -136,25 +137,3 @@ class GPTConfig(DictConfig):
     @property
     def d_head(self) -> int:
         return self.d_model // self.n_heads
-
-
-def config_from_dict(cls, d: dict):
-    """Build the config dataclass `cls` from `to_dict`'s output; unknown keys are an error."""
-    unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-    if unknown:
-        raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-    return cls(**d)
-
-
-def check_fields(config, *, positive: tuple[str, ...] = (), finite: tuple[str, ...] = ()) -> None:
-    """Raise a one-line `ValueError` unless each `positive` field of the dataclass `config` is an
-    integer >= 1 and each `finite` field a finite number (NaN and infinities would poison a run)."""
-    name = type(config).__name__
-    for field in positive:
-        value = getattr(config, field)
-        if not is_whole(value, 1):
-            raise ValueError(f"{name}.{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
-    for field in finite:
-        value = getattr(config, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name}.{field} must be a finite number, got {value!r}")

@@ -17,9 +17,10 @@ import jax
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import is_whole, typechecked
+from eqx_gpt.configs import DictConfig, check_fields
 from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
 from eqx_gpt.model.block import Block
-from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS, DictConfig, check_fields
+from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.norm import make_norm

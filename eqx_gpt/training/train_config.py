@@ -1,93 +1,91 @@
 """How to train: every setting of a run in one frozen dataclass (`presets.py` holds named recipes)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from eqx_gpt._checks import SEED_MAX, is_whole
-from eqx_gpt.model.config import DictConfig, check_fields
+from eqx_gpt.configs import DictConfig, check_fields, described
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 
 
-def _help(text: str, **kwargs):
-    return field(metadata={"help": text}, **kwargs)
-
-
 @dataclass(frozen=True)
 class TrainConfig(DictConfig):
     """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
 
-    data: str | None = _help(
+    data: str | None = described(
         'a UTF-8 text file, a .jsonl file of {"text": ...} lines, or a folder of them, to train on; '
         "tokenized once into the token cache (default: the bundled Tiny Shakespeare)",
         default=None,
     )
-    tokenizer: str = _help(
+    tokenizer: str = described(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
     )
-    init_from: str | None = _help(
+    init_from: str | None = described(
         "fine-tune: start from the Hugging Face GPT-2 directory DIR (config.json + model.safetensors); "
         "the model's shape and the gpt2 tokenizer come from it",
         default=None,
     )
-    batch_size: int = _help("sequences per optimiser step", default=32)
-    grad_accum: int = _help(
+    batch_size: int = described("sequences per optimiser step", default=32)
+    grad_accum: int = described(
         "split each batch into this many micro-batches (same update, less memory)", default=1
     )
-    max_steps: int = _help("optimiser steps; also the length of the cosine schedule", default=3000)
-    max_minutes: float = _help(
+    max_steps: int = described("optimiser steps; also the length of the cosine schedule", default=3000)
+    max_minutes: float = described(
         "stop after this many minutes of wall time, fitting the schedule to the steps that fit (0: no limit)",
         default=0.0,
     )
-    optimizer: str = _help(
+    optimizer: str = described(
         "'adamw' for every parameter, or 'muon': Muon (optax.contrib.muon) on the blocks' weight "
         "matrices and AdamW (at --adam-lr) on the embedding, head and norm scales",
         default="adamw",
     )
-    lr: float = _help("peak learning rate (of the Muon group under --optimizer muon)", default=1e-3)
-    adam_lr: float | None = _help(
+    lr: float = described("peak learning rate (of the Muon group under --optimizer muon)", default=1e-3)
+    adam_lr: float | None = described(
         "under --optimizer muon: peak learning rate of the AdamW group (default: --lr)", default=None
     )
-    adam_weight_decay: float = _help(
+    adam_weight_decay: float = described(
         "under --optimizer muon: weight decay of the AdamW group (embedding and head, never norm scales)",
         default=0.0,
     )
-    muon_momentum: float = _help("under --optimizer muon: Muon's (Nesterov) momentum", default=0.95)
-    muon_ns_steps: int = _help(
+    muon_momentum: float = described("under --optimizer muon: Muon's (Nesterov) momentum", default=0.95)
+    muon_ns_steps: int = described(
         "under --optimizer muon: Newton-Schulz iterations that orthogonalise each update", default=5
     )
-    min_lr: float = _help("learning rate at the end of the decay", default=1e-4)
-    warmup_steps: int = _help("steps of linear warm-up from 0 to lr", default=100)
-    schedule: str = _help(
+    min_lr: float = described("learning rate at the end of the decay", default=1e-4)
+    warmup_steps: int = described("steps of linear warm-up from 0 to lr", default=100)
+    schedule: str = described(
         "after the warm-up: 'cosine' (half a cosine from lr to min_lr over the rest of the run) or "
         "'wsd' (warm-up, stable: lr until the last --decay-fraction of the run, then a linear decay "
         "to min_lr)",
         default="cosine",
     )
-    decay_fraction: float = _help("under --schedule wsd: the fraction of the run spent decaying", default=0.4)
-    weight_decay: float = _help(
+    decay_fraction: float = described(
+        "under --schedule wsd: the fraction of the run spent decaying", default=0.4
+    )
+    weight_decay: float = described(
         "weight decay of the weight matrices (AdamW's; under --optimizer muon, of the Muon group)",
         default=0.1,
     )
-    beta1: float = _help("AdamW beta1", default=0.9)
-    beta2: float = _help("AdamW beta2", default=0.99)
-    grad_clip: float = _help("clip gradients to this global norm (0: no clipping)", default=1.0)
-    eval_interval: int = _help("evaluate and checkpoint every this many steps", default=250)
-    eval_batches: int = _help(
+    beta1: float = described("AdamW beta1", default=0.9)
+    beta2: float = described("AdamW beta2", default=0.99)
+    grad_clip: float = described("clip gradients to this global norm (0: no clipping)", default=1.0)
+    eval_interval: int = described("evaluate and checkpoint every this many steps", default=250)
+    eval_batches: int = described(
         "fixed training batches averaged for the train loss at each evaluation (validation: "
         "see --eval-tokens)",
         default=8,
     )
-    eval_tokens: int = _help(
+    eval_tokens: int = described(
         "validation tokens each evaluation may read: the whole split if it has no more (Tiny "
         "Shakespeare's 111,540 tokens), else the same evenly spread windows of this many tokens each "
         "time; the final validation reads the whole split up to 4x this, else a sample of 4x",
         default=131_072,
     )
-    log_interval: int = _help("record loss, lr and tokens/s every this many steps", default=10)
-    seed: int = _help("seed of initialisation, batches and dropout", default=0)
-    fsdp: bool = _help(
+    log_interval: int = described("record loss, lr and tokens/s every this many steps", default=10)
+    seed: int = described("seed of initialisation, batches and dropout", default=0)
+    fsdp: bool = described(
         "split parameters and optimiser state over the devices too (FSDP), not only the batch",
         default=False,
     )
