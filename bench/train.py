@@ -33,8 +33,8 @@ from common import CONFIGS, MatmulPeak, flops_per_token  # bench/common.py
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.train_config import OPTIMIZERS, TrainConfig
 from eqx_gpt.training.train_step import (
     init_optimizer_state,

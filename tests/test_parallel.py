@@ -77,6 +77,7 @@ TRAINER_WORKER = textwrap.dedent(
     import json, sys
     import jax
     import eqx_gpt.training.run as trainer
+    import eqx_gpt.training.setup as setup
     from eqx_gpt.training.parallel import data_mesh
     from eqx_gpt.training.train_config import TrainConfig
 
@@ -86,7 +87,7 @@ TRAINER_WORKER = textwrap.dedent(
                                 ("two_fsdp", jax.devices(), True)):
         config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=4, eval_batches=2,
                              log_interval=1, fsdp=fsdp)
-        trainer.data_mesh = lambda devices=devices: data_mesh(devices)
+        setup.data_mesh = lambda devices=devices: data_mesh(devices)
         out = f"{sys.argv[1]}/{name}"
         settings = {**model, **config.to_dict(), "preset": None}
         trainer.train(settings, out, sample_tokens=0, progress=False, log=lambda s: None)

@@ -28,7 +28,7 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import BEST, LATEST, checkpoint_file, read_metadata
 from eqx_gpt.gpt2 import GPT2FormatError, is_gpt2_directory, load_gpt2, read_gpt2_config
-from eqx_gpt.training import run as run_module
+from eqx_gpt.training import loop as run_module
 from eqx_gpt.training.options import OptionsError, resolve_options
 from eqx_gpt.training.run import train
 from eqx_gpt.training.run_dir import Metrics, RunDirError, check_run_dir
@@ -169,7 +169,7 @@ def test_a_kill_between_the_best_and_latest_writes_is_redone_on_resume(corpus, t
 
     def save_then_die(run, name):
         real_save(run, name)
-        if name == BEST and run.step == 4:
+        if name == BEST and run.state.step == 4:
             raise Killed  # as SIGKILL would, after best and before latest
 
     monkeypatch.setattr(run_module, "save", save_then_die)

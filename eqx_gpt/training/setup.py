@@ -1,0 +1,203 @@
+"""A run's set-up: everything resolved before the first step, checked, in one immutable record.
+
+`set_up` reads the corpus (tokenized once into shards), the tokenizer, the model's config, the
+devices and, on resume, the checkpoint; it builds the model and optimiser state; it writes nothing
+in the run directory. What it resolves is a frozen `RunSetup`; what the loop will change starts as
+a `TrainState`.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from eqx_gpt.checkpoint import load_checkpoint
+from eqx_gpt.data.prepare import Corpus
+from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.template import model_template
+from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, batch_key
+from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
+from eqx_gpt.training.batches import fixed_batches
+from eqx_gpt.training.corpus import BUNDLED, check_split, load_corpus
+from eqx_gpt.training.evaluate import Windows, final_windows, periodic_windows
+from eqx_gpt.training.options import RunOptions
+from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
+from eqx_gpt.training.progress import Progress
+from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
+from eqx_gpt.training.state import TrainState
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
+
+
+class TrainingError(ValueError):
+    """A run cannot start or continue (one-line message naming the problem and the fix)."""
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What a run resolved before its first step; nothing here changes while it trains."""
+
+    config: TrainConfig
+    model_config: GPTConfig
+    out_dir: Path
+    tokenizer: Tokenizer
+    train_ids: TokenSpan  # the splits' tokens, read from the shards as needed (`TokenSpan.rows`)
+    val_ids: TokenSpan
+    mesh: jax.sharding.Mesh
+    train_steps: Callable  # the compiled steps (`make_train_steps`)
+    eval_train_rows: np.ndarray  # fixed training windows: the train loss at evaluations
+    checkpoint_meta: dict  # what every checkpoint of the run records besides the step and losses
+    start: int  # the step the run (or this resumption of it) starts from
+    resumed_from: Path | None  # the checkpoint resumed, if any
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.batch_size * self.model_config.context_length
+
+    def val_windows(self, *, final: bool) -> Windows:
+        """The validation windows a periodic (or the final) evaluation reads, within `--eval-tokens`."""
+        choose = final_windows if final else periodic_windows
+        return choose(len(self.val_ids), self.model_config.context_length, self.config.eval_tokens)
+
+
+def optimizer_and_step(config: TrainConfig, *, dropout: bool):
+    """`make_optimizer` and `make_train_steps` for `config`, shared by runs whose steps are the same.
+
+    Only the fields the step reads are part of the key, so a resumed run (or a second run in the
+    same process, e.g. in tests) reuses the compiled step instead of compiling it again.
+    """
+    fields = ["grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed", "optimizer"]
+    if config.optimizer == "muon":  # the AdamW group's rate is a fraction of the scheduled one
+        fields += ["lr", "min_lr", "adam_lr", "adam_weight_decay", "muon_momentum", "muon_ns_steps"]
+    return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
+
+
+@functools.lru_cache(maxsize=8)
+def _optimizer_and_step(config: TrainConfig, dropout: bool):
+    optimizer = make_optimizer(config)
+    return optimizer, make_train_steps(optimizer, config, dropout=dropout)
+
+
+def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) -> tuple[RunSetup, TrainState]:
+    """Check the data, tokenizer, model and devices, and build the model and optimiser state
+    (fresh, or from the checkpoint `options.checkpoint` describes). Reads `out_dir` but writes
+    nothing there."""
+    model_options, config, meta = options.model, options.train, options.checkpoint
+    corpus, source, config = _load_corpus(config, meta, _tokenizer_wanted(config, meta, model_options), log)
+    model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+    for name, ids in (("train", corpus.train), ("validation", corpus.val)):
+        check_split(ids, name, model_config.context_length, source)
+    mesh = data_mesh()
+    try:
+        check_batch(mesh, config.batch_size, config.grad_accum)
+    except ValueError as e:
+        raise TrainingError(str(e)) from None
+    optimizer, train_steps = optimizer_and_step(config, dropout=model_config.dropout > 0)
+    state = _initial_state(options, config, model_config, optimizer, out_dir, log)
+    # Data parallelism: each batch split over the devices; parameters and optimiser state on every
+    # device, or (--fsdp) split over them too.
+    place = shard_parameters if config.fsdp else replicate
+    state.model, state.opt_state = place((state.model, state.opt_state), mesh)
+    eval_train_rows = fixed_batches(
+        corpus.train, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
+        batch_size=config.batch_size, length=model_config.context_length + 1,
+    ).reshape(-1, model_config.context_length + 1)  # fmt: skip
+    checkpoint_meta = {
+        **({"preset": options.preset} if options.preset else {}),
+        "data": source,
+        "data_sha256": corpus.identity,
+        "n_params": count_params(state.model),
+    }
+    log(f"data: {source}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
+        f"tokenizer {tokenizer.name} ({tokenizer.vocab_size} ids)")  # fmt: skip
+    setup = RunSetup(
+        config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer,
+        train_ids=corpus.train, val_ids=corpus.val, mesh=mesh, train_steps=train_steps,
+        eval_train_rows=eval_train_rows, checkpoint_meta=checkpoint_meta, start=state.step,
+        resumed_from=Path(meta["path"]) if meta is not None else None,
+    )  # fmt: skip
+    return setup, state
+
+
+def _initial_state(options, config, model_config, optimizer, out_dir: Path, log) -> TrainState:
+    """The model and optimiser state to start from: fresh (or GPT-2's weights with `--init-from`),
+    or the checkpoint's, refusing a run that already finished."""
+    meta = options.checkpoint
+    if meta is None:
+        if config.init_from is not None:
+            log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
+            model = load_gpt2(config.init_from, **options.model)
+        else:
+            model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
+        opt_state = init_optimizer_state(optimizer, model)
+        return TrainState(model, opt_state, step=0, horizon=config.max_steps)
+    opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
+    model, opt_state, _, meta = load_checkpoint(meta, opt_like)
+    start = meta["step"]
+    same_length = meta["train_config"]["max_steps"] == config.max_steps
+    horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
+    last_eval = saved_evaluation(meta)
+    finished = start >= horizon and (last_eval or (None,))[0] == start
+    if finished and final_recorded(out_dir / METRICS_NAME, start):  # else: finish it now
+        raise TrainingError(
+            f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
+        )
+    best_val = meta.get("best_val_loss") or math.inf
+    return TrainState(model, opt_state, start, horizon, best_val, last_eval, last_saved=start)
+
+
+def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dict) -> dict:
+    """What the corpus is tokenized with: the checkpoint's tokenizer on resume, GPT-2's (of
+    --init-from's vocabulary) when fine-tuning, else --tokenizer ('char': the corpus's characters)."""
+    if meta is not None:
+        return {"kind": "char"} if meta["tokenizer"].get("kind") == "char" else meta["tokenizer"]
+    if config.init_from is not None:
+        return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options)).to_dict()
+    return {"kind": config.tokenizer}
+
+
+def _load_corpus(
+    config: TrainConfig, meta: dict | None, tokenizer: dict, log: Callable[[str], None]
+) -> tuple[Corpus, str, TrainConfig]:
+    """`(corpus, source name, config)`: the corpus tokenized (once; later runs open its shards),
+    checked against the checkpoint's on resume, and the config with the data path made absolute
+    (so a run resumes from anywhere)."""
+    corpus = load_corpus(config.data, tokenizer, resumes=meta, log=log, progress=Progress())
+    if config.data is not None:
+        config = replace(config, data=str(Path(config.data).resolve()))
+    return corpus, config.data or BUNDLED, config
+
+
+def _model_config_and_tokenizer(
+    model_options: dict, config: TrainConfig, corpus: Corpus, meta: dict | None
+) -> tuple[GPTConfig, Tokenizer]:
+    """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
+    (`model_options` then holds only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
+    if meta is None and config.init_from is not None:
+        model_config = read_gpt2_config(config.init_from, **model_options)
+        return model_config, gpt2_tokenizer(model_config)
+    tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
+    if tokenizer != corpus.tokenizer:  # the same corpus has the same characters: a damaged cache
+        raise TrainingError(
+            f"the corpus's tokens ({corpus.tokenizer!r}, in {corpus.folder}) are not the checkpoint's "
+            f"({tokenizer!r}); delete that folder and resume again"
+        )
+    try:
+        return GPTConfig(vocab_size=tokenizer.vocab_size, **model_options), tokenizer
+    except (TypeError, ValueError) as e:
+        raise TrainingError(str(e)) from None
+
+
+def saved_evaluation(meta: dict | None) -> tuple[int, float] | None:
+    """`(step, val loss)` of the latest evaluation a checkpoint records."""
+    if meta is None or meta.get("val_loss") is None:
+        return None
+    return meta.get("val_loss_step", meta["step"]), meta["val_loss"]
