@@ -232,9 +232,9 @@ def test_modules_reject_a_missing_sequence_axis():
     [
         ({"d_model": 30, "n_heads": 4}, "not divisible by n_heads"),
         ({"d_model": 33, "n_heads": 3}, "even"),
-        ({"n_layers": 0}, "n_layers must be a positive integer"),
-        ({"vocab_size": -1}, "vocab_size must be a positive integer"),
-        ({"context_length": 2.5}, "context_length must be a positive integer"),
+        ({"n_layers": 0}, "n_layers must be an integer in \\[1, "),
+        ({"vocab_size": -1}, "vocab_size must be an integer in \\[1, "),
+        ({"context_length": 2.5}, "context_length must be an integer in \\[1, "),
         ({"dropout": 1.0}, "dropout"),
         ({"compute_dtype": "int8"}, "compute_dtype"),
     ],
