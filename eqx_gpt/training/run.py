@@ -413,7 +413,8 @@ def _place(run: Run):
 
 def _eval_batch(run: Run) -> int:
     """Windows per evaluation call: `windows_per_call`, rounded up to whole windows per device."""
-    return -(-windows_per_call(run.model_config.context_length) // run.mesh.size) * run.mesh.size
+    per_call = windows_per_call(run.model_config.context_length, run.model_config.vocab_size)
+    return -(-per_call // run.mesh.size) * run.mesh.size
 
 
 def _val_windows(val_ids: TokenSpan, model_config: GPTConfig, config: TrainConfig, *, final: bool) -> Windows:
