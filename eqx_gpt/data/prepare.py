@@ -183,7 +183,8 @@ def _prepare_entry(data, sources, skipped, tokenizer, entry: Path, check_identit
         raise
     size, seconds = sum(s.size for s in sources), time.monotonic() - t0
     work.log(
-        f"prepared {data} ({len(sources):,} file{'s' if len(sources) > 1 else ''}, {size / 1e6:,.1f} MB) "
+        f"prepared {data} ({len(sources):,} file{'s' if len(sources) > 1 else ''}, {size / 1e6:,.1f} MB"
+        f"{f'; {skipped:,} binary files skipped' if skipped else ''}) "
         f"into "
         f"{manifest.n_tokens:,} tokens in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s); "
         f"cached in {entry}/"

@@ -28,15 +28,18 @@ from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.model.gpt import GPT
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
+LOGITS_PER_CALL = 1 << 24  # and at most this many logits (64 MiB of float32), for large vocabularies
 FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
 
 
-def windows_per_call(context: int) -> int:
+def windows_per_call(context: int, vocab_size: int = 0) -> int:
     """Windows evaluated per call: about `TOKENS_PER_CALL` tokens, at least one window. Why: an
     evaluation is a loop of calls, and a stop (Ctrl-C, SIGTERM) waits for the call in flight: at
     4,096 tokens that is milliseconds for the default model and about a second or two for the
-    6-layer preset's on a slow 2-core CPU."""
-    return max(1, TOKENS_PER_CALL // context)
+    6-layer preset's on a slow 2-core CPU. With GPT-2's 50,257 ids, fewer: a call's logits stay
+    within `LOGITS_PER_CALL` (4,096 tokens' would be 823 MB)."""
+    tokens = min(TOKENS_PER_CALL, LOGITS_PER_CALL // vocab_size) if vocab_size else TOKENS_PER_CALL
+    return max(1, tokens // context)
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ def evaluate_windows(
         weight = (j >= plan.first[i:k, None]) & (j < plan.end[i:k, None])
         return rows, weight.astype(np.float32)
 
-    batch = windows_per_call(context) if batch is None else batch
+    batch = windows_per_call(context, model.config.vocab_size) if batch is None else batch
     total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop)
     if total is None:
         return None
@@ -201,7 +204,7 @@ def evaluate(
     """Mean next-token loss of `model` over all of `tokens` `(n,)` (an array, or a `TokenSpan`; no
     dropout), in windows of `context_length` started every `stride` tokens (default
     `context_length // 2`; see the module docstring). Runs `batch` windows per jitted call (default
-    `windows_per_call(context_length)`); `place` puts each call's `(batch, ...)` arrays on devices.
+    `windows_per_call`); `place` puts each call's `(batch, ...)` arrays on devices.
     Returns None if `stop()` turns true between calls (an interrupted run does not wait for the
     whole split)."""
     context = model.config.context_length

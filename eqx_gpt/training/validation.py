@@ -30,7 +30,8 @@ def _place(setup: RunSetup):
 
 def _eval_batch(setup: RunSetup) -> int:
     """Windows per evaluation call: `windows_per_call`, rounded up to whole windows per device."""
-    return -(-windows_per_call(setup.model_config.context_length) // setup.mesh.size) * setup.mesh.size
+    per_call = windows_per_call(setup.model_config.context_length, setup.model_config.vocab_size)
+    return -(-per_call // setup.mesh.size) * setup.mesh.size
 
 
 def validation_loss(
