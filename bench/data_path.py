@@ -9,7 +9,7 @@ and reports, each in a child process with its own cache folder:
   2. the issue's check: `train.py --data F --max-steps 20 --max-minutes 0 --sample-tokens 0`,
      first run (preparing) and a second run into another folder: wall time, time to the first
      step, peak RSS (`wait4` of the child: the largest process);
-  3. steps/s of the same model on the mapped 1 GB corpus and on the bundled corpus (in memory),
+  3. steps/s of the same model on the 1 GB corpus read from its shards and on the bundled corpus,
      interleaved in one process, from the runs' own tokens/s records.
 The machine may be shared: run it under `nice` on an idle one for figures to report.
 """
@@ -108,9 +108,12 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
     os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
     from eqx_gpt.training.run import train
 
-    rates = {"mapped corpus": [], "bundled corpus in memory": []}
+    rates = {"1 GB corpus read from its shards": [], "bundled corpus in memory": []}
     for r in range(rounds):
-        for name, data in (("mapped corpus", str(text)), ("bundled corpus in memory", None)):
+        for name, data in (
+            ("1 GB corpus read from its shards", str(text)),
+            ("bundled corpus in memory", None),
+        ):
             out = tmp / f"speed-{r}-{name.split()[0]}"
             settings = {
                 "data": data,
@@ -127,7 +130,7 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
             f"steps: {name}: median {statistics.median(values) / 1e3:.2f}k tokens/s over {len(values)} logs"
         )
     a, b = (statistics.median(v) for v in rates.values())
-    print(f"mapped / in memory: {a / b:.3f}")
+    print(f"read from the shards / in memory: {a / b:.3f}")
 
 
 def main() -> None:
@@ -135,6 +138,8 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=1100, help="size of the text to build, MB")
     parser.add_argument("--gpt2-mb", type=int, default=100, help="slice of it that GPT-2 BPE prepares, MB")
     parser.add_argument("--steps", type=int, default=20, help="steps of the issue's check")
+    parser.add_argument("--parts", default="prepare,check,speed", help="which of prepare,check,speed to run")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the speed comparison")
     args = parser.parse_args()
     print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.1f}")
     env = {**os.environ}
@@ -142,9 +147,13 @@ def main() -> None:
         tmp = Path(tmp)
         text = make_text(tmp, args.mb)
         print(f"text: {text.stat().st_size / 1e6:,.0f} MB (Tiny Shakespeare repeated)")
-        preparation(text, args.gpt2_mb, tmp, env)
-        issue_check(text, args.steps, tmp, env)
-        steps_per_second(text, tmp)
+        parts = args.parts.split(",")
+        if "prepare" in parts:
+            preparation(text, args.gpt2_mb, tmp, env)
+        if "check" in parts or "speed" in parts:  # the speed comparison reads the check's cache
+            issue_check(text, args.steps, tmp, env)
+        if "speed" in parts:
+            steps_per_second(text, tmp, rounds=args.rounds)
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 
