@@ -135,7 +135,8 @@ def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
 def test_activation_is_the_named_function():
     x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
     for name, act in (("relu", jax.nn.relu), ("gelu", lambda h: jax.nn.gelu(h, approximate=False)),
-                      ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True))):  # fmt: skip
+                      ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True)),
+                      ("relu2", lambda h: jnp.maximum(h, 0) ** 2)):  # fmt: skip
         mlp = model_with(activation=name).unstack().blocks.layers[0].mlp
         np.testing.assert_allclose(mlp(x), act(x @ mlp.w_in) @ mlp.w_out, atol=1e-6)
 
@@ -168,10 +169,36 @@ def test_a_gpt2_shaped_model_trains():
     assert float(jnp.abs(model.blocks.layers.attn.qkv_bias).max()) > 0
 
 
+def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
+    model = model_with(zero_init=True)
+    layers = model.blocks.layers
+    assert not np.any(layers.attn.w_out) and not np.any(layers.mlp.w_out) and not np.any(model.head)
+    assert np.any(layers.attn.w_qkv) and np.any(layers.mlp.w_in)  # the rest as before
+    np.testing.assert_array_equal(model(TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
+    # Training moves the zeroed matrices: the first step the head (nothing flows back through a zero
+    # head), the second the output projections.
+    config = TrainConfig(batch_size=2, lr=1e-2, warmup_steps=0, optimizer="muon")
+    optimizer = make_optimizer(config)
+    step = make_train_step(optimizer, config, dropout=False)
+    batch, state = jnp.stack([TOKENS[:9], TOKENS[3:]]), init_optimizer_state(optimizer, model)
+    for i in range(2):
+        model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(1e-2))
+    assert np.any(model.blocks.layers.mlp.w_out) and np.any(model.head)
+
+
+def test_the_logit_softcap_bounds_the_logits_and_keeps_their_order():
+    plain, capped = model_with(), model_with(logit_softcap=0.5)
+    logits, bounded = plain(TOKENS), capped(TOKENS)
+    assert np.all(np.abs(bounded) < 0.5)
+    np.testing.assert_allclose(bounded, 0.5 * np.tanh(logits / 0.5), atol=1e-6)
+    np.testing.assert_array_equal(np.argmax(bounded, -1), np.argmax(logits, -1))
+
+
 @pytest.mark.parametrize(
     "options, words",
     [(dict(positions="alibi"), "positions"), (dict(activation="swish"), "activation"),
-     (dict(bias=1), "bias"), (dict(positions="rope", d_model=20, n_heads=4), "even")],
+     (dict(bias=1), "bias"), (dict(positions="rope", d_model=20, n_heads=4), "even"),
+     (dict(logit_softcap=0.0), "logit_softcap"), (dict(zero_init=1), "zero_init")],
 )  # fmt: skip
 def test_impossible_options_are_one_line_errors(options, words):
     with pytest.raises(ValueError, match=words) as e:
