@@ -105,8 +105,9 @@ def evaluate_and_save(run: Run) -> bool:
     is_best = val.loss < state.best_val
     state.best_val = min(state.best_val, val.loss)
     state.last_eval = (state.step, val.loss)
-    # `best` before `latest`: a kill between the two leaves `latest` at the previous evaluation, so
-    # the resumed run redoes this step rather than trusting a `best` that was never written.
+    # The record first, then `best`, then `latest`: a kill before `latest` is written leaves it at the
+    # previous evaluation, whose resumption redoes this step (and drops the records after it).
+    reporting.record_evaluation(run.report, state, train)
     if is_best:
         save(run, BEST)
     save(run, LATEST)
@@ -177,13 +178,15 @@ def train_loop(run: Run, sample_tokens: int) -> TrainResult:
 
 
 def repair_best(run: Run) -> None:
-    """On resume, rewrite `best` when `latest`'s own evaluation is the best but `best` is from
-    another step: a run killed between the two writes, before they were ordered, left it behind."""
+    """On resume, rewrite `best` when `latest`'s own evaluation is the best but `best` is from an
+    earlier step: a run killed between the two writes, before they were ordered, left it behind. (A
+    `best` from a later step is this run's own, written just before a kill; the resumed run redoes
+    that step and writes it again.)"""
     state = run.state
     if state.last_saved is None or state.last_eval is None or state.last_eval != (state.step, state.best_val):
         return
     best = checkpoint_file(run.setup.out_dir, BEST)
-    if not best.exists() or read_metadata(best)["step"] != state.step:
+    if not best.exists() or read_metadata(best)["step"] < state.step:
         run.report.log(f"best checkpoint behind the latest (step {state.step}, the best): rewritten")
         save(run, BEST)
 

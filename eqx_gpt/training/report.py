@@ -127,11 +127,16 @@ def read_losses(report: Report, setup: RunSetup, state: TrainState, plan: TimePl
     )
 
 
-def evaluated(report: Report, setup: RunSetup, state: TrainState, train: float, is_best: bool) -> None:
-    """An evaluation's record in `metrics.jsonl`, the loss plot redrawn, and its log line."""
-    val = state.last_eval[1]
+def record_evaluation(report: Report, state: TrainState, train: float) -> None:
+    """An evaluation's record in `metrics.jsonl` (written before its checkpoints)."""
     elapsed = round(report.elapsed(), 2)
-    report.metrics.write({"step": state.step, "train_loss": train, "val_loss": val, "elapsed_s": elapsed})
+    record = {"step": state.step, "train_loss": train, "val_loss": state.last_eval[1], "elapsed_s": elapsed}
+    report.metrics.write(record)
+
+
+def evaluated(report: Report, setup: RunSetup, state: TrainState, train: float, is_best: bool) -> None:
+    """After an evaluation's checkpoints: the loss plot redrawn, and its log line."""
+    val = state.last_eval[1]
     plot_losses(report.metrics.records, setup.out_dir / "loss.png")
     report.restart_rate(state.step, report.now())  # keep evaluation time out of tokens/s
     report.bar.clear()
