@@ -13,7 +13,7 @@ import types
 import typing
 
 from eqx_gpt.checkpoint import checkpoint_paths
-from eqx_gpt.cli import OneLineParser, finite_float
+from eqx_gpt.cli import OneLineParser, finite_float, whole_number
 from eqx_gpt.model.config import (
     ACTIVATION_KINDS,
     COMPUTE_DTYPES,
@@ -70,7 +70,7 @@ def build_parser(preset: str = DEFAULT_PRESET) -> OneLineParser:
         action="store_true",
         help="delete the run already in --out-dir and start afresh (without it, such a folder is refused)",
     )
-    run.add_argument("--sample-tokens", type=int, help="tokens sampled at the end (default: 300)")
+    run.add_argument("--sample-tokens", type=whole_number(0), help="tokens sampled at the end (default: 300)")
     title = f"{{}} (defaults: the {preset if preset in PRESETS else DEFAULT_PRESET} preset)"
     for cls, names, group in (
         (GPTConfig, MODEL_FIELDS, p.add_argument_group(title.format("model"))),

@@ -109,3 +109,14 @@ def test_a_fine_tuning_run_resumes_from_its_checkpoint(fine_tuned, tmp_path):
     assert train_cli.main(["--resume", "--out-dir", str(run), "--max-steps", "4"]) == 0
     model, _, meta = load_model(run / "latest.json")
     assert meta["step"] == 4 and model.config.positions == "learned" and model.head is None
+
+
+def test_the_fine_tuning_command_repeated_with_resume_goes_on(fine_tuned, corpus, tmp_path, monkeypatch):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fine_tuned, run)
+    monkeypatch.chdir(ROOT)  # --init-from as typed: relative, while the checkpoint records it absolute
+    argv = ["--init-from", "tests/fixtures/tiny-gpt2", "--data", str(corpus), "--out-dir", str(run), *FAST]
+    assert train_cli.main([*argv, "--max-steps", "4", "--eval-interval", "3", "--resume"]) == 0
+    assert load_model(run / "latest.json")[2]["step"] == 4

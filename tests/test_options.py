@@ -58,3 +58,27 @@ def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
     with pytest.raises(OptionsError, match=words) as error:
         resolve_options(settings)
     assert "\n" not in str(error.value)
+
+
+def test_a_fresh_runs_settings_are_checked_before_any_data_and_a_presets_values_named_as_its():
+    # The model's settings are checked here, before a corpus (here: none) is read or tokenized.
+    with pytest.raises(OptionsError, match=r"d_model=30 is not divisible by n_heads=4") as error:
+        resolve_options({"d_model": 30, "n_heads": 4, "data": "/no/such/corpus"})
+    assert "preset" not in str(error.value)  # both were given
+    with pytest.raises(OptionsError, match=r"n_heads=6 from the shakespeare-char preset\)$"):
+        resolve_options({"preset": "shakespeare-char", "d_model": 100})
+    with pytest.raises(OptionsError, match=r"min_lr=0.0004 from the cpu-adamw preset\)$"):
+        resolve_options({"preset": "cpu-adamw", "lr": 1e-4})
+
+
+@pytest.mark.parametrize(
+    "settings, words",
+    [({"warmup_steps": 1.5}, "warmup_steps must be an integer in [0, 2147483647]"),
+     ({"warmup_steps": 2**31}, "warmup_steps must be an integer"), ({"fsdp": "yes"}, "fsdp must be True"),
+     ({"data": 5}, "data must be a path"), ({"seed": -1}, "seed must be an integer in [0, "),
+     ({"scan_unroll": 2**40}, "scan_unroll must be an integer in [1, 2147483647]")],
+)  # fmt: skip
+def test_every_setting_is_range_and_type_checked_where_it_enters(settings, words):
+    with pytest.raises(OptionsError) as error:
+        resolve_options(settings)
+    assert words in str(error.value) and "\n" not in str(error.value)

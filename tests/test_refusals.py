@@ -31,7 +31,7 @@ from eqx_gpt.gpt2 import GPT2FormatError, is_gpt2_directory, load_gpt2, read_gpt
 from eqx_gpt.training import loop as run_module
 from eqx_gpt.training.options import OptionsError, resolve_options
 from eqx_gpt.training.run import train
-from eqx_gpt.training.run_dir import Metrics, RunDirError, check_run_dir
+from eqx_gpt.training.run_dir import RunDirError, check_run_dir, kept_records
 from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_checkpoint_metadata_and_metrics_of_the_wrong_type_are_one_line(tmp_path
     for record in ({"step": "x"}, {"step": 3, "loss": "high"}, {"loss": 1.0}):
         (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
         with pytest.raises(RunDirError, match="metrics.jsonl line 1: .*fix or delete that line"):
-            Metrics(run / "metrics.jsonl", keep_until=5)
+            kept_records(run / "metrics.jsonl", keep_until=5)
 
 
 # -- an older checkpoint's missing field; paths compared resolved; the culprit named ------------

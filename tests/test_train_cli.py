@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,6 +196,12 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     _fails([*TINY, "--preset", "gpu"], capsys, "invalid choice: 'gpu'")
     _fails([*TINY, "--d-model", "30", "--n-heads", "4"], capsys, "not divisible by n_heads=4")
     _fails([*TINY, "--batch-size", "6", "--grad-accum", "4"], capsys, "not divisible by grad_accum")
+    # Integers range-checked where they enter, not when the run ends and the sample is drawn.
+    _fails([*TINY, "--sample-tokens", "99999999999"], capsys, "must be an integer in [0, 2147483647]")
+    _fails([*TINY, "--warmup-steps", "-1"], capsys, "warmup_steps must be an integer in [0, 2147483647]")
+    with pytest.raises(ValueError, match="sample_tokens must be an integer in"):
+        train_cli.train({}, tmp_path / "never", sample_tokens=-1)
+    assert not (tmp_path / "never").exists()
 
 
 @pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
@@ -203,6 +210,33 @@ def test_resume_rejects_flags_that_contradict_the_checkpoint(uninterrupted, corp
     _fails([*argv, "--d-model", "64"], capsys, "--d-model 64 contradicts the checkpoint")
     _fails([*argv, "--lr", "0.5"], capsys, "--lr 0.5 contradicts the checkpoint")
     _fails(argv, capsys, "already finished at step 300")
+
+
+@pytest.mark.xdist_group("uninterrupted")
+def test_resume_refuses_what_it_cannot_honour_and_touches_nothing(uninterrupted, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(uninterrupted, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    argv = ["--out-dir", str(out), "--resume"]
+    # A preset named on resume is blamed for its own values, not a flag that was never given.
+    blame = "--preset shakespeare-char (it sets context_length="
+    _fails([*argv, "--preset", "shakespeare-char"], capsys, blame)
+    # A flag whose field an older checkpoint lacks is compared with the default it ran with.
+    latest = out / "latest.json"
+    meta = json.loads(latest.read_text())
+    for name in ("schedule", "decay_fraction"):
+        del meta["train_config"][name]
+    latest.write_text(json.dumps(meta))
+    _fails([*argv, "--schedule", "wsd", "--decay-fraction", "0.9"], capsys,
+           "--schedule wsd contradicts the checkpoint")  # fmt: skip
+    latest.write_bytes(before["latest.json"])
+    # A hand-edited metrics.jsonl is refused before the run starts.
+    metrics = out / "metrics.jsonl"
+    metrics.write_bytes(before["metrics.jsonl"] + b'{"step": "x"}\n')
+    line = len(before["metrics.jsonl"].splitlines()) + 1
+    _fails(argv, capsys, f"metrics.jsonl line {line}: 'step' is 'x', not a whole number")
+    metrics.write_bytes(before["metrics.jsonl"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, corpus, capsys):

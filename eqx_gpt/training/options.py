@@ -13,6 +13,7 @@ the checkpoint (only `RESUMABLE_CHANGES` may differ).
 """
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,12 +84,28 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     values = {**preset_values(preset), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(Path(values["init_from"]).expanduser().resolve())
-    train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
+    # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
+    model_fields = INIT_FROM_OPTIONS if values.get("init_from") is not None else MODEL_FIELDS
+    model = {k: values[k] for k in model_fields if k in values}
+    try:
+        train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
+        if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
+            GPTConfig(vocab_size=1, **model)
+    except (TypeError, ValueError) as e:
+        raise OptionsError(_blame_preset(str(e), preset, settings)) from None
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-    # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
-    model_fields = INIT_FROM_OPTIONS if train.init_from is not None else MODEL_FIELDS
-    return RunOptions({k: values[k] for k in model_fields if k in values}, train, preset)
+    return RunOptions(model, train, preset)
+
+
+def _blame_preset(message: str, preset: str | None, settings: dict) -> str:
+    """`message` about invalid values, saying which of the values it names the preset set (so that a
+    flag is never blamed for a value it did not give)."""
+    if preset is None:
+        return message
+    named = [f"{k}={v!r}" for k, v in PRESETS[preset].values().items()
+             if k not in settings and re.search(rf"\b{k}\b", message)]  # fmt: skip
+    return f"{message} ({', '.join(named)} from the {preset} preset)" if named else message
 
 
 def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.checkpoint import LATEST, CheckpointError, checkpoint_file, delete_checkpoints, read_metadata
 from eqx_gpt.gpt2 import GPT2FormatError
 from eqx_gpt.tokenizer import TokenizerError
@@ -34,6 +35,7 @@ from eqx_gpt.training.run_dir import (
     RunDirLock,
     check_run_dir,
     check_writable,
+    kept_records,
 )
 from eqx_gpt.training.setup import TrainingError, set_up
 from eqx_gpt.training.time_plan import TimePlan
@@ -99,13 +101,17 @@ def train(
     that `max_minutes` is measured by (tests pass a simulated one).
     """
     t_start = now()
+    if not is_whole(sample_tokens, 0):  # checked here, not after the run when the sample is drawn
+        raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     out_dir = Path(out_dir)
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
+        records = []
         if resume:  # the checkpoint's metadata, read once, and the settings laid over it
             options = resolve_options(settings, read_metadata(checkpoint_file(out_dir, LATEST)))
+            records = kept_records(out_dir / METRICS_NAME, options.checkpoint["step"])
         setup, state = set_up(options, out_dir, log=log)
         # Every check has passed: from here on the folder is this run's.
         stale = lock.claim()
@@ -114,12 +120,11 @@ def train(
         if overwrite and not resume:
             log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
             delete_checkpoints(out_dir)
-        keep = setup.start if setup.resumed_from is not None else None
         plan = TimePlan(
             setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup)
         )
         report = Report(
-            log, Metrics(out_dir / METRICS_NAME, keep_until=keep), Progress(enabled=progress), now, t_start
+            log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start
         )
         try:
             describe_start(report, setup, state)

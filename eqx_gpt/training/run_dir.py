@@ -7,7 +7,6 @@ it: a finished run is never lost to a repeated command.
 
 import fcntl
 import json
-import math
 import os
 import socket
 import tempfile
@@ -173,24 +172,33 @@ def _check_record(record: dict, path: Path, number: int) -> None:
                               f"that line, then resume")  # fmt: skip
 
 
-class Metrics:
-    """`metrics.jsonl`: one JSON object per line, appended and flushed; on resume, the lines up to
-    the checkpoint's step are kept and later ones (from after the checkpoint) dropped."""
+def kept_records(path: Path, keep_until: int) -> list[dict]:
+    """The records of `metrics.jsonl` a run resumed at step `keep_until` keeps: those up to that step
+    (later ones came after the checkpoint, and a resumed run ends with its own final line), each
+    checked (`_check_record`), so that a hand-edited file is refused before the run starts."""
+    records = []
+    if not path.exists():
+        return records
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+        if not isinstance(record, dict):
+            continue
+        _check_record(record, path, number)
+        if record["step"] <= keep_until and "final_val_loss" not in record:
+            records.append(record)
+    return records
 
-    def __init__(self, path: Path, keep_until: int | None):
+
+class Metrics:
+    """`metrics.jsonl`: one JSON object per line, appended and flushed. It starts as `records` (a
+    resumed run's `kept_records`; none for a fresh run), rewritten atomically."""
+
+    def __init__(self, path: Path, records: list[dict]):
         self.path = path
-        self.records: list[dict] = []
-        if keep_until is not None and path.exists():
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                _check_record(record, path, number)
-                if record.get("step", math.inf) <= keep_until and "final_val_loss" not in record:
-                    self.records.append(record)  # a resumed run ends with its own final line
+        self.records = list(records)
         atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in self.records).encode())
         self.file = open(path, "a", encoding="utf-8")
 

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from eqx_gpt._checks import SEED_MAX, is_whole
+from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described
 
 TOKENIZERS = ("char", "gpt2")
@@ -119,6 +119,15 @@ class TrainConfig(DictConfig):
         )
         if not is_whole(self.seed, 0, SEED_MAX):
             raise ValueError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
+        if not is_whole(self.warmup_steps, 0):
+            raise ValueError(
+                f"warmup_steps must be an integer in [0, {INT32_MAX}], got {self.warmup_steps!r}"
+            )
+        for name in ("data", "init_from"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"fsdp must be True or False, got {self.fsdp!r}")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
@@ -146,7 +155,7 @@ class TrainConfig(DictConfig):
             )
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.warmup_steps < 0 or self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("warmup_steps, max_minutes, weight_decay and grad_clip must be >= 0")
+        if self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("max_minutes, weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
