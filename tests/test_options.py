@@ -82,3 +82,12 @@ def test_every_setting_is_range_and_type_checked_where_it_enters(settings, words
     with pytest.raises(OptionsError) as error:
         resolve_options(settings)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_resumed_schedule_keeps_its_refitted_length_unless_given_another():
+    refitted = {**CHECKPOINT, "schedule_steps": 1234}  # --max-minutes had refitted the schedule
+    assert resolve_options({}, refitted).schedule_steps == 1234
+    assert resolve_options({"max_minutes": 20.0}, refitted).schedule_steps == 1234
+    assert resolve_options({"max_steps": 9000}, refitted).schedule_steps == 9000
+    assert resolve_options({}, CHECKPOINT).schedule_steps == PRESETS["cpu"].train["max_steps"]  # none saved
+    assert resolve_options({"max_steps": 77}).schedule_steps == 77

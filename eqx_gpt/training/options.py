@@ -36,11 +36,14 @@ class OptionsError(ValueError):
 @dataclass(frozen=True)
 class RunOptions:
     """A run's settings, resolved: `model` holds `GPTConfig` fields but `vocab_size` (the
-    tokenizer's, known once the data is read); `checkpoint` is the metadata resumed from."""
+    tokenizer's, known once the data is read); `schedule_steps` is the schedule's length to start
+    with (`max_steps`; on resume with the same `max_steps`, the checkpoint's, which `--max-minutes`
+    may have refitted); `checkpoint` is the metadata resumed from."""
 
     model: dict
     train: TrainConfig
     preset: str | None
+    schedule_steps: int
     checkpoint: dict | None = None
 
 
@@ -95,7 +98,7 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
         raise OptionsError(_blame_preset(str(e), preset, settings)) from None
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-    return RunOptions(model, train, preset)
+    return RunOptions(model, train, preset, train.max_steps)
 
 
 def _blame_preset(message: str, preset: str | None, settings: dict) -> str:
@@ -133,7 +136,12 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
         train_config = TrainConfig.from_dict(train)
     except ValueError as e:
         raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid train config: {e}") from None
-    return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), checkpoint)
+    # The schedule goes on as the checkpoint had it (refitted to --max-minutes, say) unless the run
+    # is given another length.
+    steps = train_config.max_steps
+    if saved_train.get("max_steps") == steps:
+        steps = checkpoint.get("schedule_steps", steps)
+    return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), steps, checkpoint)
 
 
 def _same_setting(name: str, value, saved) -> bool:

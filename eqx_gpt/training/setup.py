@@ -138,12 +138,10 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
         else:
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
-        return TrainState(model, opt_state, step=0, horizon=config.max_steps)
+        return TrainState(model, opt_state, step=0, horizon=options.schedule_steps)
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
     model, opt_state, _, meta = load_checkpoint(meta, opt_like)
-    start = meta["step"]
-    same_length = meta["train_config"]["max_steps"] == config.max_steps
-    horizon = meta.get("schedule_steps", config.max_steps) if same_length else config.max_steps
+    start, horizon = meta["step"], options.schedule_steps
     last_eval = saved_evaluation(meta)
     finished = start >= horizon and (last_eval or (None,))[0] == start
     if finished and final_recorded(out_dir / METRICS_NAME, start):  # else: finish it now
