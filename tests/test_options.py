@@ -91,3 +91,6 @@ def test_a_resumed_schedule_keeps_its_refitted_length_unless_given_another():
     assert resolve_options({"max_steps": 9000}, refitted).schedule_steps == 9000
     assert resolve_options({}, CHECKPOINT).schedule_steps == PRESETS["cpu"].train["max_steps"]  # none saved
     assert resolve_options({"max_steps": 77}).schedule_steps == 77
+    with pytest.raises(OptionsError, match=r"schedule_steps=-5, not an integer in \[1, 2147483647\]"):
+        resolve_options({}, {**CHECKPOINT, "schedule_steps": -5})
+    assert resolve_options({"max_steps": 10}, {**CHECKPOINT, "schedule_steps": -5}).schedule_steps == 10

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 from eqx_gpt.training.train_config import TrainConfig
@@ -141,6 +142,11 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
     steps = train_config.max_steps
     if saved_train.get("max_steps") == steps:
         steps = checkpoint.get("schedule_steps", steps)
+    if not is_whole(steps, 1):
+        raise OptionsError(
+            f"checkpoint {checkpoint['path']} has schedule_steps={steps!r}, not an integer in "
+            f"[1, {INT32_MAX}]; the file is corrupt: pass another --max-steps to set the schedule anew"
+        )
     return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), steps, checkpoint)
 
 
