@@ -39,13 +39,20 @@ class RunOptions:
     """A run's settings, resolved: `model` holds `GPTConfig` fields but `vocab_size` (the
     tokenizer's, known once the data is read); `schedule_steps` is the schedule's length to start
     with (`max_steps`; on resume with the same `max_steps`, the checkpoint's, which `--max-minutes`
-    may have refitted); `checkpoint` is the metadata resumed from."""
+    may have refitted); `checkpoint` is the metadata resumed from; `from_preset` holds the values
+    of a fresh run that its preset set and no setting gave (`explain` names them)."""
 
     model: dict
     train: TrainConfig
     preset: str | None
     schedule_steps: int
     checkpoint: dict | None = None
+    from_preset: dict = dataclasses.field(default_factory=dict)
+
+    def explain(self, message: str) -> str:
+        """`message` about an invalid value, saying which of the values it names the preset set, so
+        that a refusal never leaves a flag that was not given to be guessed at."""
+        return _blame_preset(message, self.preset, self.from_preset)
 
 
 def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOptions:
@@ -85,6 +92,7 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             f"{settings['init_from']}; leave it out (only "
             f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
         )
+    from_preset = {k: v for k, v in (PRESETS[preset].values() if preset else {}).items() if k not in settings}
     values = {**preset_values(preset), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(Path(values["init_from"]).expanduser().resolve())
@@ -96,19 +104,16 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
         if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
             GPTConfig(vocab_size=1, **model)
     except (TypeError, ValueError) as e:
-        raise OptionsError(_blame_preset(str(e), preset, settings)) from None
+        raise OptionsError(_blame_preset(str(e), preset, from_preset)) from None
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-    return RunOptions(model, train, preset, train.max_steps)
+    return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset)
 
 
-def _blame_preset(message: str, preset: str | None, settings: dict) -> str:
-    """`message` about invalid values, saying which of the values it names the preset set (so that a
-    flag is never blamed for a value it did not give)."""
-    if preset is None:
-        return message
-    named = [f"{k}={v!r}" for k, v in PRESETS[preset].values().items()
-             if k not in settings and re.search(rf"\b{k}\b", message)]  # fmt: skip
+def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:
+    """`message`, and which of the values it names (`name=value`, `name value`) are the preset's."""
+    named = [f"{k}={v!r}" for k, v in from_preset.items()
+             if re.search(rf"\b{k}\W{{1,3}}{re.escape(str(v))}\b", message)]  # fmt: skip
     return f"{message} ({', '.join(named)} from the {preset} preset)" if named else message
 
 

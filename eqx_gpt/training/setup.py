@@ -19,7 +19,7 @@ import numpy as np
 from eqx_gpt.checkpoint import load_checkpoint
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
-from eqx_gpt.gpt2 import gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.template import model_template
@@ -91,8 +91,12 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     (fresh, or from the checkpoint `options.checkpoint` describes). Reads `out_dir` but writes
     nothing there."""
     model_options, config, meta = options.model, options.train, options.checkpoint
-    corpus, source, config = _load_corpus(config, meta, _tokenizer_wanted(config, meta, model_options), log)
-    model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+    try:
+        wanted = _tokenizer_wanted(config, meta, model_options)
+        corpus, source, config = _load_corpus(config, meta, wanted, log)
+        model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+    except (GPT2FormatError, TrainingError) as e:  # a value the preset set is named as the preset's
+        raise type(e)(options.explain(str(e))) from None
     for name, ids in (("train", corpus.train), ("validation", corpus.val)):
         check_split(ids, name, model_config.context_length, source)
     mesh = data_mesh()
