@@ -94,3 +94,14 @@ def test_a_resumed_schedule_keeps_its_refitted_length_unless_given_another():
     with pytest.raises(OptionsError, match=r"schedule_steps=-5, not an integer in \[1, 2147483647\]"):
         resolve_options({}, {**CHECKPOINT, "schedule_steps": -5})
     assert resolve_options({"max_steps": 10}, {**CHECKPOINT, "schedule_steps": -5}).schedule_steps == 10
+
+
+def test_a_checkpoint_that_is_not_a_gpts_is_refused_before_anything_is_compared():
+    encoder_decoder = {**CHECKPOINT, "model": "Transformer", "model_config": {"src_vocab_size": 8}}
+    with pytest.raises(OptionsError, match=r"holds a Transformer run, not a GPT's: .*examples/translate.py"):
+        resolve_options({"lr": 0.5}, encoder_decoder)
+    for bad in ({"d_model": "wide"}, {"d_model": 30, "n_heads": 4}, {"experts": 8}):
+        broken = {**CHECKPOINT, "model_config": {**CHECKPOINT["model_config"], **bad}}
+        with pytest.raises(OptionsError, match="latest.json has an invalid model config: ") as error:
+            resolve_options({}, broken)
+        assert "\n" not in str(error.value)

@@ -9,9 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
-from eqx_gpt import GPTConfig, load_model
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
 from eqx_gpt.training.corpus import load_text
 from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
@@ -237,6 +238,16 @@ def test_resume_refuses_what_it_cannot_honour_and_touches_nothing(uninterrupted,
     _fails(argv, capsys, f"metrics.jsonl line {line}: 'step' is 'x', not a whole number")
     metrics.write_bytes(before["metrics.jsonl"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_resuming_a_checkpoint_on_a_text_of_other_characters_says_which_text_to_pass(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    tokenizer = CharTokenizer.from_text("abcdefgh")  # a run on a text of 8 characters, no corpus recorded
+    config = GPTConfig(vocab_size=8, context_length=16, d_model=16, n_heads=2, n_layers=1)
+    model = GPT(config, key=jax.random.key(0))
+    save_checkpoint(out, "latest", model, None, step=1, tokenizer=tokenizer, train_config={"max_steps": 5})
+    _fails(["--out-dir", str(out), "--resume"], capsys, "not the text the run trained on; pass that with")
 
 
 def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, corpus, capsys):

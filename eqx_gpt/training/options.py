@@ -117,7 +117,22 @@ def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:
     return f"{message} ({', '.join(named)} from the {preset} preset)" if named else message
 
 
+def _check_checkpoint(checkpoint: dict) -> None:
+    """Refuse a checkpoint that is not a GPT's (the encoder-decoder of examples/translate.py), or
+    whose model config is not one, before anything is compared with it or read for it."""
+    if checkpoint.get("model", "GPT") != "GPT":
+        raise OptionsError(
+            f"{Path(checkpoint['path']).parent}/ holds a {checkpoint['model']} run, not a GPT's: train.py "
+            f"cannot resume it; resume it with the script that trained it (examples/translate.py)"
+        )
+    try:
+        GPTConfig(**checkpoint["model_config"])
+    except (TypeError, ValueError) as e:
+        raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid model config: {e}") from None
+
+
 def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:
+    _check_checkpoint(checkpoint)
     preset_given = PRESETS[preset].values() if preset else {}
     given = {**preset_given, **settings}
     saved_model = {k: v for k, v in checkpoint["model_config"].items() if k != "vocab_size"}

@@ -187,10 +187,15 @@ def _model_config_and_tokenizer(
         model_config = read_gpt2_config(config.init_from, **model_options)
         return model_config, gpt2_tokenizer(model_config)
     tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
-    if tokenizer != corpus.tokenizer:  # the same corpus has the same characters: a damaged cache
+    if tokenizer != corpus.tokenizer and corpus.folder is not None:  # the same corpus: a damaged cache
         raise TrainingError(
             f"the corpus's tokens ({corpus.tokenizer!r}, in {corpus.folder}) are not the checkpoint's "
             f"({tokenizer!r}); delete that folder and resume again"
+        )
+    if tokenizer != corpus.tokenizer:  # a checkpoint that records no corpus identity (data_sha256)
+        raise TrainingError(
+            f"the corpus ({config.data or BUNDLED}) has other characters ({corpus.tokenizer!r}) than the "
+            f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with --data"
         )
     try:
         return GPTConfig(vocab_size=tokenizer.vocab_size, **model_options), tokenizer
