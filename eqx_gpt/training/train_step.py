@@ -17,6 +17,8 @@ from eqx_gpt.streams import DROPOUT, batch_key
 from eqx_gpt.training.schedule import decay_start, warmup_steps
 from eqx_gpt.training.train_config import TrainConfig
 
+MUON_MOMENTUM_START = 0.85  # where --muon-momentum-warmup starts Muon's momentum
+
 
 def decay_mask(params: PyTree) -> PyTree:
     """True for the leaves AdamW decays: weight matrices and embeddings, not norm scales and biases.
@@ -40,9 +42,10 @@ def _is_bias(path) -> bool:
     return isinstance(last, jax.tree_util.GetAttrKey) and last.name.endswith("bias")
 
 
-def muon_labels(params: PyTree) -> PyTree:
+def muon_labels(params: PyTree, *, embed_apart: bool = False) -> PyTree:
     """ "muon" for the hidden weight matrices (inside the blocks, not norm scales), "adamw" for the
-    rest: the embedding, the head and every norm scale, as the speedruns do."""
+    rest: the embedding, the head and every norm scale, as the speedruns do. With `embed_apart`
+    the token embedding is labelled "embed", for an AdamW group of its own rate."""
 
     def label(node):
         if isinstance(node, Block):
@@ -50,7 +53,10 @@ def muon_labels(params: PyTree) -> PyTree:
             return jax.tree.map(lambda is_matrix: "muon" if is_matrix else "adamw", matrices)
         return jax.tree.map(lambda _: "adamw", node)
 
-    return jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
+    labels = jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
+    if embed_apart and isinstance(labels, GPT):
+        labels = eqx.tree_at(lambda m: m.embed, labels, "embed")
+    return labels
 
 
 def _matrix_axes(params: PyTree) -> PyTree:
@@ -74,16 +80,35 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     if c.optimizer == "adamw":
         opt = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
     else:
-        muon = optax.contrib.muon(
-            1.0, beta=c.muon_momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
-            muon_weight_dimension_numbers=_matrix_axes,
-        )  # fmt: skip
-        adam_scale = (c.adam_lr or c.lr) / c.lr
-        adamw = optax.adamw(
-            adam_scale, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
+        # The speedruns' momentum warm-up: from MUON_MOMENTUM_START to muon_momentum over the first
+        # muon_momentum_warmup updates (a schedule of optax's own, injected as a hyperparameter).
+        muon = optax.inject_hyperparams(
+            optax.contrib.muon, static_args=("ns_steps", "muon_weight_dimension_numbers")
         )
-        opt = optax.partition({"muon": muon, "adamw": adamw}, muon_labels)
+        momentum = (
+            optax.linear_schedule(MUON_MOMENTUM_START, c.muon_momentum, c.muon_momentum_warmup)
+            if c.muon_momentum_warmup
+            else c.muon_momentum
+        )
+        groups = {
+            "muon": (muon if c.muon_momentum_warmup else optax.contrib.muon)(
+                1.0, beta=momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
+                muon_weight_dimension_numbers=_matrix_axes,
+            ),
+            "adamw": _adamw_group(c, c.adam_lr or c.lr),
+        }  # fmt: skip
+        if c.embed_lr is not None:
+            groups["embed"] = _adamw_group(c, c.embed_lr)
+        opt = optax.partition(groups, lambda params: muon_labels(params, embed_apart=c.embed_lr is not None))
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
+
+
+def _adamw_group(config: TrainConfig, peak_lr: float) -> optax.GradientTransformation:
+    """AdamW beside Muon, at `peak_lr / lr` of the scheduled rate (one schedule drives both)."""
+    c = config
+    return optax.adamw(
+        peak_lr / c.lr, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
+    )
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
@@ -210,10 +235,16 @@ def describe_optimizer(config: TrainConfig, horizon: int) -> str:
             f"gradient clip {c.grad_clip:g}"
         )
     adam_lr, decay = c.adam_lr or c.lr, _decay(c, horizon, f"{c.min_lr / c.lr:g} of their peak")
+    momentum = f"momentum {c.muon_momentum:g}" + (
+        f" (from {MUON_MOMENTUM_START:g} over {c.muon_momentum_warmup} steps)"
+        if c.muon_momentum_warmup
+        else ""
+    )
+    embed = "" if c.embed_lr is None else f" (the embedding at lr {c.embed_lr:g})"
     return (
-        f"Muon (momentum {c.muon_momentum:g}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
+        f"Muon ({momentum}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
         f"block matrices: lr {c.lr:g}, weight decay "
-        f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}, betas "
+        f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}{embed}, betas "
         f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
         f"warmed up over {warmup} steps{shortened}, then {decay}; "
         f"gradient clip {c.grad_clip:g}"

@@ -1,0 +1,137 @@
+"""The speedrun's options (issue 33): QK normalisation in the model, a Muon momentum warm-up and a
+learning rate of the token embedding's own in the optimiser. Each is checked for what it builds
+or does, not only that it runs."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from eqx_gpt import GPT, GPTConfig, MultiHeadAttention, causal_mask
+from eqx_gpt.gpt2 import GPT2FormatError, gpt2_config_dict
+from eqx_gpt.model.norm import RMSNorm
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import (
+    MUON_MOMENTUM_START,
+    init_optimizer_state,
+    make_optimizer,
+    make_train_step,
+    muon_labels,
+)
+
+CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
+TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
+MUON = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, batch_size=4, grad_clip=0.0, warmup_steps=0)
+
+
+def model_with(**options) -> GPT:
+    return GPT(dataclasses.replace(CFG, **options), key=jax.random.key(0))
+
+
+def test_qk_norm_gives_each_attention_an_rms_norm_of_its_queries_and_keys():
+    attn = model_with(qk_norm=True).blocks.layers.attn
+    assert isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
+    assert attn.q_norm.scale.shape == attn.k_norm.scale.shape == (CFG.n_layers, CFG.d_model // CFG.n_heads)
+    plain = model_with().blocks.layers.attn
+    assert plain.q_norm is None and plain.k_norm is None
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_the_query_and_key_projections():
+    # The norms undo any scale of q and k: multiplying their projections by 50 leaves the weights
+    # as they were (up to the norms' eps), where without the norms it sharpens every softmax.
+    x = jax.random.normal(jax.random.key(1), (10, 32))
+
+    def weights_before_and_after_scaling(attn):
+        scaled = eqx.tree_at(lambda a: a.w_qkv, attn, attn.w_qkv.at[:, :64].mul(50.0))
+        return attn.weights(x, mask=causal_mask(10)), scaled.weights(x, mask=causal_mask(10))
+
+    normed = MultiHeadAttention(32, 4, key=jax.random.key(0), qk_norm=True)
+    np.testing.assert_allclose(*weights_before_and_after_scaling(normed), atol=2e-3)
+    before, after = weights_before_and_after_scaling(MultiHeadAttention(32, 4, key=jax.random.key(0)))
+    assert np.abs(after - before).max() > 0.1
+
+
+def test_qk_norm_keeps_the_model_causal_and_the_cache_exact():
+    model = model_with(qk_norm=True)
+    full = model(TOKENS)
+    np.testing.assert_array_equal(full[:7], model(TOKENS.at[7].set(0))[:7])
+    logits, cache = model.decode(TOKENS[:4], model.init_cache(), 0)
+    rows = [logits]
+    for i in range(4, len(TOKENS)):
+        logits, cache = model.decode(TOKENS[i : i + 1], cache, i)
+        rows.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(rows), full, atol=1e-5)
+
+
+def test_qk_norm_scales_train_with_adamw_and_a_qk_normed_model_is_no_gpt2():
+    labels = muon_labels(eqx.filter(model_with(qk_norm=True), eqx.is_inexact_array))
+    assert labels.blocks.layers.attn.q_norm.scale == labels.blocks.layers.attn.k_norm.scale == "adamw"
+    assert labels.blocks.layers.attn.w_qkv == "muon"
+    gpt2_shaped = dict(positions="learned", bias=True, norm="layer", tie_embeddings=True)
+    gpt2_config_dict(dataclasses.replace(CFG, **gpt2_shaped))  # the same shape without the norms is one
+    with pytest.raises(GPT2FormatError, match="qk_norm=True"):
+        gpt2_config_dict(dataclasses.replace(CFG, **gpt2_shaped, qk_norm=True))
+
+
+def one_update(config: TrainConfig, model: GPT, steps: int = 1):
+    """The model and optimiser state after `steps` steps at the peak rate, and the model before."""
+    before = jax.tree.map(np.array, eqx.filter(model, eqx.is_inexact_array))
+    optimizer = make_optimizer(config)
+    state = init_optimizer_state(optimizer, model)
+    step = make_train_step(optimizer, config, dropout=False)
+    for i in range(steps):
+        batch = jax.random.randint(jax.random.key(i), (config.batch_size, CFG.context_length + 1), 0, 50)
+        model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(config.lr))
+    return before, model, state
+
+
+def test_the_embedding_takes_its_own_rate_and_the_head_keeps_adam_lr():
+    # Adam's first step moves every parameter with a gradient by its rate: the embedding's rows of
+    # the batch's tokens by embed_lr, the head by adam_lr.
+    config = dataclasses.replace(MUON, embed_lr=0.05)
+    before, after, _ = one_update(config, model_with())
+    embed_step = np.abs(np.asarray(after.embed) - before.embed).max()
+    head_step = np.abs(np.asarray(after.head) - before.head).max()
+    np.testing.assert_allclose(embed_step, 0.05 * MUON.lr / MUON.lr, rtol=1e-3)
+    np.testing.assert_allclose(head_step, 3e-3, rtol=1e-3)
+    _, plain, _ = one_update(MUON, model_with())
+    np.testing.assert_allclose(np.abs(np.asarray(plain.embed) - before.embed).max(), 3e-3, rtol=1e-3)
+
+
+def _muon_momenta(state) -> list[float]:
+    """Every Muon momentum (`beta`) an injected-hyperparameter state holds."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, optax.InjectStatefulHyperparamsState) and "beta" in node.hyperparams:
+            found.append(float(node.hyperparams["beta"]))
+        return node
+
+    jax.tree.map(visit, state, is_leaf=lambda n: isinstance(n, optax.InjectStatefulHyperparamsState))
+    return found
+
+
+def test_the_muon_momentum_rises_linearly_over_its_warmup_then_holds():
+    config = dataclasses.replace(MUON, muon_momentum=0.95, muon_momentum_warmup=4)
+    momenta = [_muon_momenta(one_update(config, model_with(), steps)[2]) for steps in (1, 2, 4, 6)]
+    # The state holds the momentum its last update used: update k (from 0) uses the warm-up at k / 4.
+    expected = [
+        MUON_MOMENTUM_START + (0.95 - MUON_MOMENTUM_START) * min((k - 1) / 4, 1) for k in (1, 2, 4, 6)
+    ]
+    np.testing.assert_allclose([m[0] for m in momenta], expected, rtol=1e-6)
+    assert _muon_momenta(one_update(MUON, model_with())[2]) == []  # no warm-up: plain Muon, as before
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [(dict(embed_lr=0.0), "embed_lr must be > 0"), (dict(embed_lr=float("nan")), "embed_lr"),
+     (dict(muon_momentum_warmup=-1), "muon_momentum_warmup must be an integer"),
+     (dict(muon_momentum_warmup=2.5), "muon_momentum_warmup must be an integer")],
+)  # fmt: skip
+def test_bad_speedrun_settings_are_one_line_errors(options, words):
+    with pytest.raises(ValueError, match=words):
+        TrainConfig(optimizer="muon", **options)
