@@ -14,13 +14,16 @@ import pytest
 from eqx_gpt import GPT, GPTConfig, MultiHeadAttention, causal_mask
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_config_dict
 from eqx_gpt.model.norm import RMSNorm
+from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import (
     MUON_MOMENTUM_START,
     init_optimizer_state,
     make_optimizer,
     make_train_step,
+    matrix_axes,
     muon_labels,
+    split_qkv,
 )
 
 CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
@@ -135,3 +138,33 @@ def test_the_muon_momentum_rises_linearly_over_its_warmup_then_holds():
 def test_bad_speedrun_settings_are_one_line_errors(options, words):
     with pytest.raises(ValueError, match=words):
         TrainConfig(optimizer="muon", **options)
+
+
+def test_the_compiled_step_is_shared_only_by_configs_that_step_alike():
+    # Runs in one process share a compiled step when only what the step never reads differs; an
+    # optimiser option must never be dropped from that key (these three once were).
+    shared = optimizer_and_step(MUON, dropout=False)
+    elsewhere = dataclasses.replace(MUON, max_steps=7, warmup_steps=3, eval_interval=2, schedule="wsd")
+    assert optimizer_and_step(elsewhere, dropout=False) is shared
+    for option in (dict(embed_lr=0.05), dict(muon_momentum_warmup=10), dict(muon_split_qkv=True)):
+        assert optimizer_and_step(dataclasses.replace(MUON, **option), dropout=False) is not shared
+
+
+class _Fused(eqx.Module):
+    w_qkv: jax.Array
+
+
+def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_its_own():
+    # Muon through split_qkv on a fused (layers, d, 3d) gradient gives exactly what Muon gives
+    # the three (layers, d, d) thirds as separate matrices.
+    grads = jax.random.normal(jax.random.key(0), (2, 8, 24))
+    split = split_qkv(optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(True)))
+    fused_update, _ = split.update(_Fused(grads), split.init(_Fused(grads)), _Fused(grads))
+    thirds = [grads[..., 8 * i : 8 * (i + 1)] for i in range(3)]
+    alone = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
+    separate, _ = alone.update(thirds, alone.init(thirds), thirds)
+    np.testing.assert_allclose(fused_update.w_qkv, jnp.concatenate(separate, axis=-1), rtol=1e-5, atol=1e-6)
+    # Fused, the thirds share one orthogonalisation, which is another update.
+    whole = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
+    together, _ = whole.update(_Fused(grads), whole.init(_Fused(grads)), _Fused(grads))
+    assert not np.allclose(together.w_qkv, fused_update.w_qkv, atol=1e-3)

@@ -9,7 +9,7 @@ a `TrainState`.
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import equinox as eqx
@@ -68,16 +68,25 @@ class RunSetup:
         return choose(len(self.val_ids), self.model_config.context_length, self.config.eval_tokens)
 
 
+# The fields of a TrainConfig that the compiled step never reads (the schedule's rates arrive as
+# arguments; the data, evaluation and logging are the loop's). Every other field is part of the
+# step's identity, so an option added later can never be dropped from it by omission.
+_NOT_READ_BY_THE_STEP = (
+    "data", "tokenizer", "init_from", "max_steps", "max_minutes", "warmup_steps", "schedule",
+    "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval",
+)  # fmt: skip
+_UNSCALED_BY_ADAMW = ("lr", "min_lr", "adam_lr")  # AdamW alone runs at unit rate times the schedule
+
+
 def optimizer_and_step(config: TrainConfig, *, dropout: bool):
     """`make_optimizer` and `make_train_steps` for `config`, shared by runs whose steps are the same.
 
-    Only the fields the step reads are part of the key, so a resumed run (or a second run in the
-    same process, e.g. in tests) reuses the compiled step instead of compiling it again.
+    The fields the step does not read are left out of the key, so a resumed run (or a second run
+    in the same process, e.g. in tests) reuses the compiled step instead of compiling it again.
     """
-    fields = ["grad_accum", "beta1", "beta2", "weight_decay", "grad_clip", "seed", "optimizer"]
-    if config.optimizer == "muon":  # the AdamW group's rate is a fraction of the scheduled one
-        fields += ["lr", "min_lr", "adam_lr", "adam_weight_decay", "muon_momentum", "muon_ns_steps"]
-    return _optimizer_and_step(TrainConfig(**{f: getattr(config, f) for f in fields}), dropout)
+    unread = _NOT_READ_BY_THE_STEP + (_UNSCALED_BY_ADAMW if config.optimizer == "adamw" else ())
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.name in unread}
+    return _optimizer_and_step(replace(config, **defaults), dropout)
 
 
 @functools.lru_cache(maxsize=8)

@@ -55,6 +55,10 @@ class TrainConfig(DictConfig):
         "--muon-momentum (0: none)",
         default=0,
     )
+    muon_split_qkv: bool = described(
+        "under --optimizer muon: orthogonalise the query, key and value projections each on its own",
+        default=False,
+    )
     embed_lr: float | None = described(
         "under --optimizer muon: peak learning rate of the token embedding's AdamW (default: --adam-lr)",
         default=None,
@@ -136,8 +140,9 @@ class TrainConfig(DictConfig):
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
-        if not isinstance(self.fsdp, bool):
-            raise ValueError(f"fsdp must be True or False, got {self.fsdp!r}")
+        for name in ("fsdp", "muon_split_qkv"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "

@@ -59,11 +59,47 @@ def muon_labels(params: PyTree, *, embed_apart: bool = False) -> PyTree:
     return labels
 
 
-def _matrix_axes(params: PyTree) -> PyTree:
+def matrix_axes(split_qkv: bool):
     """Muon's axes for our `x @ W` layout: the input (reduction) axis is `-2`, the output axis
     `-1`, and a leading `n_layers` axis of the stacked blocks is a batch axis of the
-    orthogonalisation (each layer's matrix is orthogonalised on its own)."""
-    return jax.tree.map(lambda w: optax.contrib.MuonDimensionNumbers(w.ndim - 2, w.ndim - 1), params)
+    orthogonalisation (each layer's matrix is orthogonalised on its own). Under `split_qkv` a
+    `w_qkv` arrives as `(..., d_model, 3, d_model)`, its `3` one more batch axis."""
+
+    def axes(path, w):
+        reduction = w.ndim - 3 if split_qkv and _is_qkv(path) else w.ndim - 2
+        return optax.contrib.MuonDimensionNumbers(reduction, w.ndim - 1)
+
+    return lambda params: jax.tree_util.tree_map_with_path(axes, params)
+
+
+def _is_qkv(path) -> bool:
+    last = path[-1] if path else None
+    return isinstance(last, jax.tree_util.GetAttrKey) and last.name == "w_qkv"
+
+
+def split_qkv(inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`inner` seeing each fused `w_qkv` `(..., d_model, 3 * d_model)` as three matrices
+    `(..., d_model, 3, d_model)`: Muon then orthogonalises the query, key and value projections
+    each on its own (the `3` is a batch axis of `matrix_axes`), as it would separate layers."""
+
+    def apart(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: x.reshape(*x.shape[:-1], 3, x.shape[-1] // 3) if _is_qkv(p) else x, tree
+        )
+
+    def together(tree):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: x.reshape(*x.shape[:-2], -1) if _is_qkv(p) else x, tree
+        )
+
+    def init(params):
+        return inner.init(apart(params))
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(apart(updates), state, None if params is None else apart(params))
+        return together(updates), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -90,11 +126,12 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
             if c.muon_momentum_warmup
             else c.muon_momentum
         )
+        muon = (muon if c.muon_momentum_warmup else optax.contrib.muon)(
+            1.0, beta=momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
+            muon_weight_dimension_numbers=matrix_axes(c.muon_split_qkv),
+        )  # fmt: skip
         groups = {
-            "muon": (muon if c.muon_momentum_warmup else optax.contrib.muon)(
-                1.0, beta=momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
-                muon_weight_dimension_numbers=_matrix_axes,
-            ),
+            "muon": split_qkv(muon) if c.muon_split_qkv else muon,
             "adamw": _adamw_group(c, c.adam_lr or c.lr),
         }  # fmt: skip
         if c.embed_lr is not None:
