@@ -26,14 +26,13 @@ from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.training.run import RunError, train
-from eqx_gpt.training.train_config import NS_COEFFS, OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
+from eqx_gpt.training.train_config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 
 CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,
     "tokenizer": TOKENIZERS,
     "optimizer": OPTIMIZERS,
     "schedule": SCHEDULES,
-    "muon_ns_coeffs": NS_COEFFS,
     "norm": NORM_KINDS,
     "norm_position": NORM_POSITIONS,
     "positions": POSITION_KINDS,

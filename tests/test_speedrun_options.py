@@ -28,7 +28,6 @@ from eqx_gpt.training.train_step import (
 
 CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
 TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
-DION = dict(muon_ns_coeffs="dion", muon_ns_steps=5)
 MUON = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, batch_size=4, grad_clip=0.0, warmup_steps=0)
 
 
@@ -134,9 +133,7 @@ def test_the_muon_momentum_rises_linearly_over_its_warmup_then_holds():
     "options, words",
     [(dict(embed_lr=0.0), "embed_lr must be > 0"), (dict(embed_lr=float("nan")), "embed_lr"),
      (dict(muon_momentum_warmup=-1), "muon_momentum_warmup must be an integer"),
-     (dict(muon_momentum_warmup=2.5), "muon_momentum_warmup must be an integer"),
-     (dict(muon_ns_coeffs="polar"), "muon_ns_coeffs must be one of"),
-     (dict(muon_ns_coeffs="dion", muon_ns_steps=3), "needs muon_ns_steps >= 5")],
+     (dict(muon_momentum_warmup=2.5), "muon_momentum_warmup must be an integer")],
 )  # fmt: skip
 def test_bad_speedrun_settings_are_one_line_errors(options, words):
     with pytest.raises(ValueError, match=words):
@@ -149,8 +146,7 @@ def test_the_compiled_step_is_shared_only_by_configs_that_step_alike():
     shared = optimizer_and_step(MUON, dropout=False)
     elsewhere = dataclasses.replace(MUON, max_steps=7, warmup_steps=3, eval_interval=2, schedule="wsd")
     assert optimizer_and_step(elsewhere, dropout=False) is shared
-    options = (dict(embed_lr=0.05), dict(muon_momentum_warmup=10), dict(muon_split_qkv=True), DION)
-    for option in options:
+    for option in (dict(embed_lr=0.05), dict(muon_momentum_warmup=10), dict(muon_split_qkv=True)):
         assert optimizer_and_step(dataclasses.replace(MUON, **option), dropout=False) is not shared
 
 
@@ -172,17 +168,3 @@ def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_it
     whole = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
     together, _ = whole.update(_Fused(grads), whole.init(_Fused(grads)), _Fused(grads))
     assert not np.allclose(together.w_qkv, fused_update.w_qkv, atol=1e-3)
-
-
-def test_dion_coefficients_orthogonalise_the_first_update_closer_than_the_standard_ones():
-    # Muon's first update of the MLP's (32, 128) input matrix: orthogonal times sqrt(128 / 32) = 2
-    # when the iteration converges. Five standard iterations leave singular values far below 2.
-    def singular_values(**options):
-        before, after, _ = one_update(
-            dataclasses.replace(MUON, lr=1.0, weight_decay=0.0, **options), model_with()
-        )
-        step = np.asarray(after.blocks.layers.mlp.w_in[0]) - before.blocks.layers.mlp.w_in[0]
-        return np.linalg.svd(step, compute_uv=False)
-
-    standard, dion = singular_values(muon_ns_steps=5), singular_values(**DION)
-    assert standard.min() < 1.6 and 1.8 < dion.min() and dion.max() < 2.4

@@ -8,7 +8,6 @@ from eqx_gpt.configs import DictConfig, check_fields, described
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
-NS_COEFFS = ("standard", "dion")  # optax.contrib.muon's presets of Newton-Schulz coefficients
 
 
 @dataclass(frozen=True)
@@ -66,11 +65,6 @@ class TrainConfig(DictConfig):
     )
     muon_ns_steps: int = described(
         "under --optimizer muon: Newton-Schulz iterations that orthogonalise each update", default=5
-    )
-    muon_ns_coeffs: str = described(
-        "under --optimizer muon: optax's Newton-Schulz coefficients, 'standard' (Keller Jordan's, the "
-        "same each iteration) or 'dion' (one set per iteration, for 5 or more)",
-        default="standard",
     )
     min_lr: float = described("learning rate at the end of the decay", default=1e-4)
     warmup_steps: int = described("steps of linear warm-up from 0 to lr", default=100)
@@ -164,10 +158,6 @@ class TrainConfig(DictConfig):
                 f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "
                 f"{self.adam_weight_decay}"
             )
-        if self.muon_ns_coeffs not in NS_COEFFS:
-            raise ValueError(f"muon_ns_coeffs must be one of {NS_COEFFS}, got {self.muon_ns_coeffs!r}")
-        if self.muon_ns_coeffs == "dion" and self.muon_ns_steps < 5:
-            raise ValueError(f"muon_ns_coeffs='dion' needs muon_ns_steps >= 5, got {self.muon_ns_steps}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:

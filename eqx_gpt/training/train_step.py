@@ -119,7 +119,7 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         # The speedruns' momentum warm-up: from MUON_MOMENTUM_START to muon_momentum over the first
         # muon_momentum_warmup updates (a schedule of optax's own, injected as a hyperparameter).
         muon = optax.inject_hyperparams(
-            optax.contrib.muon, static_args=("ns_steps", "ns_coeffs", "muon_weight_dimension_numbers")
+            optax.contrib.muon, static_args=("ns_steps", "muon_weight_dimension_numbers")
         )
         momentum = (
             optax.linear_schedule(MUON_MOMENTUM_START, c.muon_momentum, c.muon_momentum_warmup)
@@ -127,8 +127,8 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
             else c.muon_momentum
         )
         muon = (muon if c.muon_momentum_warmup else optax.contrib.muon)(
-            1.0, ns_coeffs=c.muon_ns_coeffs, ns_steps=c.muon_ns_steps, beta=momentum, nesterov=True,
-            weight_decay=c.weight_decay, muon_weight_dimension_numbers=matrix_axes(c.muon_split_qkv),
+            1.0, beta=momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
+            muon_weight_dimension_numbers=matrix_axes(c.muon_split_qkv),
         )  # fmt: skip
         groups = {
             "muon": split_qkv(muon) if c.muon_split_qkv else muon,
@@ -279,8 +279,7 @@ def describe_optimizer(config: TrainConfig, horizon: int) -> str:
     )
     embed = "" if c.embed_lr is None else f" (the embedding at lr {c.embed_lr:g})"
     return (
-        f"Muon ({momentum}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps, {c.muon_ns_coeffs} "
-        f"coefficients) on the "
+        f"Muon ({momentum}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
         f"block matrices: lr {c.lr:g}, weight decay "
         f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}{embed}, betas "
         f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
