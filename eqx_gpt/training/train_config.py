@@ -50,18 +50,9 @@ class TrainConfig(DictConfig):
         default=0.0,
     )
     muon_momentum: float = described("under --optimizer muon: Muon's (Nesterov) momentum", default=0.95)
-    muon_momentum_warmup: int = described(
-        "under --optimizer muon: steps over which Muon's momentum rises linearly from 0.85 to "
-        "--muon-momentum (0: none)",
-        default=0,
-    )
     muon_split_qkv: bool = described(
         "under --optimizer muon: orthogonalise the query, key and value projections each on its own",
         default=False,
-    )
-    embed_lr: float | None = described(
-        "under --optimizer muon: peak learning rate of the token embedding's AdamW (default: --adam-lr)",
-        default=None,
     )
     muon_ns_steps: int = described(
         "under --optimizer muon: Newton-Schulz iterations that orthogonalise each update", default=5
@@ -127,16 +118,15 @@ class TrainConfig(DictConfig):
                 "adam_weight_decay",
                 "muon_momentum",
                 "decay_fraction",
-                *(name for name in ("adam_lr", "embed_lr") if getattr(self, name) is not None),
+                *(("adam_lr",) if self.adam_lr is not None else ()),
             ),
         )
         if not is_whole(self.seed, 0, SEED_MAX):
             raise ValueError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
-        for name in ("warmup_steps", "muon_momentum_warmup"):
-            if not is_whole(getattr(self, name), 0):
-                raise ValueError(
-                    f"{name} must be an integer in [0, {INT32_MAX}], got {getattr(self, name)!r}"
-                )
+        if not is_whole(self.warmup_steps, 0):
+            raise ValueError(
+                f"warmup_steps must be an integer in [0, {INT32_MAX}], got {self.warmup_steps!r}"
+            )
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
@@ -150,9 +140,8 @@ class TrainConfig(DictConfig):
             )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        for name in ("adam_lr", "embed_lr"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.adam_lr is not None and not self.adam_lr > 0:
+            raise ValueError(f"adam_lr must be > 0, got {self.adam_lr}")
         if not 0 <= self.muon_momentum < 1 or self.adam_weight_decay < 0:
             raise ValueError(
                 f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "

@@ -17,8 +17,6 @@ from eqx_gpt.streams import DROPOUT, batch_key
 from eqx_gpt.training.schedule import decay_start, warmup_steps
 from eqx_gpt.training.train_config import TrainConfig
 
-MUON_MOMENTUM_START = 0.85  # where --muon-momentum-warmup starts Muon's momentum
-
 
 def decay_mask(params: PyTree) -> PyTree:
     """True for the leaves AdamW decays: weight matrices and embeddings, not norm scales and biases.
@@ -42,10 +40,9 @@ def _is_bias(path) -> bool:
     return isinstance(last, jax.tree_util.GetAttrKey) and last.name.endswith("bias")
 
 
-def muon_labels(params: PyTree, *, embed_apart: bool = False) -> PyTree:
+def muon_labels(params: PyTree) -> PyTree:
     """ "muon" for the hidden weight matrices (inside the blocks, not norm scales), "adamw" for the
-    rest: the embedding, the head and every norm scale, as the speedruns do. With `embed_apart`
-    the token embedding is labelled "embed", for an AdamW group of its own rate."""
+    rest: the embedding, the head and every norm scale, as the speedruns do."""
 
     def label(node):
         if isinstance(node, Block):
@@ -53,10 +50,7 @@ def muon_labels(params: PyTree, *, embed_apart: bool = False) -> PyTree:
             return jax.tree.map(lambda is_matrix: "muon" if is_matrix else "adamw", matrices)
         return jax.tree.map(lambda _: "adamw", node)
 
-    labels = jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
-    if embed_apart and isinstance(labels, GPT):
-        labels = eqx.tree_at(lambda m: m.embed, labels, "embed")
-    return labels
+    return jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
 
 
 def matrix_axes(split_qkv: bool):
@@ -116,36 +110,17 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     if c.optimizer == "adamw":
         opt = optax.adamw(1.0, b1=c.beta1, b2=c.beta2, weight_decay=c.weight_decay, mask=decay_mask)
     else:
-        # The speedruns' momentum warm-up: from MUON_MOMENTUM_START to muon_momentum over the first
-        # muon_momentum_warmup updates (a schedule of optax's own, injected as a hyperparameter).
-        muon = optax.inject_hyperparams(
-            optax.contrib.muon, static_args=("ns_steps", "muon_weight_dimension_numbers")
-        )
-        momentum = (
-            optax.linear_schedule(MUON_MOMENTUM_START, c.muon_momentum, c.muon_momentum_warmup)
-            if c.muon_momentum_warmup
-            else c.muon_momentum
-        )
-        muon = (muon if c.muon_momentum_warmup else optax.contrib.muon)(
-            1.0, beta=momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
+        muon = optax.contrib.muon(
+            1.0, beta=c.muon_momentum, ns_steps=c.muon_ns_steps, weight_decay=c.weight_decay, nesterov=True,
             muon_weight_dimension_numbers=matrix_axes(c.muon_split_qkv),
         )  # fmt: skip
-        groups = {
-            "muon": split_qkv(muon) if c.muon_split_qkv else muon,
-            "adamw": _adamw_group(c, c.adam_lr or c.lr),
-        }  # fmt: skip
-        if c.embed_lr is not None:
-            groups["embed"] = _adamw_group(c, c.embed_lr)
-        opt = optax.partition(groups, lambda params: muon_labels(params, embed_apart=c.embed_lr is not None))
+        adam_scale = (c.adam_lr or c.lr) / c.lr
+        adamw = optax.adamw(
+            adam_scale, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
+        )
+        groups = {"muon": split_qkv(muon) if c.muon_split_qkv else muon, "adamw": adamw}
+        opt = optax.partition(groups, muon_labels)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
-
-
-def _adamw_group(config: TrainConfig, peak_lr: float) -> optax.GradientTransformation:
-    """AdamW beside Muon, at `peak_lr / lr` of the scheduled rate (one schedule drives both)."""
-    c = config
-    return optax.adamw(
-        peak_lr / c.lr, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
-    )
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
@@ -261,6 +236,7 @@ def make_train_steps(
 def describe_optimizer(config: TrainConfig, horizon: int) -> str:
     """The line a run prints: the optimiser, and exactly what `learning_rate` will do over `horizon` steps."""
     c, warmup = config, warmup_steps(config, horizon)
+    clip = f"gradient clip {c.grad_clip:g}" if c.grad_clip > 0 else "no gradient clipping"
     shortened = (
         f" (--warmup-steps {c.warmup_steps} shortened to half the run)" if warmup < c.warmup_steps else ""
     )
@@ -269,22 +245,17 @@ def describe_optimizer(config: TrainConfig, horizon: int) -> str:
         return (
             f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, {decay}; "
             f"betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
-            f"gradient clip {c.grad_clip:g}"
+            f"{clip}"
         )
     adam_lr, decay = c.adam_lr or c.lr, _decay(c, horizon, f"{c.min_lr / c.lr:g} of their peak")
-    momentum = f"momentum {c.muon_momentum:g}" + (
-        f" (from {MUON_MOMENTUM_START:g} over {c.muon_momentum_warmup} steps)"
-        if c.muon_momentum_warmup
-        else ""
-    )
-    embed = "" if c.embed_lr is None else f" (the embedding at lr {c.embed_lr:g})"
+    split = ", query, key and value apart" if c.muon_split_qkv else ""
     return (
-        f"Muon ({momentum}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps) on the "
+        f"Muon (momentum {c.muon_momentum:g}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps{split}) on the "
         f"block matrices: lr {c.lr:g}, weight decay "
-        f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}{embed}, betas "
+        f"{c.weight_decay:g}; AdamW on embedding, head and norm scales: lr {adam_lr:g}, betas "
         f"({c.beta1:g}, {c.beta2:g}), weight decay {c.adam_weight_decay:g} (not on norm scales); both "
         f"warmed up over {warmup} steps{shortened}, then {decay}; "
-        f"gradient clip {c.grad_clip:g}"
+        f"{clip}"
     )
 
 

@@ -1,0 +1,97 @@
+"""What each change of the speedrun recipe costs per training step, timed side by side.
+
+    uv run python bench/recipe_step.py [--rounds 3] [--seconds 4]
+
+Builds the real step of `train.py` (`setup.optimizer_and_step`: the optimiser and
+`make_train_steps`, several steps per dispatch) for the `cpu` preset and for the preset with one
+change undone at a time, then times them in interleaved rounds so that a busy or throttled machine
+slows all alike. Prints the CPU model, each variant's median ms per step and tokens/s, and its
+ratio to the preset. Loss is not measured here: see docs/PERFORMANCE.md for the runs.
+"""
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.training.loop import STEPS_PER_CALL
+from eqx_gpt.training.options import MODEL_FIELDS, preset_values
+from eqx_gpt.training.setup import optimizer_and_step
+from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.train_step import init_optimizer_state
+
+VOCAB = 65
+# Each variant: the preset with these values instead (the recipe before issue 33 undoes them all).
+VARIANTS = {
+    "cpu preset": {},
+    "3 Newton-Schulz steps": dict(muon_ns_steps=3),
+    "fused qkv in Muon": dict(muon_split_qkv=False),
+    "no QK norm": dict(qk_norm=False),
+    "before issue 33": dict(
+        muon_ns_steps=3, muon_split_qkv=False, qk_norm=False, lr=0.03,
+        beta1=0.9, beta2=0.99,
+    ),
+}  # fmt: skip
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def make_advance(values: dict):
+    """`advance()`: one dispatch of STEPS_PER_CALL real training steps of the preset with `values`."""
+    model_values = {k: v for k, v in values.items() if k in MODEL_FIELDS}
+    config = TrainConfig(**{k: v for k, v in values.items() if k not in MODEL_FIELDS})
+    model_config = GPTConfig(vocab_size=VOCAB, **model_values)
+    optimizer, steps_fn = optimizer_and_step(config, dropout=model_config.dropout > 0)
+    state = [GPT(model_config, key=jax.random.key(0))]
+    state.append(init_optimizer_state(optimizer, state[0]))
+    k, window = STEPS_PER_CALL, model_config.context_length + 1
+    batches = jax.random.randint(jax.random.key(1), (k, config.batch_size, window), 0, VOCAB)
+    steps, lrs = np.arange(k, dtype=np.int32), np.full(k, 1e-4, np.float32)
+
+    def advance():
+        state[0], state[1], losses = steps_fn(state[0], state[1], batches, steps, lrs, np.int32(k))
+        jax.block_until_ready(losses)
+
+    return advance, config.batch_size * model_config.context_length
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
+    p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per variant per round")
+    args = p.parse_args()
+    print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load {os.getloadavg()}; jax {jax.__version__}")
+    preset = preset_values("cpu")
+    runs = {}
+    for name, change in VARIANTS.items():
+        advance, tokens = make_advance({**preset, **change})
+        advance(), advance()  # compile, then one warm call
+        runs[name] = (advance, tokens, [])
+    for _ in range(args.rounds):
+        for advance, _, times in runs.values():
+            end = time.perf_counter() + args.seconds
+            while time.perf_counter() < end:
+                start = time.perf_counter()
+                advance()
+                times.append((time.perf_counter() - start) / STEPS_PER_CALL)
+    base = statistics.median(runs["cpu preset"][2])
+    for name, (_, tokens, times) in runs.items():
+        step = statistics.median(times)
+        ratio = step / base
+        print(f"{name:24s} {step * 1e3:6.2f} ms/step  {tokens / step:8,.0f} tok/s  {ratio:5.3f}x the preset")
+    print(f"load after: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
