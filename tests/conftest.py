@@ -4,6 +4,7 @@ compiles for the tests; how many test processes `-n auto` starts."""
 import os
 import shutil
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 _SHARED_TIKTOKEN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tiktoken-cache"
@@ -14,6 +15,18 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TIKTOKEN.is_dir():
 # computes, which the optimisation level does not change (exactness tests compare one program with
 # itself), so compile with LLVM's cheap pipeline: about a third less CPU. Subprocesses inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# jaxlib 0.10 only (uv.lock's on Python 3.11): its CPU fusion emitters (MLIR) take about 60% more
+# compile CPU per small program than the classic LLVM IR emitters (an eager primitive 28 ms against
+# 17 ms), so the tests use the classic ones. jaxlib 0.12 has no such flag (XLA aborts on a flag it
+# does not know) and compiles small programs cheaper by default. The caller's XLA_FLAGS are kept.
+try:
+    _JAXLIB = metadata.version("jaxlib").split(".")[:2]
+except metadata.PackageNotFoundError:
+    _JAXLIB = []
+if _JAXLIB == ["0", "10"] and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_cpu_use_fusion_emitters=false"]
+    ).strip()
 
 # One compilation cache per test session, shared by the worker processes (which inherit the
 # controller's environment) and the command-line runs they start. It is empty when the session starts,
