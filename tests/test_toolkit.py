@@ -283,8 +283,13 @@ def test_the_example_refuses_bad_pairs_files_with_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "line 2: no tab" in err
 
 
-def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(tmp_path, capsys):
+def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(
+    tmp_path, capsys, monkeypatch
+):
     example = _example()
+    # 3 steps see 3 batches: 2,000 training pairs serve as well as 50,000 (2 s of writing dates).
+    date_pairs = example.date_pairs
+    monkeypatch.setattr(example, "date_pairs", lambda n, held_out, seed: date_pairs(2_000, held_out, seed))
     argv = ["--minutes", "0", "--max-steps", "3", "--held-out", "10", "--d-model", "32", "--layers", "1"]
     assert example.main([*argv, "--max-len", "32", "--out-dir", str(tmp_path)]) == 0
     shown = [line.strip() for line in capsys.readouterr().out.splitlines() if "(expected " in line]
