@@ -20,12 +20,19 @@ def model():
     return GPT(CFG, key=jax.random.key(0))
 
 
+@eqx.filter_jit
+def logits_of(model, tokens, key=None):
+    """`model(tokens, key=key)` as one compiled program: run eagerly, each of its operations would be
+    compiled on its own, which is most of these tests' time."""
+    return model(tokens, key=key)
+
+
 def test_changing_token_t_never_changes_earlier_logits(model):
     tokens = jax.random.randint(jax.random.key(1), (CFG.context_length,), 0, CFG.vocab_size)
-    base = np.asarray(model(tokens))
+    base = np.asarray(logits_of(model, tokens))
     for t in (0, 5, CFG.context_length - 1):
         changed = tokens.at[t].set((tokens[t] + 7) % CFG.vocab_size)
-        out = np.asarray(model(changed))
+        out = np.asarray(logits_of(model, changed))
         np.testing.assert_array_equal(out[:t], base[:t])
         assert not np.allclose(out[t:], base[t:])
 
@@ -40,7 +47,7 @@ def test_logits_cover_exactly_the_real_vocabulary(model):
 def test_padded_ids_never_win_even_with_huge_head_weights(model):
     # Make every padding column of the head dominate: they must still not be predictable.
     rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
-    logits = rigged(jnp.arange(8))
+    logits = logits_of(rigged, jnp.arange(8))
     assert logits.shape[-1] == CFG.vocab_size
     assert int(jnp.argmax(logits, -1).max()) < CFG.vocab_size
     assert bool(jnp.all(jnp.isfinite(logits)))
@@ -55,8 +62,8 @@ def test_layers_start_different(model):
 def test_dropout_needs_a_key():
     m = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
     tokens = jnp.arange(10)
-    np.testing.assert_array_equal(m(tokens), m(tokens))
-    assert not np.allclose(m(tokens, key=jax.random.key(1)), m(tokens))
+    np.testing.assert_array_equal(logits_of(m, tokens), logits_of(m, tokens))
+    assert not np.allclose(logits_of(m, tokens, key=jax.random.key(1)), logits_of(m, tokens))
 
 
 def test_batched_and_jitted_call(model):
@@ -87,8 +94,8 @@ def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
     prefix, cache = model.decode(tokens[:, :7], cache, 0)
     last, cache = model.decode(tokens[:, 7:8], cache, 7)
     for row in range(3):
-        np.testing.assert_allclose(prefix[row], model(tokens[row, :7]), atol=1e-5)
-        np.testing.assert_allclose(last[row, 0], model(tokens[row, :8])[7], atol=1e-5)
+        np.testing.assert_allclose(prefix[row], logits_of(model, tokens[row, :7]), atol=1e-5)
+        np.testing.assert_allclose(last[row, 0], logits_of(model, tokens[row, :8])[7], atol=1e-5)
 
 
 def test_an_unstacked_model_is_the_same_function(model):
@@ -96,21 +103,22 @@ def test_an_unstacked_model_is_the_same_function(model):
     assert not unstacked.blocks.stacked and len(unstacked.blocks.layers) == CFG.n_layers
     np.testing.assert_array_equal(unstacked.blocks.layers[1].mlp.w_in, model.blocks.layers.mlp.w_in[1])
     tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
-    np.testing.assert_allclose(unstacked(tokens), model(tokens), atol=1e-6)
-    np.testing.assert_allclose(
-        unstacked.attention_weights(tokens), model.attention_weights(tokens), atol=1e-6
-    )
+    np.testing.assert_allclose(logits_of(unstacked, tokens), logits_of(model, tokens), atol=1e-6)
+    weights = eqx.filter_jit(GPT.attention_weights)
+    np.testing.assert_allclose(weights(unstacked, tokens), weights(model, tokens), atol=1e-6)
     dropping = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
     key = jax.random.key(6)
-    np.testing.assert_allclose(dropping.unstack()(tokens, key=key), dropping(tokens, key=key), atol=1e-6)
+    np.testing.assert_allclose(
+        logits_of(dropping.unstack(), tokens, key), logits_of(dropping, tokens, key), atol=1e-6
+    )
     # Its cache is a tuple of per-layer caches, and decoding through it gives the same logits.
     cache = unstacked.init_cache()
     assert len(cache) == CFG.n_layers
     assert cache[0].k.shape == (CFG.n_heads, CFG.d_head, CFG.context_length)
     prefix, cache = unstacked.decode(tokens[:8], cache, 0)
     step, cache = unstacked.decode(tokens[8:9], cache, 8)
-    np.testing.assert_allclose(prefix, model(tokens[:8]), atol=1e-5)
-    np.testing.assert_allclose(step[0], model(tokens[:9])[8], atol=1e-5)
+    np.testing.assert_allclose(prefix, logits_of(model, tokens[:8]), atol=1e-5)
+    np.testing.assert_allclose(step[0], logits_of(model, tokens[:9])[8], atol=1e-5)
 
 
 def test_attention_weights_of_every_layer(model):
@@ -185,12 +193,15 @@ def test_a_batch_gives_what_vmap_over_its_sequences_gives():
     dropout_model = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (3, 8), 0, CFG.vocab_size)
     keys = jax.random.split(jax.random.key(2), 3)
-    np.testing.assert_allclose(dropout_model(tokens), jax.vmap(dropout_model)(tokens), rtol=0, atol=1e-5)
+    vmapped = eqx.filter_jit(lambda m, t, k: jax.vmap(lambda t, k: m(t, key=k))(t, k))
+    np.testing.assert_allclose(
+        logits_of(dropout_model, tokens), vmapped(dropout_model, tokens, None), rtol=0, atol=1e-5
+    )
     # Dropout: each sequence of the batch gets the masks its own key gives it alone.
-    batched = dropout_model(tokens, key=keys)
-    one_by_one = jax.vmap(lambda t, k: dropout_model(t, key=k))(tokens, keys)
+    batched = logits_of(dropout_model, tokens, keys)
+    one_by_one = vmapped(dropout_model, tokens, keys)
     np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
-    assert not np.allclose(batched, dropout_model(tokens))
+    assert not np.allclose(batched, logits_of(dropout_model, tokens))
 
 
 def test_gpt_rejects_float_tokens_under_jit(model):

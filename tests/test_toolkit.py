@@ -240,8 +240,10 @@ def test_a_tiny_encoder_decoder_trained_600_steps_beats_the_trivial_baseline_on_
 
 def test_the_example_fits_its_training_to_minutes_by_the_clock_it_is_given():
     example = _example()
-    args = example.parse_args(["--minutes", "0.1", "--held-out", "10", "--d-model", "32", "--layers", "1"])
-    pairs, _ = example.load_data(args)
+    # The steps are counted by the simulated clock, so a small batch and 2,000 pairs (not 50,000) do.
+    argv = ["--minutes", "0.1", "--held-out", "10", "--d-model", "32", "--layers", "1", "--batch-size", "8"]
+    args = example.parse_args(argv)
+    pairs, _ = example.date_pairs(2_000, args.held_out, args.seed)
     vocabs = example.CharVocab(s for s, _ in pairs), example.CharVocab(t for _, t in pairs)
     config = TransformerConfig(
         src_vocab_size=vocabs[0].size, tgt_vocab_size=vocabs[1].size, max_len=args.max_len, d_model=32,
@@ -281,8 +283,13 @@ def test_the_example_refuses_bad_pairs_files_with_one_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "line 2: no tab" in err
 
 
-def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(tmp_path, capsys):
+def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(
+    tmp_path, capsys, monkeypatch
+):
     example = _example()
+    # 3 steps see 3 batches: 2,000 training pairs serve as well as 50,000 (2 s of writing dates).
+    date_pairs = example.date_pairs
+    monkeypatch.setattr(example, "date_pairs", lambda n, held_out, seed: date_pairs(2_000, held_out, seed))
     argv = ["--minutes", "0", "--max-steps", "3", "--held-out", "10", "--d-model", "32", "--layers", "1"]
     assert example.main([*argv, "--max-len", "32", "--out-dir", str(tmp_path)]) == 0
     shown = [line.strip() for line in capsys.readouterr().out.splitlines() if "(expected " in line]

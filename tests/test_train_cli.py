@@ -74,6 +74,16 @@ def uninterrupted(tmp_path_factory, corpus):
     return out
 
 
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus):
+    """A finished run, for the refusals to resume it: 12 steps (the kill-and-resume tests' 300-step
+    run is longer than they need)."""
+    out = tmp_path_factory.mktemp("finished")
+    argv = [*TINY, "--max-steps", "12", "--eval-interval", "6", "--data", str(corpus), "--out-dir", str(out)]
+    assert train_cli.main(argv) == 0
+    return out
+
+
 def _start_and_stop(out, corpus, sig, while_running=None, extra=()):
     """Run train.py in a subprocess and send `sig` once its checkpoint at step >= 10 exists
     (after calling `while_running(proc)`)."""
@@ -205,18 +215,18 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     assert not (tmp_path / "never").exists()
 
 
-@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
-def test_resume_rejects_flags_that_contradict_the_checkpoint(uninterrupted, corpus, capsys):
-    argv = [*TINY, "--data", str(corpus), "--out-dir", str(uninterrupted), "--resume"]
+@pytest.mark.xdist_group("finished")  # one worker runs the fixture
+def test_resume_rejects_flags_that_contradict_the_checkpoint(finished, corpus, capsys):
+    argv = [*TINY, "--data", str(corpus), "--out-dir", str(finished), "--resume"]
     _fails([*argv, "--d-model", "64"], capsys, "--d-model 64 contradicts the checkpoint")
     _fails([*argv, "--lr", "0.5"], capsys, "--lr 0.5 contradicts the checkpoint")
-    _fails(argv, capsys, "already finished at step 300")
+    _fails(argv, capsys, "already finished at step 12")
 
 
-@pytest.mark.xdist_group("uninterrupted")
-def test_resume_refuses_what_it_cannot_honour_and_touches_nothing(uninterrupted, tmp_path, capsys):
+@pytest.mark.xdist_group("finished")
+def test_resume_refuses_what_it_cannot_honour_and_touches_nothing(finished, tmp_path, capsys):
     out = tmp_path / "run"
-    shutil.copytree(uninterrupted, out)
+    shutil.copytree(finished, out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     argv = ["--out-dir", str(out), "--resume"]
     # A preset named on resume is blamed for its own values, not a flag that was never given.
