@@ -30,13 +30,10 @@ VOCAB = 65
 # Each variant: the preset with these values instead (the recipe before issue 33 undoes them all).
 VARIANTS = {
     "cpu preset": {},
-    "3 Newton-Schulz steps": dict(muon_ns_steps=3),
     "fused qkv in Muon": dict(muon_split_qkv=False),
-    "no QK norm": dict(qk_norm=False),
-    "before issue 33": dict(
-        muon_ns_steps=3, muon_split_qkv=False, qk_norm=False, lr=0.03,
-        beta1=0.9, beta2=0.99,
-    ),
+    "gradient clip 1": dict(grad_clip=1.0),
+    "5 Newton-Schulz steps": dict(muon_ns_steps=5),
+    "before issue 33": dict(muon_split_qkv=False, grad_clip=1.0, lr=0.03, beta1=0.9, beta2=0.99),
 }  # fmt: skip
 
 

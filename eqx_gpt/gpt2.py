@@ -246,11 +246,7 @@ def gpt2_tokenizer(config: GPTConfig) -> GPT2Tokenizer:
 
 def gpt2_config_dict(config: GPTConfig) -> dict:
     """The Hugging Face `config.json` of a GPT-2-shaped `config` (`GPT2FormatError` if it is not one)."""
-    gpt2_like = {
-        **GPT2_OPTIONS,
-        "logit_softcap": None,
-        "qk_norm": False,
-    }  # and an activation Hugging Face names
+    gpt2_like = {**GPT2_OPTIONS, "logit_softcap": None}  # and an activation Hugging Face names
     mismatched = [f"{k}={getattr(config, k)!r}" for k, v in gpt2_like.items() if getattr(config, k) != v]
     mismatched += [f"activation={config.activation!r}"] * (config.activation not in HF_ACTIVATIONS)
     if mismatched or config.vocab_size > GPT2_VOCAB_SIZE:

@@ -1,6 +1,6 @@
-"""The speedrun's options (issue 33), which the `cpu` preset turns on: QK normalisation in the
-model, and Muon orthogonalising the query, key and value projections each on its own. Each is
-checked for what it builds or does, not only that it runs."""
+"""The speedrun's optimiser option (issue 33), which the `cpu` preset turns on: Muon orthogonalising
+the query, key and value projections each on its own; and the compiled step's cache, which once
+dropped new options. Each is checked for what it builds or does, not only that it runs."""
 
 import dataclasses
 
@@ -9,11 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
-from eqx_gpt import GPT, GPTConfig, MultiHeadAttention, causal_mask
-from eqx_gpt.gpt2 import GPT2FormatError, gpt2_config_dict
-from eqx_gpt.model.norm import RMSNorm
+from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import (
@@ -21,7 +18,6 @@ from eqx_gpt.training.train_step import (
     make_optimizer,
     make_train_step,
     matrix_axes,
-    muon_labels,
     split_qkv,
 )
 
@@ -32,51 +28,6 @@ MUON = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, batch_size=4, grad_c
 
 def model_with(**options) -> GPT:
     return GPT(dataclasses.replace(CFG, **options), key=jax.random.key(0))
-
-
-def test_qk_norm_gives_each_attention_an_rms_norm_of_its_queries_and_keys():
-    attn = model_with(qk_norm=True).blocks.layers.attn
-    assert isinstance(attn.q_norm, RMSNorm) and isinstance(attn.k_norm, RMSNorm)
-    assert attn.q_norm.scale.shape == attn.k_norm.scale.shape == (CFG.n_layers, CFG.d_model // CFG.n_heads)
-    plain = model_with().blocks.layers.attn
-    assert plain.q_norm is None and plain.k_norm is None
-
-
-def test_qk_norm_makes_attention_blind_to_the_scale_of_the_query_and_key_projections():
-    # The norms undo any scale of q and k: multiplying their projections by 50 leaves the weights
-    # as they were (up to the norms' eps), where without the norms it sharpens every softmax.
-    x = jax.random.normal(jax.random.key(1), (10, 32))
-
-    def weights_before_and_after_scaling(attn):
-        scaled = eqx.tree_at(lambda a: a.w_qkv, attn, attn.w_qkv.at[:, :64].mul(50.0))
-        return attn.weights(x, mask=causal_mask(10)), scaled.weights(x, mask=causal_mask(10))
-
-    normed = MultiHeadAttention(32, 4, key=jax.random.key(0), qk_norm=True)
-    np.testing.assert_allclose(*weights_before_and_after_scaling(normed), atol=2e-3)
-    before, after = weights_before_and_after_scaling(MultiHeadAttention(32, 4, key=jax.random.key(0)))
-    assert np.abs(after - before).max() > 0.1
-
-
-def test_qk_norm_keeps_the_model_causal_and_the_cache_exact():
-    model = model_with(qk_norm=True)
-    full = model(TOKENS)
-    np.testing.assert_array_equal(full[:7], model(TOKENS.at[7].set(0))[:7])
-    logits, cache = model.decode(TOKENS[:4], model.init_cache(), 0)
-    rows = [logits]
-    for i in range(4, len(TOKENS)):
-        logits, cache = model.decode(TOKENS[i : i + 1], cache, i)
-        rows.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(rows), full, atol=1e-5)
-
-
-def test_qk_norm_scales_train_with_adamw_and_a_qk_normed_model_is_no_gpt2():
-    labels = muon_labels(eqx.filter(model_with(qk_norm=True), eqx.is_inexact_array))
-    assert labels.blocks.layers.attn.q_norm.scale == labels.blocks.layers.attn.k_norm.scale == "adamw"
-    assert labels.blocks.layers.attn.w_qkv == "muon"
-    gpt2_shaped = dict(positions="learned", bias=True, norm="layer", tie_embeddings=True)
-    gpt2_config_dict(dataclasses.replace(CFG, **gpt2_shaped))  # the same shape without the norms is one
-    with pytest.raises(GPT2FormatError, match="qk_norm=True"):
-        gpt2_config_dict(dataclasses.replace(CFG, **gpt2_shaped, qk_norm=True))
 
 
 def first_qkv_update(config: TrainConfig) -> np.ndarray:

@@ -11,7 +11,6 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 from eqx_gpt._checks import check_last_dim, is_whole, typechecked
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.linear import linear
-from eqx_gpt.model.norm import RMSNorm
 from eqx_gpt.model.positions import rotary_embedding
 from eqx_gpt.streams import keys_per_sequence
 
@@ -212,18 +211,13 @@ class MultiHeadAttention(eqx.Module):
 
     Options: `bias=True` adds a bias to both projections (GPT-2's; zeros at first). `rope=True`
     rotates the queries and keys of self-attention by their positions (`rotary_embedding`), so the
-    heads see relative positions; cross-attention is never rotated. `qk_norm=True` passes each
-    head's queries and keys through an `RMSNorm` of `d_head` (QK normalisation, as in the
-    speedruns): the scores `q . k / sqrt(d_head)` are then bounded by the norms' learned scales,
-    whatever the size the projections grow to.
+    heads see relative positions; cross-attention is never rotated.
     """
 
     w_qkv: Float[Array, "d_model 3*d_model"]
     qkv_bias: Float[Array, " 3*d_model"] | None
     w_out: Float[Array, "d_model d_model"]
     out_bias: Float[Array, " d_model"] | None
-    q_norm: RMSNorm | None
-    k_norm: RMSNorm | None
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
@@ -239,7 +233,6 @@ class MultiHeadAttention(eqx.Module):
         init_std: float = 0.02,
         bias: bool = False,
         rope: bool = False,
-        qk_norm: bool = False,
     ):
         if n_heads < 1 or d_model < 1 or d_model % n_heads:
             raise ValueError(
@@ -257,8 +250,6 @@ class MultiHeadAttention(eqx.Module):
         if rope and self.d_head % 2:
             raise ValueError(f"rope needs an even d_head (feature pairs), got {self.d_head}")
         self.rope = rope
-        self.q_norm = RMSNorm(self.d_head) if qk_norm else None
-        self.k_norm = RMSNorm(self.d_head) if qk_norm else None
 
     @property
     def d_head(self) -> int:
@@ -268,17 +259,11 @@ class MultiHeadAttention(eqx.Module):
         """A projection `(..., n * d_model)` as `n` arrays' heads `(..., n, heads, d_head)`."""
         return x.reshape(*x.shape[:-1], n, self.n_heads, self.d_head)
 
-    @staticmethod
-    def _normed(norm: RMSNorm | None, heads):
-        """Queries or keys `(..., heads, d_head)` through their QK norm, if the layer has one."""
-        return heads if norm is None else norm(heads)
-
     def project_q(self, x):
         """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `w_qkv`)."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
         bias = None if self.qkv_bias is None else self.qkv_bias[: self.d_model]
-        q = self._heads(linear(x, self.w_qkv[:, : self.d_model], bias), 1)[..., 0, :, :]
-        return self._normed(self.q_norm, q)
+        return self._heads(linear(x, self.w_qkv[:, : self.d_model], bias), 1)[..., 0, :, :]
 
     def _project(self, x, context, start: Int[Array, ""] | int = 0):
         """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`.
@@ -302,8 +287,7 @@ class MultiHeadAttention(eqx.Module):
         """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
         qkv = self._heads(linear(x, self.w_qkv, self.qkv_bias), 3)
-        q, k = self._normed(self.q_norm, qkv[..., 0, :, :]), self._normed(self.k_norm, qkv[..., 1, :, :])
-        return q, k, qkv[..., 2, :, :]
+        return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
     @typechecked
     def project_kv(
@@ -314,7 +298,7 @@ class MultiHeadAttention(eqx.Module):
         check_last_dim(context, self.d_model, "MultiHeadAttention context", "d_model")
         bias = None if self.qkv_bias is None else self.qkv_bias[self.d_model :]
         kv = self._heads(linear(context, self.w_qkv[:, self.d_model :], bias), 2)
-        return self._normed(self.k_norm, kv[..., 0, :, :]), kv[..., 1, :, :]
+        return kv[..., 0, :, :], kv[..., 1, :, :]
 
     def _full_mask(self, mask, q_shape, kv_seq: int):
         """`mask` broadcast to `(seq, kv_seq)`, or to `(*batch, seq, kv_seq)` if it has batch axes

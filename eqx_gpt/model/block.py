@@ -25,8 +25,8 @@ class Block(eqx.Module):
     placement. `norm` is `"rms"` (`RMSNorm`) or `"layer"` (`LayerNorm`). With
     `cross_attention=True` the block is a decoder block of an encoder-decoder: between
     self-attention and the MLP it attends to a `context` (the encoder's output). `bias`,
-    `activation`, `rope` and `qk_norm` reach the sub-layers (see `MultiHeadAttention` and `MLP`;
-    `rope` rotates self-attention only).
+    `activation` and `rope` reach the sub-layers (see `MultiHeadAttention` and `MLP`; `rope`
+    rotates self-attention only).
     """
 
     attn_norm: RMSNorm | LayerNorm
@@ -53,18 +53,15 @@ class Block(eqx.Module):
         bias: bool = False,
         activation: str = "gelu_tanh",
         rope: bool = False,
-        qk_norm: bool = False,
     ):
         if norm_position not in NORM_POSITIONS:
             raise ValueError(f"norm_position must be one of {NORM_POSITIONS}, got {norm_position!r}")
         k_attn, k_mlp, k_cross = jax.random.split(key, 3)
         self.attn_norm = make_norm(norm, d_model, norm_eps)
-        self.attn = MultiHeadAttention(
-            d_model, n_heads, key=k_attn, dropout=dropout, bias=bias, rope=rope, qk_norm=qk_norm
-        )
+        self.attn = MultiHeadAttention(d_model, n_heads, key=k_attn, dropout=dropout, bias=bias, rope=rope)
         self.cross_norm = make_norm(norm, d_model, norm_eps) if cross_attention else None
         self.cross_attn = (
-            MultiHeadAttention(d_model, n_heads, key=k_cross, dropout=dropout, bias=bias, qk_norm=qk_norm)
+            MultiHeadAttention(d_model, n_heads, key=k_cross, dropout=dropout, bias=bias)
             if cross_attention
             else None
         )

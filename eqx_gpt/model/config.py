@@ -43,8 +43,6 @@ class GPTConfig(DictConfig):
         head start at zero, so every block starts as the identity and the first logits are uniform
         (the speedruns' initialisation); False: GPT-2's scaled normal.
     logit_softcap: if set, logits are `cap * tanh(logits / cap)`, bounded in (-cap, cap).
-    qk_norm: each head's queries and keys pass through an RMSNorm before their scores (QK
-        normalisation, the speedruns'), which bounds the scores by the norms' learned scales.
     """
 
     vocab_size: int
@@ -79,7 +77,6 @@ class GPTConfig(DictConfig):
     logit_softcap: float | None = described(
         "bound the logits to (-cap, cap) with cap * tanh(logits / cap)", default=None
     )
-    qk_norm: bool = described("RMSNorm each head's queries and keys before their scores", default=False)
 
     def __post_init__(self):
         if self.d_hidden is None:
@@ -105,7 +102,7 @@ class GPTConfig(DictConfig):
         for name, kinds in (("positions", POSITION_KINDS), ("activation", ACTIVATION_KINDS)):
             if getattr(self, name) not in kinds:
                 raise ValueError(f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}")
-        for name in ("bias", "tie_embeddings", "zero_init", "qk_norm"):
+        for name in ("bias", "tie_embeddings", "zero_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.positions == "sinusoidal" and self.d_model % 2:

@@ -61,7 +61,7 @@ class GPT(eqx.Module):
             return Block(
                 c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
                 norm=c.norm, norm_position=c.norm_position, bias=c.bias, activation=c.activation,
-                rope=c.positions == "rope", qk_norm=c.qk_norm,
+                rope=c.positions == "rope",
             )  # fmt: skip
 
         blocks = LayerStack(make_block, jax.random.split(k_blocks, c.n_layers), unroll=c.scan_unroll)
