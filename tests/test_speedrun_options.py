@@ -83,7 +83,7 @@ def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_it
     thirds = [grads[..., 8 * i : 8 * (i + 1)] for i in range(3)]
     alone = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
     separate, _ = alone.update(thirds, alone.init(thirds), thirds)
-    np.testing.assert_allclose(fused_update.w_qkv, jnp.concatenate(separate, axis=-1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused_update.w_qkv, jnp.concatenate(separate, axis=-1), rtol=1e-4, atol=1e-5)
     # Fused, the thirds share one orthogonalisation, which is another update.
     whole = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
     together, _ = whole.update(_Fused(grads), whole.init(_Fused(grads)), _Fused(grads))
