@@ -386,3 +386,19 @@ def test_an_adamw_run_killed_and_resumed_matches_one_never_stopped(tmp_path, cor
     assert rc == -signal.SIGKILL, "the run finished before it could be killed"
     assert train_cli.main([*argv, "--out-dir", str(out), "--resume"]) == 0
     assert _losses(out) == _losses(never)  # bit for bit: the AdamW state is in the checkpoint
+
+
+def test_a_split_qkv_run_resumes_with_its_split_muon_state(tmp_path, corpus, capsys):
+    # Under --muon-split-qkv Muon's momentum of w_qkv is kept as (layers, d, 3, d): a resumed run
+    # must rebuild that optimiser from the checkpoint's config to read its state back.
+    argv = [*TINY, "--data", str(corpus), "--out-dir", str(tmp_path / "run"), "--eval-interval", "4"]
+    assert train_cli.main([*argv, "--muon-split-qkv", "--max-steps", "4"]) == 0
+    assert "query, key and value apart" in capsys.readouterr().out
+    _fails(
+        [*argv, "--resume", "--no-muon-split-qkv"],
+        capsys,
+        "--muon-split-qkv False contradicts the checkpoint",
+    )
+    assert train_cli.main([*argv, "--resume", "--max-steps", "8"]) == 0
+    assert "query, key and value apart" in capsys.readouterr().out
+    assert [r["step"] for r in _records(tmp_path / "run") if "loss" in r] == list(range(1, 9))
