@@ -40,31 +40,39 @@ _CPU_ADAMW_TRAIN = dict(
 PRESETS = {
     "cpu": Preset(
         "the default: a 0.8M-parameter model trained with Muon, its schedule fitted to 9 minutes on a "
-        "2-core CPU or to 5,500 steps, past which it stops gaining, whichever comes first",
+        "2-core CPU or to 4,400 steps, past which it stops gaining, whichever comes first",
         # The CPU speedrun (docs/PERFORMANCE.md): Muon on the block matrices (lr 0.03, momentum 0.95,
         # Nesterov) and AdamW at 6e-3 on the embedding, head and norm scales, batch 32, one cosine
         # to zero fitted to the time. Against lr 0.02 / 4e-3 and a cosine to a tenth, the whole-split
         # val went 1.5160 -> 1.4961 at 1,600 steps and 1.4545 -> 1.4167 at 5,300. Longer schedules
         # did not gain (7,000 steps: 1.4215; 9,500: 1.4238), nor did spending a fast machine's time on
         # dropout 0.1 (1.4536 at 9,500), weight decay 0.3 (1.4375), lr 0.02 (1.4277) or 6 layers
-        # (1.4179 at 6,300 steps, the time of 9,500 of 4 layers): so the schedule ends at 5,500 steps
+        # (1.4179 at 6,300 steps, the time of 9,500 of 4 layers): so the schedule ended at 5,500 steps of 32
         # where time allows more (docs/PERFORMANCE.md, "Fitting the budget"). scan_unroll=4 runs the 4
         # layers in one scan iteration (5-10% faster steps on 2 cores, no slower compile).
-        # Issue 33 (docs/PERFORMANCE.md, "The speedrun by steps") found a recipe that is better at
-        # short budgets (--muon-split-qkv --lr 0.04 --beta1 0.8 --beta2 0.95 --grad-clip 0: 1.5046
-        # against 1.5179 at 1,400 steps, three seeds) but not at 2,000 or 4,400 and slightly worse at
-        # 5,500 (1.4204 and 1.4211 against 1.4177), the steps a fast machine runs: so it is not the
-        # default.
+        # Issue 33 (docs/PERFORMANCE.md, "The speedrun by steps") then took batch 48, not 32: a step
+        # holds 1.5x the tokens in 1.5x the time (the same tokens/s), so a time-fitted run sees as
+        # many tokens as before and loses nothing at equal tokens, while each step learns more. With
+        # it, four changes that cost nothing per step: Muon on the query, key and value projections
+        # apart, Muon lr 0.04, AdamW betas 0.8/0.95, no clipping. Means of 3 seeds, per step: 1,400
+        # steps 1.5179 -> 1.4712, 2,000 1.4734 -> 1.4448, 4,400 1.4271 -> 1.4186. 4,400 steps of 48 are
+        # 6,600 of 32, where this model stops gaining: 5,500 read 1.4249 against 4,400's 1.4195 (seed
+        # 0), so the cap is 4,400.
+        # Weight decay 0.2 bought back 5,500 (1.4190) but cost 0.006 at 1,400 and 0.014 at 2,000.
         model=_CPU_MODEL,
         train={
             **_CPU_ADAMW_TRAIN,
             "optimizer": "muon",
-            "batch_size": 32,
-            "max_steps": 5_500,
-            "lr": 0.03,
+            "batch_size": 48,
+            "max_steps": 4_400,
+            "lr": 0.04,
             "min_lr": 0.0,
             "adam_lr": 6e-3,
             "muon_ns_steps": 3,
+            "muon_split_qkv": True,
+            "beta1": 0.8,
+            "beta2": 0.95,
+            "grad_clip": 0.0,
         },  # fmt: skip
     ),
     "cpu-adamw": Preset(
