@@ -52,7 +52,7 @@ PRESETS = {
         # layers in one scan iteration (5-10% faster steps on 2 cores, no slower compile).
         # Issue 33 (docs/PERFORMANCE.md, "The speedrun by steps") then took batch 48, not 32: a step
         # holds 1.5x the tokens in 1.5x the time (the same tokens/s), so a time-fitted run sees as
-        # many tokens as before and loses nothing at equal tokens, while each step learns more. With
+        # many tokens as before (at about the same loss per token), while each step learns more. With
         # it, four changes that cost nothing per step: Muon on the query, key and value projections
         # apart, Muon lr 0.04, AdamW betas 0.8/0.95, no clipping. Means of 3 seeds, per step: 1,400
         # steps 1.5179 -> 1.4712, 2,000 1.4734 -> 1.4448, 4,400 1.4271 -> 1.4186. 4,400 steps of 48 are
