@@ -55,7 +55,8 @@ PRESETS = {
         # many tokens as before (at about the same loss per token), while each step learns more. With
         # it, four changes that cost nothing per step: Muon on the query, key and value projections
         # apart, Muon lr 0.04, AdamW betas 0.8/0.95, no clipping. Means of 3 seeds, per step: 1,400
-        # steps 1.5179 -> 1.4712, 2,000 1.4734 -> 1.4448, 4,400 1.4271 -> 1.4186. 4,400 steps of 48 are
+        # steps 1.5179 -> 1.4712, 2,000 1.4734 -> 1.4448, 4,400 1.4271 -> 1.4186 (runs on one core; on
+        # two, seeds 0 and 1 read 1.4214 and 1.4281: XLA rounds otherwise). 4,400 steps of 48 are
         # 6,600 of 32, where this model stops gaining: 5,500 read 1.4249 against 4,400's 1.4195 (seed
         # 0), so the cap is 4,400.
         # Weight decay 0.2 bought back 5,500 (1.4190) but cost 0.006 at 1,400 and 0.014 at 2,000.
