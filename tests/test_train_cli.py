@@ -59,6 +59,7 @@ def test_a_tiny_run_writes_metrics_plot_checkpoints_and_a_sample(tmp_path, corpu
     assert "parameters" in stdout and "schedule: Muon (momentum 0.95" in stdout and "sample" in stdout
     # The cpu preset's speedrun changes (issue 33) reach the optimiser the run builds.
     assert "3 Newton-Schulz steps, query, key and value apart" in stdout and "no gradient clipping" in stdout
+    assert "block matrices: lr 0.04, weight decay 0.15;" in stdout
     records = _records(out)
     logged = [r for r in records if "loss" in r]
     assert [r["step"] for r in logged] == list(range(1, 13))
