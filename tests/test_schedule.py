@@ -118,8 +118,8 @@ def test_without_a_time_limit_the_plan_changes_nothing():
 
 @pytest.mark.parametrize(
     ("steps_per_s", "ends_at"),
-    # a slow machine, about the Intel and about a Zen 5 (75.7 ms per step of 48: bench/recipe_step.py)
-    [(3.0, "time"), (6.5, "time"), (13.0, "max_steps")],
+    # a slow machine, about the Intel and about a Zen 5, in steps of the preset's batch of 48
+    [(3.0, "time"), (6.5, "time"), (11.0, "max_steps")],
 )
 def test_the_default_recipe_fits_slow_machines_to_time_and_stops_fast_ones_at_its_max_steps(
     steps_per_s, ends_at
