@@ -14,6 +14,7 @@ import typing
 
 from eqx_gpt.checkpoint import checkpoint_paths
 from eqx_gpt.cli import OneLineParser, finite_float, whole_number
+from eqx_gpt.errors import EqxGptError, TrainingError
 from eqx_gpt.model.config import (
     ACTIVATION_KINDS,
     COMPUTE_DTYPES,
@@ -25,7 +26,7 @@ from eqx_gpt.model.config import (
 from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.training.run import RunError, train
+from eqx_gpt.training.run import train
 from eqx_gpt.training.train_config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 
 CHOICES = {
@@ -113,9 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
         if resume and overwrite:
-            raise ValueError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
+            raise TrainingError(
+                "--resume continues the run in --out-dir and --overwrite deletes it; pass one"
+            )
         result = train(settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens)
-    except RunError + (ValueError,) as e:  # bad input of any kind: a one-line message naming the fix
+    except EqxGptError as e:  # bad input of any kind: a one-line message naming the fix
         print(f"train.py: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run

@@ -25,6 +25,7 @@ import equinox as eqx
 import jax
 from jax.experimental import multihost_utils
 
+from eqx_gpt.errors import CheckpointError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import CONFIG_NAME, WEIGHTS_NAME, gpt2_tokenizer, is_gpt2_directory, load_gpt2
 from eqx_gpt.model.config import GPTConfig
@@ -57,10 +58,6 @@ def _is_of(value: Any, kind: type) -> bool:
     if isinstance(value, bool):
         return False
     return isinstance(value, int | float) if kind is float else isinstance(value, kind)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable, corrupt or inconsistent (one-line message)."""
 
 
 def _on_this_host(x: Any) -> Any:

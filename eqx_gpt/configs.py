@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt.errors import ConfigError
 
 
 def described(help: str, **kwargs):
@@ -24,7 +25,7 @@ class DictConfig:
         """Build the config from `to_dict`'s output; unknown keys are an error."""
         unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+            raise ConfigError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
         return cls(**d)
 
 
@@ -36,8 +37,8 @@ def check_fields(config, *, positive: tuple[str, ...] = (), finite: tuple[str, .
     for field in positive:
         value = getattr(config, field)
         if not is_whole(value, 1):
-            raise ValueError(f"{name}.{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
+            raise ConfigError(f"{name}.{field} must be an integer in [1, {INT32_MAX}], got {value!r}")
     for field in finite:
         value = getattr(config, field)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"{name}.{field} must be a finite number, got {value!r}")
+            raise ConfigError(f"{name}.{field} must be a finite number, got {value!r}")

@@ -20,6 +20,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
+from eqx_gpt.errors import GPT2FormatError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
@@ -54,10 +55,6 @@ TENSORS = {
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 HF_ACTIVATIONS = {ours: hf for hf, ours in reversed(ACTIVATIONS.items())}
 GPT2_OPTIONS = dict(positions="learned", bias=True, norm="layer", norm_position="pre")
-
-
-class GPT2FormatError(ValueError):
-    """A directory is not a loadable GPT-2, or a model cannot be written as one (one line)."""
 
 
 def is_gpt2_directory(path: str | Path) -> bool:

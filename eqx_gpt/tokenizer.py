@@ -10,10 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from eqx_gpt._checks import is_whole
-
-
-class TokenizerError(ValueError):
-    """A tokenizer cannot be built or cannot encode/decode its input (one-line message)."""
+from eqx_gpt.errors import TokenizerError
 
 
 class CharTokenizer:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.training.options import OptionsError, resolve_options
+from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.presets import PRESETS
 from eqx_gpt.training.train_config import TrainConfig
 
@@ -38,14 +38,12 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     assert options.preset == "cpu" and options.checkpoint is CHECKPOINT
     cpu_lr = PRESETS["cpu"].train["lr"]
     assert resolve_options({"lr": cpu_lr}, CHECKPOINT).train.lr == cpu_lr  # agrees: fine
-    with pytest.raises(
-        OptionsError, match=rf"--lr 0.5 contradicts the checkpoint in /runs/a \(lr={cpu_lr}\)"
-    ):
+    with pytest.raises(ConfigError, match=rf"--lr 0.5 contradicts the checkpoint in /runs/a \(lr={cpu_lr}\)"):
         resolve_options({"lr": 0.5}, CHECKPOINT)
-    with pytest.raises(OptionsError, match="--d-model 64 contradicts"):
+    with pytest.raises(ConfigError, match="--d-model 64 contradicts"):
         resolve_options({"d_model": 64}, CHECKPOINT)
     # A preset named anew counts as settings for its values: cpu-adamw's batch size contradicts.
-    with pytest.raises(OptionsError, match=r"--preset cpu-adamw \(it sets batch_size=16\) contradicts"):
+    with pytest.raises(ConfigError, match=r"--preset cpu-adamw \(it sets batch_size=16\) contradicts"):
         resolve_options({"preset": "cpu-adamw"}, CHECKPOINT)
 
 
@@ -55,19 +53,19 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
      ({"lr": -1.0}, "lr > 0"), ({"preset": "finetune-shakespeare"}, "pass --init-from DIR")],
 )  # fmt: skip
 def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
-    with pytest.raises(OptionsError, match=words) as error:
+    with pytest.raises(ConfigError, match=words) as error:
         resolve_options(settings)
     assert "\n" not in str(error.value)
 
 
 def test_a_fresh_runs_settings_are_checked_before_any_data_and_a_presets_values_named_as_its():
     # The model's settings are checked here, before a corpus (here: none) is read or tokenized.
-    with pytest.raises(OptionsError, match=r"d_model=30 is not divisible by n_heads=4") as error:
+    with pytest.raises(ConfigError, match=r"d_model=30 is not divisible by n_heads=4") as error:
         resolve_options({"d_model": 30, "n_heads": 4, "data": "/no/such/corpus"})
     assert "preset" not in str(error.value)  # both were given
-    with pytest.raises(OptionsError, match=r"n_heads=6 from the shakespeare-char preset\)$"):
+    with pytest.raises(ConfigError, match=r"n_heads=6 from the shakespeare-char preset\)$"):
         resolve_options({"preset": "shakespeare-char", "d_model": 100})
-    with pytest.raises(OptionsError, match=r"min_lr=0.0004 from the cpu-adamw preset\)$"):
+    with pytest.raises(ConfigError, match=r"min_lr=0.0004 from the cpu-adamw preset\)$"):
         resolve_options({"preset": "cpu-adamw", "lr": 1e-4})
 
 
@@ -79,7 +77,7 @@ def test_a_fresh_runs_settings_are_checked_before_any_data_and_a_presets_values_
      ({"scan_unroll": 2**40}, "scan_unroll must be an integer in [1, 2147483647]")],
 )  # fmt: skip
 def test_every_setting_is_range_and_type_checked_where_it_enters(settings, words):
-    with pytest.raises(OptionsError) as error:
+    with pytest.raises(ConfigError) as error:
         resolve_options(settings)
     assert words in str(error.value) and "\n" not in str(error.value)
 
@@ -91,17 +89,17 @@ def test_a_resumed_schedule_keeps_its_refitted_length_unless_given_another():
     assert resolve_options({"max_steps": 9000}, refitted).schedule_steps == 9000
     assert resolve_options({}, CHECKPOINT).schedule_steps == PRESETS["cpu"].train["max_steps"]  # none saved
     assert resolve_options({"max_steps": 77}).schedule_steps == 77
-    with pytest.raises(OptionsError, match=r"schedule_steps=-5, not an integer in \[1, 2147483647\]"):
+    with pytest.raises(ConfigError, match=r"schedule_steps=-5, not an integer in \[1, 2147483647\]"):
         resolve_options({}, {**CHECKPOINT, "schedule_steps": -5})
     assert resolve_options({"max_steps": 10}, {**CHECKPOINT, "schedule_steps": -5}).schedule_steps == 10
 
 
 def test_a_checkpoint_that_is_not_a_gpts_is_refused_before_anything_is_compared():
     encoder_decoder = {**CHECKPOINT, "model": "Transformer", "model_config": {"src_vocab_size": 8}}
-    with pytest.raises(OptionsError, match=r"holds a Transformer run, not a GPT's: .*examples/translate.py"):
+    with pytest.raises(ConfigError, match=r"holds a Transformer run, not a GPT's: .*examples/translate.py"):
         resolve_options({"lr": 0.5}, encoder_decoder)
     for bad in ({"d_model": "wide"}, {"d_model": 30, "n_heads": 4}, {"experts": 8}):
         broken = {**CHECKPOINT, "model_config": {**CHECKPOINT["model_config"], **bad}}
-        with pytest.raises(OptionsError, match="latest.json has an invalid model config: ") as error:
+        with pytest.raises(ConfigError, match="latest.json has an invalid model config: ") as error:
             resolve_options({}, broken)
         assert "\n" not in str(error.value)

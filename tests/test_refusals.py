@@ -29,9 +29,9 @@ from eqx_gpt import (
 from eqx_gpt.checkpoint import BEST, LATEST, checkpoint_file, read_metadata
 from eqx_gpt.gpt2 import GPT2FormatError, is_gpt2_directory, load_gpt2, read_gpt2_config
 from eqx_gpt.training import loop as run_module
-from eqx_gpt.training.options import OptionsError, resolve_options
+from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.run import train
-from eqx_gpt.training.run_dir import RunDirError, check_run_dir, kept_records
+from eqx_gpt.training.run_dir import TrainingError, check_run_dir, kept_records
 from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_folders_holding_a_model_are_never_written_into(tmp_path, capsys):
     # a fresh run into a GPT-2 folder (so --init-from D --out-dir D too)
     hf = tmp_path / "hf"
     shutil.copytree(TINY_GPT2, hf)
-    with pytest.raises(RunDirError, match="holds a Hugging Face GPT-2"):
+    with pytest.raises(TrainingError, match="holds a Hugging Face GPT-2"):
         check_run_dir(hf, resume=False, overwrite=True)
     # the translate example into a character run's folder
     assert translate_cli.main(["--out-dir", str(run), "--max-steps", "1"]) == 2
@@ -248,7 +248,7 @@ def test_checkpoint_metadata_and_metrics_of_the_wrong_type_are_one_line(tmp_path
             read_metadata(path)
     for record in ({"step": "x"}, {"step": 3, "loss": "high"}, {"loss": 1.0}):
         (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
-        with pytest.raises(RunDirError, match="metrics.jsonl line 1: .*fix or delete that line"):
+        with pytest.raises(TrainingError, match="metrics.jsonl line 1: .*fix or delete that line"):
             kept_records(run / "metrics.jsonl", keep_until=5)
 
 
@@ -270,7 +270,7 @@ CHECKPOINT = {
 def test_a_flag_for_a_field_an_older_checkpoint_lacks_is_its_default_or_refused():
     assert resolve_options({"schedule": "cosine"}, CHECKPOINT).train.schedule == "cosine"
     with pytest.raises(
-        OptionsError, match=r"--schedule wsd contradicts .*schedule='cosine', the default of a"
+        ConfigError, match=r"--schedule wsd contradicts .*schedule='cosine', the default of a"
     ):
         resolve_options({"schedule": "wsd", "decay_fraction": 0.9}, CHECKPOINT)
 
@@ -278,7 +278,7 @@ def test_a_flag_for_a_field_an_older_checkpoint_lacks_is_its_default_or_refused(
 def test_paths_compare_resolved_and_a_presets_values_are_blamed_on_the_preset(monkeypatch):
     monkeypatch.chdir(TINY_GPT2.parent)
     assert resolve_options({"init_from": "tiny-gpt2"}, CHECKPOINT).train.init_from == str(TINY_GPT2)
-    with pytest.raises(OptionsError, match=r"--preset shakespeare-char \(it sets context_length=256\)"):
+    with pytest.raises(ConfigError, match=r"--preset shakespeare-char \(it sets context_length=256\)"):
         resolve_options({"preset": "shakespeare-char"}, CHECKPOINT)
 
 

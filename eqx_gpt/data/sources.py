@@ -16,13 +16,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from eqx_gpt.errors import DataError
+
 SEPARATOR = "\n\n"  # between two documents (files, or the records of a .jsonl)
 BINARY_PROBE = 8192  # bytes looked at for a NUL byte (git's test for a binary file)
 SCAN = 1 << 20  # bytes read at a time when looking for the newline that ends a range
-
-
-class DataError(ValueError):
-    """The corpus cannot be used (one-line message naming the file and the fix)."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass
 
 from eqx_gpt.configs import DictConfig, check_fields, described
+from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.vocab import pad_vocab
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
@@ -95,38 +96,38 @@ class GPTConfig(DictConfig):
             finite=("dropout", "norm_eps"),
         )
         if self.d_model % self.n_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig: d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"choose n_heads among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
             )
         for name, kinds in (("positions", POSITION_KINDS), ("activation", ACTIVATION_KINDS)):
             if getattr(self, name) not in kinds:
-                raise ValueError(f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}")
+                raise ConfigError(f"GPTConfig.{name} must be one of {kinds}, got {getattr(self, name)!r}")
         for name in ("bias", "tie_embeddings", "zero_init"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
+                raise ConfigError(f"GPTConfig.{name} must be True or False, got {getattr(self, name)!r}")
         if self.positions == "sinusoidal" and self.d_model % 2:
-            raise ValueError(f"GPTConfig: d_model must be even for sinusoidal positions, got {self.d_model}")
+            raise ConfigError(f"GPTConfig: d_model must be even for sinusoidal positions, got {self.d_model}")
         if self.positions == "rope" and self.d_head % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig: rope rotates feature pairs, so d_model / n_heads must be even, got {self.d_head}"
             )
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise ConfigError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if not self.norm_eps > 0:
-            raise ValueError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps}")
+            raise ConfigError(f"GPTConfig.norm_eps must be > 0, got {self.norm_eps}")
         cap = self.logit_softcap
         if cap is not None and (
             isinstance(cap, bool) or not isinstance(cap, int | float) or not 0 < cap < math.inf
         ):
-            raise ValueError(f"GPTConfig.logit_softcap must be a finite number > 0 (or None), got {cap!r}")
+            raise ConfigError(f"GPTConfig.logit_softcap must be a finite number > 0 (or None), got {cap!r}")
         if self.norm not in NORM_KINDS or self.norm_position not in NORM_POSITIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig: norm must be one of {NORM_KINDS} and norm_position one of {NORM_POSITIONS}, "
                 f"got {self.norm!r} and {self.norm_position!r}"
             )
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}"
             )
 

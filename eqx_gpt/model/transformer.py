@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import is_whole, typechecked
 from eqx_gpt.configs import DictConfig, check_fields
+from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS
@@ -56,15 +57,15 @@ class TransformerConfig(DictConfig):
             self, positive=(*sizes, "n_encoder_layers", "n_decoder_layers"), finite=("dropout", "norm_eps")
         )
         if self.d_model % self.n_heads or self.d_model % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"TransformerConfig: d_model={self.d_model} must be even and divisible by n_heads"
             )
         if not 0.0 <= self.dropout < 1.0 or not self.norm_eps > 0:
-            raise ValueError(f"TransformerConfig: need 0 <= dropout < 1 and norm_eps > 0, got {self.dropout}")
+            raise ConfigError(f"TransformerConfig: need 0 <= dropout < 1, norm_eps > 0, got {self.dropout}")
         if self.norm not in NORM_KINDS or self.norm_position not in NORM_POSITIONS:
-            raise ValueError(f"TransformerConfig: norm in {NORM_KINDS}, norm_position in {NORM_POSITIONS}")
+            raise ConfigError(f"TransformerConfig: norm in {NORM_KINDS}, norm_position in {NORM_POSITIONS}")
         if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
-            raise ValueError(f"TransformerConfig.pad_id={self.pad_id} is not an id of both vocabularies")
+            raise ConfigError(f"TransformerConfig.pad_id={self.pad_id} is not an id of both vocabularies")
 
 
 class Transformer(eqx.Module):
@@ -104,7 +105,7 @@ class Transformer(eqx.Module):
 
     def _check(self, ids, what: str) -> None:
         if ids.shape[-1] > self.config.max_len:
-            raise ValueError(
+            raise ConfigError(
                 f"Transformer got a {what} of {ids.shape[-1]} tokens but max_len={self.config.max_len}; "
                 f"shorten it or build the model with a larger max_len"
             )
@@ -168,7 +169,7 @@ class Transformer(eqx.Module):
         `capacity` positions: keys `(n_layers, batch, n_heads, d_head, capacity)`."""
         c = self.config
         if not is_whole(capacity, 1, c.max_len) or not is_whole(batch, 1):
-            raise ValueError(f"init_cache needs batch >= 1 and capacity in [1, max_len={c.max_len}]")
+            raise ConfigError(f"init_cache needs batch >= 1 and capacity in [1, max_len={c.max_len}]")
         empty = lambda layers: KVCache.zeros((*layers, batch), c.n_heads, c.d_model // c.n_heads, capacity)
         return self.decoder.per_layer(empty)
 

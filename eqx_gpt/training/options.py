@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 from eqx_gpt.training.train_config import TrainConfig
@@ -28,10 +29,6 @@ TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
 RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "eval_tokens", "log_interval", "data")
 # The model settings that `init_from` (a Hugging Face GPT-2) takes; the rest are the directory's.
 INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
-
-
-class OptionsError(ValueError):
-    """Settings that cannot make a run (one line naming the setting and the fix)."""
 
 
 @dataclass(frozen=True)
@@ -59,17 +56,17 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
     """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`."""
     unknown = sorted(set(settings) - {*MODEL_FIELDS, *TRAIN_FIELDS, "preset"})
     if unknown:
-        raise OptionsError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
+        raise ConfigError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
     fine_tune = settings.get("init_from") is not None
     preset = settings.get("preset", FINETUNE_PRESET if fine_tune else DEFAULT_PRESET)
     if preset is not None and preset not in PRESETS:
-        raise OptionsError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     try:
         if checkpoint is None:
             return _fresh(settings, preset)
         return _resumed(settings, preset if "preset" in settings else None, checkpoint)
     except (TypeError, ValueError) as e:
-        raise OptionsError(str(e)) from None
+        raise ConfigError(str(e)) from None
 
 
 # Every setting's dataclass default, and the settings that name files.
@@ -87,7 +84,7 @@ def preset_values(name: str | None) -> dict:
 def _fresh(settings: dict, preset: str | None) -> RunOptions:
     shape = [k for k in settings if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
     if settings.get("init_from") is not None and shape:
-        raise OptionsError(
+        raise ConfigError(
             f"--{shape[0].replace('_', '-')} sets the model's shape, which comes from --init-from "
             f"{settings['init_from']}; leave it out (only "
             f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
@@ -104,9 +101,9 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
         if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
             GPTConfig(vocab_size=1, **model)
     except (TypeError, ValueError) as e:
-        raise OptionsError(_blame_preset(str(e), preset, from_preset)) from None
+        raise ConfigError(_blame_preset(str(e), preset, from_preset)) from None
     if preset == FINETUNE_PRESET and train.init_from is None:
-        raise OptionsError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
+        raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset)
 
 
@@ -121,14 +118,14 @@ def _check_checkpoint(checkpoint: dict) -> None:
     """Refuse a checkpoint that is not a GPT's (the encoder-decoder of examples/translate.py), or
     whose model config is not one, before anything is compared with it or read for it."""
     if checkpoint.get("model", "GPT") != "GPT":
-        raise OptionsError(
+        raise ConfigError(
             f"{Path(checkpoint['path']).parent}/ holds a {checkpoint['model']} run, not a GPT's: train.py "
             f"cannot resume it; resume it with the script that trained it (examples/translate.py)"
         )
     try:
         GPTConfig(**checkpoint["model_config"])
     except (TypeError, ValueError) as e:
-        raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid model config: {e}") from None
+        raise ConfigError(f"checkpoint {checkpoint['path']} has an invalid model config: {e}") from None
 
 
 def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:
@@ -148,7 +145,7 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
         flag = f"--{name.replace('_', '-')} {value}"
         culprit = flag if name in settings else f"--preset {preset} (it sets {name}={value!r})"
         older = "" if name in saved else f", the default of a checkpoint older than {flag.split()[0]}"
-        raise OptionsError(
+        raise ConfigError(
             f"{culprit} contradicts the checkpoint in {Path(checkpoint['path']).parent} ({name}="
             f"{saved_value!r}{older}); drop it to resume, or pass another --out-dir to start afresh"
         )
@@ -156,14 +153,14 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
     try:
         train_config = TrainConfig.from_dict(train)
     except ValueError as e:
-        raise OptionsError(f"checkpoint {checkpoint['path']} has an invalid train config: {e}") from None
+        raise ConfigError(f"checkpoint {checkpoint['path']} has an invalid train config: {e}") from None
     # The schedule goes on as the checkpoint had it (refitted to --max-minutes, say) unless the run
     # is given another length.
     steps = train_config.max_steps
     if saved_train.get("max_steps") == steps:
         steps = checkpoint.get("schedule_steps", steps)
     if not is_whole(steps, 1):
-        raise OptionsError(
+        raise ConfigError(
             f"checkpoint {checkpoint['path']} has schedule_steps={steps!r}, not an integer in "
             f"[1, {INT32_MAX}]; the file is corrupt: pass another --max-steps to set the schedule anew"
         )

@@ -20,39 +20,25 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eqx_gpt._checks import INT32_MAX, is_whole
-from eqx_gpt.checkpoint import LATEST, CheckpointError, checkpoint_file, delete_checkpoints, read_metadata
-from eqx_gpt.gpt2 import GPT2FormatError
-from eqx_gpt.tokenizer import TokenizerError
-from eqx_gpt.training.corpus import DataError
+from eqx_gpt.checkpoint import LATEST, checkpoint_file, delete_checkpoints, read_metadata
+from eqx_gpt.errors import TrainingError
 from eqx_gpt.training.loop import Run, train_loop
-from eqx_gpt.training.options import OptionsError, resolve_options
+from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.progress import Progress
 from eqx_gpt.training.report import Report, TrainResult, describe_start
 from eqx_gpt.training.run_dir import (
     METRICS_NAME,
     Metrics,
-    RunDirError,
     RunDirLock,
     check_run_dir,
     check_writable,
     kept_records,
 )
-from eqx_gpt.training.setup import TrainingError, set_up
+from eqx_gpt.training.setup import set_up
 from eqx_gpt.training.time_plan import TimePlan
 from eqx_gpt.training.validation import final_evaluations
 
-__all__ = ["RunError", "TrainResult", "TrainingError", "train"]
-
-# Everything a run can refuse with: one-line messages that name the fix (all `ValueError`s).
-RunError = (
-    TrainingError,
-    RunDirError,
-    DataError,
-    CheckpointError,
-    GPT2FormatError,
-    TokenizerError,
-    OptionsError,
-)
+__all__ = ["TrainResult", "train"]
 
 
 class _StopFlag:
@@ -96,7 +82,7 @@ def train(
 
     A folder that already holds a run is refused unless `resume` (continue it; settings given
     anew must agree with the checkpoint) or `overwrite` (delete it first). A folder in use by a
-    live run is refused. Raises one of `RunError` (`ValueError`s with one-line messages) for bad
+    live run is refused. Raises an `EqxGptError` (one-line message) for bad
     input; Ctrl-C or SIGTERM saves a checkpoint and returns with `interrupted`. `now` is the clock
     that `max_minutes` is measured by (tests pass a simulated one).
     """

@@ -21,6 +21,7 @@ from eqx_gpt.checkpoint import (
     holds_run,
     read_metadata,
 )
+from eqx_gpt.errors import TrainingError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import is_gpt2_directory
 
@@ -28,18 +29,14 @@ LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
 
 
-class RunDirError(ValueError):
-    """The run directory cannot be used as asked (one-line message naming the fix)."""
-
-
 def check_writable(out_dir: Path) -> None:
-    """Create `out_dir` and prove it writable, or raise a one-line `RunDirError`."""
+    """Create `out_dir` and prove it writable, or raise a one-line `TrainingError`."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as e:
-        raise RunDirError(
+        raise TrainingError(
             f"cannot write to output folder {out_dir} ({e.strerror or e}); "
             f"pass --out-dir to a writable folder"
         ) from None
@@ -64,15 +61,15 @@ def describe_run(out_dir: Path) -> str | None:
 def check_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse to start afresh in a folder that holds a run, unless `overwrite` asks to replace it."""
     if is_gpt2_directory(out_dir) and not holds_run(out_dir):
-        raise RunDirError(
+        raise TrainingError(
             f"{out_dir}/ holds a Hugging Face GPT-2 model, not a run; pass another --out-dir (a run's "
             f"checkpoints are never written beside a model they could be mistaken for)"
         )
     found = describe_run(out_dir)
     if resume and found is None:
-        raise RunDirError(f"--resume but no checkpoint in {out_dir}/; run without --resume to start")
+        raise TrainingError(f"--resume but no checkpoint in {out_dir}/; run without --resume to start")
     if not resume and not overwrite and found is not None:
-        raise RunDirError(
+        raise TrainingError(
             f"{out_dir}/ already holds a run ({found}); pass --resume to continue it, another --out-dir "
             f"to start a new one, or --overwrite to delete it and start afresh"
         )
@@ -101,7 +98,7 @@ class RunDirLock:
             os.close(self.fd)
             holder = self._holder()
             who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
-            raise RunDirError(
+            raise TrainingError(
                 f"{self.out_dir}/ is in use by a live run ({who}); "
                 f"wait for it to end, or pass another --out-dir"
             ) from None
@@ -163,12 +160,12 @@ def _check_record(record: dict, path: Path, number: int) -> None:
     rates and times are not numbers (a hand-edited file), in one line naming the line."""
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise RunDirError(f"{path} line {number}: 'step' is {step!r}, not a whole number >= 0; fix or "
+        raise TrainingError(f"{path} line {number}: 'step' is {step!r}, not a whole number >= 0; fix or "
                           f"delete that line, then resume")  # fmt: skip
     for key in NUMBERS:
         value = record.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RunDirError(f"{path} line {number}: {key!r} is {value!r}, not a number; fix or delete "
+            raise TrainingError(f"{path} line {number}: {key!r} is {value!r}, not a number; fix or delete "
                               f"that line, then resume")  # fmt: skip
 
 

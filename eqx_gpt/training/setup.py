@@ -19,6 +19,7 @@ import numpy as np
 from eqx_gpt.checkpoint import load_checkpoint
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.errors import TrainingError
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
@@ -35,10 +36,6 @@ from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
 from eqx_gpt.training.state import TrainState
 from eqx_gpt.training.train_config import TrainConfig
 from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
-
-
-class TrainingError(ValueError):
-    """A run cannot start or continue (one-line message naming the problem and the fix)."""
 
 
 @dataclass(frozen=True)

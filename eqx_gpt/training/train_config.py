@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described
+from eqx_gpt.errors import ConfigError
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -122,45 +123,45 @@ class TrainConfig(DictConfig):
             ),
         )
         if not is_whole(self.seed, 0, SEED_MAX):
-            raise ValueError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
+            raise ConfigError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
         if not is_whole(self.warmup_steps, 0):
-            raise ValueError(
+            raise ConfigError(
                 f"warmup_steps must be an integer in [0, {INT32_MAX}], got {self.warmup_steps!r}"
             )
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
         for name in ("fsdp", "muon_split_qkv"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.batch_size % self.grad_accum:
-            raise ValueError(
+            raise ConfigError(
                 f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
                 f"each micro-batch must hold batch_size / grad_accum sequences"
             )
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise ConfigError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.adam_lr is not None and not self.adam_lr > 0:
-            raise ValueError(f"adam_lr must be > 0, got {self.adam_lr}")
+            raise ConfigError(f"adam_lr must be > 0, got {self.adam_lr}")
         if not 0 <= self.muon_momentum < 1 or self.adam_weight_decay < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "
                 f"{self.adam_weight_decay}"
             )
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if not 0 < self.decay_fraction <= 1:
-            raise ValueError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+            raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+            raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
         if self.init_from is not None and self.tokenizer != "gpt2":
-            raise ValueError(
+            raise ConfigError(
                 f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
                 f"{self.tokenizer!r}; leave out --tokenizer"
             )
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
+            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("max_minutes, weight_decay and grad_clip must be >= 0")
+            raise ConfigError("max_minutes, weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
+            raise ConfigError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
