@@ -76,6 +76,21 @@ def test_damaged_shards_are_found_and_prepared_again(tmp_path, byte):
     assert _entries(cache) == [entry.name]
 
 
+def test_damaged_shards_of_a_touched_source_are_prepared_again(tmp_path):
+    data, cache = tmp_path / "corpus.txt", tmp_path / "cache"
+    data.write_text(TEXT)
+    clean = _prepare(data, cache)
+    expected, entry = clean.tokens.to_array(), clean.folder
+    clean.close()
+    shard = sorted(entry.glob("shard-*.bin"))[-1]
+    shard.write_bytes(bytes(shard.stat().st_size))
+    os.utime(data, ns=(1, 1))  # hashed again: the same text, so its shards are checked, not trusted
+    lines = []
+    again = _prepare(data, cache, log=lines.append)
+    assert again.prepared and f"{shard.name} fails its CRC-32 check" in lines[0]
+    np.testing.assert_array_equal(again.tokens.to_array(), expected)
+
+
 def test_ids_outside_the_vocabulary_are_damage_even_with_a_right_checksum(tmp_path):
     data, cache = tmp_path / "corpus.txt", tmp_path / "cache"
     data.write_text(TEXT)

@@ -110,7 +110,10 @@ class Snapshot:
                 fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
             except OSError:
                 return None
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError:  # a file system without locks (some network ones): read, unprotected
+                pass
             try:
                 if os.stat(entry).st_ino == os.fstat(fd).st_ino:
                     return cls(fd, entry)
@@ -165,7 +168,7 @@ def _unused(folder: Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:
+    except OSError:  # held by a reader (or no locks here: kept, to be safe)
         return False
     finally:
         os.close(fd)
@@ -183,9 +186,12 @@ def collect(root: Path, name: str) -> None:
     """`remove_leftovers` if the entry's lock is free now (a preparer at work keeps its folder)."""
     if not any(root.glob(f".{name}.*")):
         return
-    with EntryLock(root, name, wait=False) as lock:
-        if lock.held:
-            remove_leftovers(root, name)
+    try:
+        with EntryLock(root, name, wait=False) as lock:
+            if lock.held:
+                remove_leftovers(root, name)
+    except DataError:  # a cache this process cannot write: it can still read it
+        pass
 
 
 def publish(folder: Path, entry: Path) -> None:

@@ -297,13 +297,15 @@ def _touched(entry: Path, records, tokenizer: dict, work: "_Work", damaged: int 
         return None
     old = _manifest(snapshot)
     same = lambda rs: [(r.name, r.size, r.sha256) for r in rs]
-    if (
-        old is None
-        or snapshot.inode == damaged
-        or not _same_kind(old.tokenizer, tokenizer)
-        or same(old.sources) != same(records)
-        or _verified(snapshot, old, work) is not None
-    ):
+    same_text = (
+        old is not None and _same_kind(old.tokenizer, tokenizer) and same(old.sources) == same(records)
+    )
+    if old is None or not same_text or snapshot.inode == damaged:
+        snapshot.close()
+        return None
+    problem = _verified(snapshot, old, work)
+    if problem is not None:
+        work.log(f"{problem.message}; preparing it again")
         snapshot.close()
         return None
     manifest = replace(old, sources=records)
