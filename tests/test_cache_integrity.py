@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import eqx_gpt.data.chunks
+import eqx_gpt.data.manifest
 import eqx_gpt.data.prepare
 import eqx_gpt.data.shards
 import eqx_gpt.data.sources
@@ -151,7 +152,8 @@ def test_a_full_disk_while_the_manifest_is_rewritten_is_one_line(tmp_path, monke
     assert not _prepare(data, cache).prepared and written == []  # the entry was kept whole
 
 
-def test_leftovers_of_a_killed_publish_are_collected_unless_a_preparer_holds_the_lock(tmp_path):
+def test_leftovers_of_a_killed_publish_are_collected_unless_a_preparer_holds_the_lock(tmp_path, monkeypatch):
+    monkeypatch.setattr(eqx_gpt.data.manifest, "RACY_NS", 0)  # the new file is trusted: no lock taken
     data, cache = tmp_path / "corpus.txt", tmp_path / "cache"
     data.write_text(TEXT)
     entry = _prepare(data, cache).folder
@@ -247,3 +249,18 @@ def test_an_unreadable_file_in_a_folder_is_named(tmp_path):
     (folder / "secret.txt").chmod(0)
     with pytest.raises(DataError, match=f"data file {folder / 'secret.txt'} cannot be read"):
         prepare(folder, {"kind": "char"}, cache=tmp_path / "cache")
+
+
+def test_a_source_changed_just_before_it_was_listed_is_hashed_again_once(tmp_path, monkeypatch):
+    data, cache = tmp_path / "corpus.txt", tmp_path / "cache"
+    data.write_text(TEXT)
+    first = _prepare(data, cache)
+    assert first.manifest.sources[0].ctime_ns == -1  # written within RACY_NS of its listing
+    hashed, sha = [], eqx_gpt.data.prepare.sha256_of
+    monkeypatch.setattr(eqx_gpt.data.prepare, "sha256_of", lambda path: hashed.append(path) or sha(path))
+    monkeypatch.setattr(eqx_gpt.data.manifest, "RACY_NS", 0)  # as if the clock had moved on
+    again = _prepare(data, cache)
+    assert hashed == [data] and not again.prepared and again.identity == first.identity
+    assert again.manifest.sources[0].ctime_ns == data.stat().st_ctime_ns
+    third = _prepare(data, cache)
+    assert hashed == [data] and not third.prepared  # trusted by its stat now: nothing hashed

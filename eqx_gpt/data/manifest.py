@@ -10,8 +10,10 @@ same size, modification time, status-change time (`ctime`) and inode trusts that
 reading it (`Manifest.matches`). What that guarantees: any write to a file, by any program,
 sets its `ctime` to the current time, and no system call sets it back; `cp -p`, `rsync -t`,
 `tar x` and `os.utime` restore a modification time, not a `ctime`. So an edited source is hashed
-again, whatever its size and modification time say. Only a clock set back to the exact
-nanosecond, or a file system that keeps no `ctime`, could pass an edit off as the old text.
+again, whatever its size and modification time say. A file changed within `RACY_NS` of being
+listed is hashed again at the next start (file times tick coarsely: a write in the same tick
+leaves them unchanged). Only a clock set back, or a file system that keeps no `ctime`, could pass
+an edit off as the old text.
 """
 
 import hashlib
@@ -24,6 +26,7 @@ from eqx_gpt.data.sources import Source
 FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 TRAIN_FRACTION = 0.9  # the first 90% of the tokens train, the rest validate
+RACY_NS = 2_000_000_000  # a source changed this close to its listing is hashed again next time
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,14 @@ class SourceRecord:
     sha256: str
 
     @classmethod
-    def of(cls, source: Source, sha256: str) -> "SourceRecord":
-        return cls(source.name, source.size, source.mtime_ns, source.ctime_ns, source.inode, sha256)
+    def of(cls, source: Source, sha256: str, listed_ns: int = 0) -> "SourceRecord":
+        """`source`'s record. One changed less than `RACY_NS` before it was listed (at
+        `listed_ns`, `time.time_ns()`) is racy: a write in the same clock tick would leave its
+        times as they are, so its `ctime_ns` is recorded as -1, which no file matches, and the
+        next start hashes it again (git's rule for racily clean files)."""
+        racy = listed_ns - max(source.mtime_ns, source.ctime_ns) < RACY_NS
+        ctime_ns = -1 if racy else source.ctime_ns
+        return cls(source.name, source.size, source.mtime_ns, ctime_ns, source.inode, sha256)
 
 
 @dataclass(frozen=True)

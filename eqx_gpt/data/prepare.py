@@ -111,6 +111,7 @@ class _Work:
 
     log: Callable[[str], None]
     progress: Progress
+    listed_ns: int = 0  # when the sources were listed (`SourceRecord.of`)
 
     def map(self, fn, items: list, label: str, sizes: list[int]) -> list:
         """`[fn(x) for x in items]` by one thread per core (numpy, file I/O and tiktoken release the
@@ -152,8 +153,9 @@ def prepare(
     in `cache` (default `cache_root()`); a corpus of at most `in_memory_bytes` (default
     `IN_MEMORY_BYTES`) stays in memory. See the module docstring. Raises `DataError`."""
     data = resolve(data)
+    listed_ns = time.time_ns()
     sources, skipped = find_sources(data)
-    work = _Work(log, progress or _NoProgress())
+    work = _Work(log, progress or _NoProgress(), listed_ns)
     if sum(s.size for s in sources) <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
         return _in_memory(data, sources, skipped, tokenizer, check_identity, work)
     root = cache_root() if cache is None else resolve(cache)
@@ -237,7 +239,7 @@ def _open(snapshot: Snapshot, manifest: Manifest, *, prepared: bool) -> Corpus:
 
 def _hashed(sources: list[Source], work: "_Work") -> tuple[SourceRecord, ...]:
     hashes = work.map(lambda s: sha256_of(s.path), sources, "hashing", [s.size for s in sources])
-    return tuple(SourceRecord.of(s, h) for s, h in zip(sources, hashes, strict=True))
+    return tuple(SourceRecord.of(s, h, work.listed_ns) for s, h in zip(sources, hashes, strict=True))
 
 
 def _prepare_entry(
@@ -351,7 +353,7 @@ def _tokenizer(tokenizer: dict, chunks: list[Chunk], work: _Work, data: Path) ->
 def _in_memory(data, sources, skipped, tokenizer: dict, check_identity, work: _Work) -> Corpus:
     """A small corpus, tokenized in memory (nothing written; too quick for a progress bar)."""
     work = replace(work, progress=_NoProgress())
-    records = tuple(SourceRecord.of(s, sha256_of(s.path)) for s in sources)
+    records = tuple(SourceRecord.of(s, sha256_of(s.path), work.listed_ns) for s in sources)
     check_unchanged(sources)
     check_identity(identity(records))
     chunks = plan_chunks(sources)
