@@ -40,10 +40,19 @@ CACHE_ENV = "EQX_GPT_DATA_CACHE"
 
 def cache_root() -> Path:
     """The folder that holds prepared corpora (see the module docstring)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
     xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg).expanduser().resolve() / "eqx_gpt" / "tokens"
+    root = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else Path(xdg) / "eqx_gpt" / "tokens"
+    return resolve_cache(root)
+
+
+def resolve_cache(root: str | Path) -> Path:
+    """`root` made absolute, its links followed (`DataError` for a loop of links)."""
+    try:
+        return Path(root).expanduser().resolve()
+    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
+        raise DataError(
+            f"the token cache {root} is a loop of symbolic links; set {CACHE_ENV} to a real folder"
+        ) from None
 
 
 def entry_name(data: Path, tokenizer: dict) -> str:

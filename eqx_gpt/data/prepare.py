@@ -6,9 +6,9 @@
   files with the same size, times and inode (`manifest.py` says what that guarantees), and every
   shard passes `shards.verify`: every shard byte is read once and checked against its CRC-32,
   and every id against the vocabulary. No source is read then. The cost of a start is the
-  shards' bytes, read and hashed once by one thread per core: 2 bytes per token (`uint16`), so
-  2.2 GB for a 1.1 GB text of characters, 0.5 GB for it in GPT-2 ids; `zlib.crc32` runs at
-  gigabytes per second per core, so a start reads its shards at about the speed of the disk.
+  shards' bytes, read and hashed once (`zlib.crc32`, which releases the GIL) by one thread per
+  core: 2 bytes per token (`uint16`), so 2.2 GB for a 1.1 GB text of characters, about 0.5 GB
+  for it in GPT-2 ids, read in 8 MiB blocks (`shards.VERIFY_BLOCK`, per thread).
   A damaged entry (zeroed, truncated or changed bytes, ids outside the vocabulary) is logged in
   one line and prepared again.
 - Otherwise, under the entry's lock: the sources are hashed (sha256); the entry is kept if only
@@ -48,6 +48,7 @@ from eqx_gpt.data.cache import (
     new_folder,
     publish,
     remove_leftovers,
+    resolve_cache,
 )
 from eqx_gpt.data.chunks import Chunk, characters, chunk_bytes, plan_chunks, tokens, write_shard
 from eqx_gpt.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceRecord, identity, token_dtype
@@ -158,7 +159,7 @@ def prepare(
     work = _Work(log, progress or _NoProgress(), listed_ns)
     if sum(s.size for s in sources) <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
         return _in_memory(data, sources, skipped, tokenizer, check_identity, work)
-    root = cache_root() if cache is None else resolve(cache)
+    root = cache_root() if cache is None else resolve_cache(cache)
     entry = root / entry_name(data, tokenizer)
     collect(root, entry.name)
     found = _cached(entry, sources, tokenizer, work)
