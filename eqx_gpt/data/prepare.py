@@ -59,6 +59,7 @@ from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 
 IN_MEMORY_BYTES = 16 << 20  # corpora up to this size are tokenized at each start, not cached
+PROGRESS_AFTER = 1.0  # seconds of work before a progress bar shows
 
 
 @dataclass
@@ -125,8 +126,10 @@ class _Work:
                 for future, size in zip(futures, sizes, strict=True):
                     results.append(future.result())
                     done += size
-                    rate = done / 1e6 / max(time.monotonic() - t0, 1e-9)
-                    share = 100 * done / max(total, 1)
+                    elapsed = time.monotonic() - t0
+                    if elapsed < PROGRESS_AFTER:  # no bar for a moment's work (a log off a terminal)
+                        continue
+                    rate, share = done / 1e6 / elapsed, 100 * done / max(total, 1)
                     self.progress.update(
                         f"{label}: {done / 1e6:,.0f} of {total / 1e6:,.0f} MB ({share:.0f}%), {rate:.0f} MB/s"
                     )
