@@ -196,6 +196,16 @@ def test_a_source_that_vanishes_or_changes_after_listing_is_one_line_naming_it(t
         _prepare(folder, cache)
     assert _entries(cache) == []  # nothing cached from bytes other than those hashed
 
+    def unreadable_after_hashing(sources, *args):  # a read error: the file's, not the cache's
+        (folder / "a.txt").unlink()
+        (folder / "a.txt").mkdir()
+        return plan(sources, *args)
+
+    monkeypatch.setattr(eqx_gpt.data.prepare, "plan_chunks", unreadable_after_hashing)
+    with pytest.raises(DataError, match=f"data file {folder / 'a.txt'} cannot be read") as info:
+        _prepare(folder, cache)
+    assert "token cache" not in str(info.value) and _entries(cache) == []
+
 
 def test_a_long_jsonl_line_is_read_without_recursion_and_a_huge_one_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(eqx_gpt.data.sources, "SCAN", 64)  # 200 KB: 3,000 scans (recursion: 1,000 deep)

@@ -54,7 +54,10 @@ class ShardFile:
     def __getitem__(self, part: slice) -> np.ndarray:
         start, stop, _ = part.indices(self.n_tokens)
         width = self.dtype.itemsize
-        data = os.pread(self._fd(), (stop - start) * width, start * width)
+        try:
+            data = os.pread(self._fd(), (stop - start) * width, start * width)
+        except OSError as e:  # a disk error after the start's verification
+            raise _damaged(self.snapshot, f"{self.name} cannot be read: {e.strerror or e}") from None
         if len(data) != (stop - start) * width:
             raise _damaged(self.snapshot, f"{self.name} is shorter than its manifest says")
         return np.frombuffer(data, self.dtype)
