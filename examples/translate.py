@@ -19,8 +19,10 @@ reloads it and translates. Bad input prints one line and exits with code 2.
 import argparse
 import datetime as dt
 import functools
+import os
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,11 +116,15 @@ def write_date(date: dt.date, rng: random.Random) -> str:
     return text.lower() if rng.random() < 0.2 else text
 
 
+FIRST_DAY, N_DAYS = dt.date(1950, 1, 1), (dt.date(2049, 12, 31) - dt.date(1950, 1, 1)).days + 1
+N_DATE_PAIRS = 50_000  # training pairs of the dates task
+
+
 def date_pairs(n_train: int, n_held_out: int, seed: int) -> tuple[list, list]:
     """(written date, ISO date) pairs between 1950 and 2049: `n_train` for training, written in
     random formats, and `n_held_out` of other dates, never seen in training."""
     rng = random.Random(seed)
-    first, n_days = dt.date(1950, 1, 1), (dt.date(2049, 12, 31) - dt.date(1950, 1, 1)).days + 1
+    first, n_days = FIRST_DAY, N_DAYS
     days = rng.sample(range(n_days), n_days)
     held, rest = days[:n_held_out], days[n_held_out:]
     pair = lambda d: (write_date(first + dt.timedelta(d), rng), (first + dt.timedelta(d)).isoformat())
@@ -149,8 +155,9 @@ def read_pairs(path: Path, max_chars: int) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))  # no pair twice, so none is in both training and held-out data
 
 
-def _padded(rows: list[list[int]], length: int | None = None) -> np.ndarray:
-    length = length or -(-max(len(r) for r in rows) // BUCKET) * BUCKET
+def _padded(rows: list[list[int]], length: int | None = None, cap: int | None = None) -> np.ndarray:
+    """`rows` padded with `PAD` to `length`, or to a multiple of `BUCKET`, but not past `cap`."""
+    length = length or min(-(-max(len(r) for r in rows) // BUCKET) * BUCKET, cap or 1 << 62)
     out = np.full((len(rows), length), PAD, np.int32)
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
@@ -160,8 +167,8 @@ def _padded(rows: list[list[int]], length: int | None = None) -> np.ndarray:
 def make_batch(pairs, src_vocab, tgt_vocab, max_len: int) -> tuple[np.ndarray, int]:
     """`(batch, src_len)`: each row the padded source then `BOS target EOS` padded, as one array
     (the training step takes one array; the loss splits it at `src_len`)."""
-    src = _padded([src_vocab.encode(s)[:max_len] for s, _ in pairs])
-    tgt = _padded([[BOS, *tgt_vocab.encode(t)[: max_len - 1], EOS] for _, t in pairs])
+    src = _padded([src_vocab.encode(s)[:max_len] for s, _ in pairs], cap=max_len)
+    tgt = _padded([[BOS, *tgt_vocab.encode(t)[: max_len - 1], EOS] for _, t in pairs], cap=max_len + 1)
     return np.concatenate([src, tgt], axis=1), src.shape[1]
 
 
@@ -304,8 +311,12 @@ def check_settings(args) -> None:
     )  # fmt: skip
     if args.minutes < 0 or not args.lr > 0:
         raise ValueError(f"need --minutes >= 0 and --lr > 0, got {args.minutes} and {args.lr}")
-    if args.out_dir.exists() and not args.out_dir.is_dir():
-        raise ValueError(f"--out-dir {args.out_dir} is a file; pass a folder")
+    check_out_dir(args.out_dir)
+    if args.pairs is None and args.held_out >= N_DAYS:
+        raise ValueError(
+            f"--held-out {args.held_out} leaves none of the {N_DAYS:,} dates of 1950-2049 for training; "
+            f"pass at most {N_DAYS - 1:,}"
+        )
     if args.out_dir.is_dir() and (holds_run(args.out_dir) or is_gpt2_directory(args.out_dir)):
         if not args.overwrite or is_gpt2_directory(args.out_dir) and not holds_run(args.out_dir):
             raise ValueError(
@@ -314,10 +325,36 @@ def check_settings(args) -> None:
             )
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an `--out-dir` that cannot become a writable folder, before any work (nothing is
+    created: the folder is made when the model is saved)."""
+    try:
+        path = out_dir.expanduser().resolve()
+    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
+        raise ValueError(f"--out-dir {out_dir} is a loop of symbolic links; pass a folder") from None
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out-dir {out_dir}: {existing} is a file, not a folder; pass a folder")
+    try:  # a folder made and removed: the only sure test of writing there (root passes os.access)
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".translate-probe-"))
+    except OSError as e:
+        raise ValueError(
+            f"--out-dir {out_dir}: {existing} cannot be written ({e.strerror or e}); pass another folder"
+        ) from None
+
+
+def check_batch(args, n_train: int) -> None:
+    if args.batch_size > n_train:
+        raise ValueError(
+            f"--batch-size {args.batch_size} is more than the {n_train:,} training pairs; pass at most "
+            f"{n_train:,}"
+        )
+
+
 def load_data(args) -> tuple[list, list]:
     """`(training pairs, held-out pairs)`; held-out sources never occur in training."""
     if args.pairs is None:
-        return date_pairs(50_000, args.held_out, args.seed)
+        return date_pairs(N_DATE_PAIRS, args.held_out, args.seed)
     pairs = read_pairs(args.pairs, args.max_len - 2)
     random.Random(args.seed).shuffle(pairs)
     if len(pairs) <= args.held_out:
@@ -343,6 +380,7 @@ def main(argv=None) -> int:
 
             check_figure_path(args.attention_png, "--attention-png")
         train_pairs, held_out = load_data(args)
+        check_batch(args, len(train_pairs))
         if args.pairs is not None:
             import sacrebleu  # noqa: F401  (checked before training: the run would be wasted without it)
     except ModuleNotFoundError as e:

@@ -72,7 +72,8 @@ def test_a_touched_source_is_rehashed_not_retokenized_and_a_changed_one_is_redon
     os.utime(data, ns=(1, 1))  # the same bytes, another modification time
     touched = _prepare(data, tmp_path / "cache")
     assert not touched.prepared and written == [] and touched.identity == first.identity
-    assert _prepare(data, tmp_path / "cache").manifest.sources[0].mtime_ns == 1  # the manifest learned it
+    again = _prepare(data, tmp_path / "cache")
+    assert again.manifest.sources[0].mtime_ns == 1  # the manifest learned it
     data.write_text(TEXT.replace("fox", "cat"))
     refused = []
     with pytest.raises(ValueError, match="changed"):  # a resumed run refuses before tokenizing anything
@@ -81,9 +82,13 @@ def test_a_touched_source_is_rehashed_not_retokenized_and_a_changed_one_is_redon
     changed = _prepare(data, tmp_path / "cache")
     assert changed.prepared and written and changed.identity == refused[0]
     assert "cat" in changed.tokenizer.decode(changed.tokens.to_array()[:200])
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [
-        changed.folder.name
-    ]  # no second entry, no leftovers
+    assert "fox" in first.tokenizer.decode(first.tokens.to_array()[:200])  # its readers keep the old one
+    entries = lambda: sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock"))
+    assert len(entries()) == 2
+    for corpus in (first, touched, again):
+        corpus.close()
+    _prepare(data, tmp_path / "cache").close()
+    assert entries() == [changed.folder.name]  # no second entry, no leftovers once no one reads it
 
 
 def _raise(message, seen, sha):
@@ -104,6 +109,8 @@ def test_a_partial_cache_is_never_used(tmp_path, small_chunks, monkeypatch):
     shard.write_bytes(shard.read_bytes()[:-2])
     redone = _prepare(data, cache)
     assert redone.prepared and not leftover.exists()
+    expected = redone.tokens.to_array()
+    redone.close()  # its version can go now
     (redone.folder / MANIFEST_NAME).unlink()
     assert _prepare(data, cache).prepared
     written, write = [], eqx_gpt.data.prepare.write_shard
@@ -120,7 +127,7 @@ def test_a_partial_cache_is_never_used(tmp_path, small_chunks, monkeypatch):
         _prepare(data, cache)
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []  # its folder removed
     monkeypatch.setattr(eqx_gpt.data.prepare, "write_shard", write)
-    np.testing.assert_array_equal(_prepare(data, cache).tokens.to_array(), redone.tokens.to_array())
+    np.testing.assert_array_equal(_prepare(data, cache).tokens.to_array(), expected)
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, small_chunks, monkeypatch):

@@ -278,9 +278,38 @@ def test_the_example_refuses_bad_pairs_files_with_one_line(tmp_path, capsys):
         with pytest.raises(ValueError, match=message) as e:
             pairs(tmp_path / name, 40)
         assert "\n" not in str(e.value)
-    assert example.main(["--pairs", str(tmp_path / "no-tab.txt")]) == 2
+    # Its own --out-dir: the default, out-translate/ in the working folder, may hold a run already.
+    assert example.main(["--pairs", str(tmp_path / "no-tab.txt"), "--out-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "line 2: no tab" in err
+
+
+def test_the_example_refuses_bad_settings_in_one_line_before_training(tmp_path, capsys, monkeypatch):
+    example = _example()
+    monkeypatch.setattr(example, "train", lambda *a, **k: pytest.fail("trained"))
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    out = ["--out-dir", str(tmp_path / "out")]
+    for argv, message in (
+        (["--out-dir", str(tmp_path / "afile" / "sub")], "afile is a file, not a folder"),
+        (["--out-dir", str(tmp_path / "loop")], "is a loop of symbolic links"),
+        ([*out, "--held-out", "99999999"], "--held-out 99999999 leaves none of the 36,525 dates"),
+        ([*out, "--batch-size", "2147483647"], "--batch-size 2147483647 is more than the 50,000"),
+    ):
+        assert example.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "loop"]  # nothing made
+
+
+def test_the_example_pads_no_batch_past_max_len():
+    example = _example()
+    pairs, _ = example.date_pairs(8, 2, 0)
+    vocabs = example.CharVocab(s for s, _ in pairs), example.CharVocab(t for _, t in pairs)
+    batch, src_len = example.make_batch(pairs, *vocabs, 3)
+    assert src_len == 3 and batch.shape == (8, 3 + 4)  # source, then BOS, 2 target characters, EOS
+    batch, src_len = example.make_batch(pairs, *vocabs, 48)
+    assert src_len % example.BUCKET == 0 and (batch.shape[1] - src_len) % example.BUCKET == 0
 
 
 def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(

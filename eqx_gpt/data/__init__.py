@@ -2,6 +2,7 @@
 
 `sources` finds and reads the files of `--data PATH` (text, .jsonl); `chunks` cuts them into units
 of work; `prepare` tokenizes them into shards in the cache (`cache`), described by a `manifest`,
-or opens the shards a previous run wrote; `shards` reads windows of tokens from them. It knows
-nothing of models or training: `training/corpus.py` and `training/batches.py` use it.
+or opens and verifies the shards a previous run wrote; `shards` reads windows of tokens from
+them, always from the version of the cache a reader opened. It knows nothing of models or
+training: `training/corpus.py` and `training/batches.py` use it.
 """

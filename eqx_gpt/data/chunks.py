@@ -7,6 +7,7 @@ chunks' texts, end to end, are the corpus.
 """
 
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,12 +72,13 @@ def tokens(chunk: Chunk, tokenizer: Tokenizer, dtype: str) -> np.ndarray:
     return tokenizer.encode_array(chunk_text(chunk)).astype(dtype, copy=False)
 
 
-def write_shard(chunk: Chunk, tokenizer: Tokenizer, dtype: str, path: Path) -> int:
-    """Tokenize the chunk into the file `path` (fsynced; none if it has no tokens); its token count."""
+def write_shard(chunk: Chunk, tokenizer: Tokenizer, dtype: str, path: Path) -> tuple[int, int]:
+    """Tokenize the chunk into the file `path` (fsynced; none if it has no tokens); its token
+    count and the CRC-32 of its bytes."""
     ids = tokens(chunk, tokenizer, dtype)
     if len(ids):
         with open(path, "wb") as f:
-            f.write(memoryview(ids))
+            f.write(ids.data)
             f.flush()
             os.fsync(f.fileno())
-    return len(ids)
+    return len(ids), zlib.crc32(ids.data)

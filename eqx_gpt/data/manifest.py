@@ -1,8 +1,19 @@
-"""The manifest of a prepared corpus: what was tokenized (each source's name, size, modification
-time and sha256), by which tokenizer, and what was written (each shard's name and token count).
+"""The manifest of a prepared corpus: what was tokenized (each source's name, size, times, inode
+and sha256), by which tokenizer, and what was written (each shard's name, token count and CRC-32).
 
 It is written last, into the folder that is then renamed into place, so a folder with a manifest
-is complete; `intact` also checks that every shard has exactly the bytes the manifest promises.
+is complete. Whether its shards still hold the bytes it promises is `shards.verify`'s to say.
+
+A source's identity is its sha256, computed from its bytes when the corpus is prepared (or when a
+source is found touched: hashed again, tokens kept). A later start that finds a source with the
+same size, modification time, status-change time (`ctime`) and inode trusts that sha256 without
+reading it (`Manifest.matches`). What that guarantees: any write to a file, by any program,
+sets its `ctime` to the current time, and no system call sets it back; `cp -p`, `rsync -t`,
+`tar x` and `os.utime` restore a modification time, not a `ctime`. So an edited source is hashed
+again, whatever its size and modification time say. A file changed within `RACY_NS` of being
+listed is hashed again at the next start (file times tick coarsely: a write in the same tick
+leaves them unchanged). Only a clock set back, or a file system that keeps no `ctime`, could pass
+an edit off as the old text.
 """
 
 import hashlib
@@ -10,13 +21,12 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from eqx_gpt.data.sources import Source
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST_NAME = "manifest.json"
 TRAIN_FRACTION = 0.9  # the first 90% of the tokens train, the rest validate
+RACY_NS = 2_000_000_000  # a source changed this close to its listing is hashed again next time
 
 
 @dataclass(frozen=True)
@@ -24,13 +34,26 @@ class SourceRecord:
     name: str
     size: int
     mtime_ns: int
+    ctime_ns: int
+    inode: int
     sha256: str
+
+    @classmethod
+    def of(cls, source: Source, sha256: str, listed_ns: int = 0) -> "SourceRecord":
+        """`source`'s record. One changed less than `RACY_NS` before it was listed (at
+        `listed_ns`, `time.time_ns()`) is racy: a write in the same clock tick would leave its
+        times as they are, so its `ctime_ns` is recorded as -1, which no file matches, and the
+        next start hashes it again (git's rule for racily clean files)."""
+        racy = listed_ns - max(source.mtime_ns, source.ctime_ns) < RACY_NS
+        ctime_ns = -1 if racy else source.ctime_ns
+        return cls(source.name, source.size, source.mtime_ns, ctime_ns, source.inode, sha256)
 
 
 @dataclass(frozen=True)
 class Shard:
     name: str  # file name in the cache folder
     n_tokens: int
+    crc32: int  # `zlib.crc32` of the shard's bytes (`shards.verify`)
 
 
 @dataclass(frozen=True)
@@ -60,34 +83,35 @@ class Manifest:
         return identity(self.sources)
 
     def matches(self, sources: list[Source]) -> bool:
-        """Whether `sources` are the files prepared, by name, size and modification time."""
-        return [(s.name, s.size, s.mtime_ns) for s in self.sources] == [
-            (s.name, s.size, s.mtime_ns) for s in sources
+        """Whether `sources` are the files prepared, by name, size, times and inode (see the
+        module docstring for what that guarantees)."""
+        return [(s.name, s.size, s.mtime_ns, s.ctime_ns, s.inode) for s in self.sources] == [
+            (s.name, s.size, s.mtime_ns, s.ctime_ns, s.inode) for s in sources
         ]
-
-    def intact(self, folder: Path) -> bool:
-        """Whether every shard in `folder` has exactly the bytes this manifest promises."""
-        width = np.dtype(self.dtype).itemsize
-        try:
-            return all((folder / s.name).stat().st_size == s.n_tokens * width for s in self.shards)
-        except OSError:
-            return False
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
 
     @classmethod
-    def read(cls, folder: Path) -> "Manifest | None":
-        """The manifest in `folder`, or None if there is none, or not one this version can read."""
+    def parse(cls, raw: bytes) -> "Manifest | None":
+        """The manifest `raw` holds, or None if it is not one this version can read."""
         try:
-            d = json.loads((folder / MANIFEST_NAME).read_text())
+            d = json.loads(raw)
             if d.get("format") != FORMAT:
                 return None
             return cls(
                 **{**d, "sources": tuple(SourceRecord(**s) for s in d["sources"]),
                    "shards": tuple(Shard(**s) for s in d["shards"])}
             )  # fmt: skip
-        except (OSError, ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+    @classmethod
+    def read(cls, folder: Path) -> "Manifest | None":
+        """The manifest in `folder`, or None if there is none, or not one this version can read."""
+        try:
+            return cls.parse((folder / MANIFEST_NAME).read_bytes())
+        except OSError:
             return None
 
 

@@ -2,18 +2,27 @@
 
 `prepare(path, tokenizer)` returns a `Corpus` whose tokens are read from shard files as needed:
 
-- The cache entry of `(path, tokenizer)` (`cache.py`) is used as it is when its manifest names the
-  same files with the same sizes and modification times, and every shard has its exact size.
-  Nothing is hashed or read then: a run starts in the time it takes to stat the files.
-- Otherwise, under the entry's lock: the sources are hashed; the entry is kept if only their
-  modification times changed (the manifest is rewritten); else the corpus is tokenized into a
-  new entry by one thread per core, chunk by chunk (`chunks.py`), with a progress bar. A char
-  vocabulary is the corpus's own characters, found by a first pass over it.
-- A corpus of at most `IN_MEMORY_BYTES` (Tiny Shakespeare) is tokenized at each start instead,
-  in memory (well under a second for characters): nothing is written.
+- The cache entry of `(path, tokenizer)` (`cache.py`) is used when its manifest names the same
+  files with the same size, times and inode (`manifest.py` says what that guarantees), and every
+  shard passes `shards.verify`: every shard byte is read once and checked against its CRC-32,
+  and every id against the vocabulary. No source is read then. The cost of a start is the
+  shards' bytes, read and hashed once (`zlib.crc32`, which releases the GIL) by one thread per
+  core: 2 bytes per token (`uint16`), so 2.2 GB for a 1.1 GB text of characters, about 0.5 GB
+  for it in GPT-2 ids, read in 8 MiB blocks (`shards.VERIFY_BLOCK`, per thread).
+  A damaged entry (zeroed, truncated or changed bytes, ids outside the vocabulary) is logged in
+  one line and prepared again.
+- Otherwise, under the entry's lock: the sources are hashed (sha256); the entry is kept if only
+  their times or inodes changed and its shards verify (the manifest is rewritten); else the
+  corpus is tokenized into a new version of the entry by one thread per core, chunk by chunk
+  (`chunks.py`), with a progress bar. A char vocabulary is the corpus's own characters, found by
+  a first pass over it. A source whose `stat` changed during this is refused: the sha256
+  recorded is always that of the bytes tokenized.
+- A corpus of at most `IN_MEMORY_BYTES` (Tiny Shakespeare) is hashed and tokenized at each start
+  instead, in memory (well under a second for characters): nothing is written.
 
 `check_identity(sha)` is called with the corpus's identity (`Manifest.identity`) before any
-tokenizing, so a resumed run refuses changed data without tokenizing it first.
+tokenizing, so a resumed run refuses changed data without tokenizing it first. The corpus keeps
+the version of the entry it opened until it is closed (`Corpus.close`) or collected.
 """
 
 import concurrent.futures
@@ -21,19 +30,36 @@ import errno
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
-from eqx_gpt.data.cache import EntryLock, cache_root, entry_name, fsync, new_folder, publish, remove_leftovers
+import numpy as np
+
+from eqx_gpt.data.cache import (
+    EntryLock,
+    Snapshot,
+    cache_root,
+    collect,
+    entry_name,
+    fsync,
+    new_folder,
+    publish,
+    remove_leftovers,
+    resolve_cache,
+)
 from eqx_gpt.data.chunks import Chunk, characters, chunk_bytes, plan_chunks, tokens, write_shard
 from eqx_gpt.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceRecord, identity, token_dtype
-from eqx_gpt.data.shards import TokenSpan, open_shards
-from eqx_gpt.data.sources import DataError, Source, find_sources, sha256_of
+from eqx_gpt.data.shards import Damaged, ShardFile, TokenSpan, verify
+from eqx_gpt.data.sources import Source, check_unchanged, find_sources, resolve, sha256_of
+from eqx_gpt.errors import DataError, EqxGptError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 
 IN_MEMORY_BYTES = 16 << 20  # corpora up to this size are tokenized at each start, not cached
+PROGRESS_AFTER = 1.0  # seconds of work before a progress bar shows
 
 
 @dataclass
@@ -45,6 +71,7 @@ class Corpus:
     manifest: Manifest
     folder: Path | None  # the cache entry the shards are read from (None: tokenized in memory)
     prepared: bool  # tokenized by this call (False: read from the cache as it was)
+    snapshot: Snapshot | None = None  # the version of the entry held open (see `cache.py`)
 
     @property
     def train(self) -> TokenSpan:
@@ -57,6 +84,19 @@ class Corpus:
     @property
     def identity(self) -> str:
         return self.manifest.identity
+
+    def close(self) -> None:
+        """Release the cache version it reads (its tokens can be read no more)."""
+        if self.snapshot is not None:
+            self.snapshot.close()
+
+
+class Progress(Protocol):
+    """A progress bar: `update(text)` shows a line in place, `clear()` removes it."""
+
+    def update(self, text: str) -> None: ...
+
+    def clear(self) -> None: ...
 
 
 class _NoProgress:
@@ -72,7 +112,8 @@ class _Work:
     """How a preparation reports: `log` for lines, `progress` (`update(text)`, `clear()`) for the bar."""
 
     log: Callable[[str], None]
-    progress: object
+    progress: Progress
+    listed_ns: int = 0  # when the sources were listed (`SourceRecord.of`)
 
     def map(self, fn, items: list, label: str, sizes: list[int]) -> list:
         """`[fn(x) for x in items]` by one thread per core (numpy, file I/O and tiktoken release the
@@ -85,8 +126,10 @@ class _Work:
                 for future, size in zip(futures, sizes, strict=True):
                     results.append(future.result())
                     done += size
-                    rate = done / 1e6 / max(time.monotonic() - t0, 1e-9)
-                    share = 100 * done / max(total, 1)
+                    elapsed = time.monotonic() - t0
+                    if elapsed < PROGRESS_AFTER:  # no bar for a moment's work (a log off a terminal)
+                        continue
+                    rate, share = done / 1e6 / elapsed, 100 * done / max(total, 1)
                     self.progress.update(
                         f"{label}: {done / 1e6:,.0f} of {total / 1e6:,.0f} MB ({share:.0f}%), {rate:.0f} MB/s"
                     )
@@ -113,71 +156,119 @@ def prepare(
     `Tokenizer.to_dict()` or `{"kind": "char"}` (a vocabulary of the corpus's characters); shards
     in `cache` (default `cache_root()`); a corpus of at most `in_memory_bytes` (default
     `IN_MEMORY_BYTES`) stays in memory. See the module docstring. Raises `DataError`."""
-    data = Path(data).resolve()
+    data = resolve(data)
+    listed_ns = time.time_ns()
     sources, skipped = find_sources(data)
-    work = _Work(log, progress or _NoProgress())
+    work = _Work(log, progress or _NoProgress(), listed_ns)
     if sum(s.size for s in sources) <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
         return _in_memory(data, sources, skipped, tokenizer, check_identity, work)
-    root = cache_root() if cache is None else Path(cache).resolve()
+    root = cache_root() if cache is None else resolve_cache(cache)
     entry = root / entry_name(data, tokenizer)
-    manifest = _cached(entry, sources, tokenizer)
-    if manifest is None:
+    collect(root, entry.name)
+    found = _cached(entry, sources, tokenizer, work)
+    if not isinstance(found, Corpus):
+        if isinstance(found, _Damage):
+            log(f"{found.message}; preparing it again")
         waiting = lambda: log(f"waiting for another process that is preparing {data} ...")
         with EntryLock(root, entry.name, waiting):
-            manifest = _cached(entry, sources, tokenizer)  # prepared by that process meanwhile?
-            if manifest is None:
-                return _prepare_entry(data, sources, skipped, tokenizer, entry, check_identity, work)
-    check_identity(manifest.identity)
-    return _open(entry, manifest, prepared=False)
+            damaged = found.inode if isinstance(found, _Damage) else None
+            found = _cached(entry, sources, tokenizer, work, damaged)  # prepared by that process meanwhile?
+            if not isinstance(found, Corpus):
+                damaged = found.inode if isinstance(found, _Damage) else damaged
+                return _prepare_entry(data, sources, skipped, tokenizer, entry, check_identity, work, damaged)
+    check_identity(found.identity)
+    return found
 
 
-def _cached(entry: Path, sources: list[Source], tokenizer: dict) -> Manifest | None:
-    """The entry's manifest if the entry is complete and its sources look unchanged (name, size, mtime)."""
-    manifest = Manifest.read(entry)
-    if manifest is None or not manifest.matches(sources) or not _same_kind(manifest.tokenizer, tokenizer):
+@dataclass(frozen=True)
+class _Damage:
+    inode: int  # of the version found damaged (not verified again)
+    message: str
+
+
+def _cached(entry: Path, sources: list[Source], tokenizer: dict, work: "_Work", damaged: int | None = None):
+    """The entry's version as a `Corpus` if its sources look unchanged (`Manifest.matches`) and its
+    shards verify; a `_Damage` if they do not; None if there is no such version."""
+    snapshot = Snapshot.open(entry)
+    if snapshot is None:
         return None
-    return manifest if manifest.intact(entry) else None
+    manifest = _manifest(snapshot)
+    if manifest is None or not manifest.matches(sources) or not _same_kind(manifest.tokenizer, tokenizer):
+        snapshot.close()
+        return None
+    if snapshot.inode == damaged:
+        snapshot.close()
+        return None
+    problem = _verified(snapshot, manifest, work)
+    if problem is not None:
+        snapshot.close()
+        return problem
+    return _open(snapshot, manifest, prepared=False)
+
+
+def _manifest(snapshot: Snapshot) -> Manifest | None:
+    try:
+        return Manifest.parse(snapshot.read_bytes(MANIFEST_NAME))
+    except OSError:
+        return None
 
 
 def _same_kind(prepared: dict, asked: dict) -> bool:
-    return prepared["kind"] == asked["kind"] if asked["kind"] == "char" else prepared == asked
+    return prepared.get("kind") == asked["kind"] if asked["kind"] == "char" else prepared == asked
 
 
-def _open(entry: Path, manifest: Manifest, *, prepared: bool) -> Corpus:
-    shards = open_shards(entry, manifest.shards, manifest.dtype)
-    return Corpus(TokenSpan(shards), tokenizer_from_dict(manifest.tokenizer), manifest, entry, prepared)
+def _verified(snapshot: Snapshot, manifest: Manifest, work: "_Work") -> "_Damage | None":
+    """None if every shard of the version verifies (`shards.verify`), else what is wrong."""
+    try:
+        vocab_size = tokenizer_from_dict(manifest.tokenizer).vocab_size
+        np.dtype(manifest.dtype)
+        check = lambda shard: verify(snapshot, shard, manifest.dtype, vocab_size)
+        width = np.dtype(manifest.dtype).itemsize
+        work.map(
+            check, list(manifest.shards), "verifying the cache", [s.n_tokens * width for s in manifest.shards]
+        )
+        return None
+    except Damaged as e:
+        problem = str(e)
+    except (EqxGptError, TypeError, KeyError):
+        problem = "its manifest names no valid tokenizer or dtype"
+    return _Damage(snapshot.inode, f"the token cache {snapshot.path} is damaged ({problem})")
 
 
-def _hashed(sources: list[Source], work: _Work) -> tuple[SourceRecord, ...]:
+def _open(snapshot: Snapshot, manifest: Manifest, *, prepared: bool) -> Corpus:
+    shards = [ShardFile(snapshot, s.name, manifest.dtype, s.n_tokens) for s in manifest.shards]
+    tokenizer = tokenizer_from_dict(manifest.tokenizer)
+    return Corpus(TokenSpan(shards), tokenizer, manifest, snapshot.path, prepared, snapshot)
+
+
+def _hashed(sources: list[Source], work: "_Work") -> tuple[SourceRecord, ...]:
     hashes = work.map(lambda s: sha256_of(s.path), sources, "hashing", [s.size for s in sources])
-    return tuple(SourceRecord(s.name, s.size, s.mtime_ns, h) for s, h in zip(sources, hashes, strict=True))
+    return tuple(SourceRecord.of(s, h, work.listed_ns) for s, h in zip(sources, hashes, strict=True))
 
 
-def _prepare_entry(data, sources, skipped, tokenizer, entry: Path, check_identity, work: _Work) -> Corpus:
-    """Under the entry's lock: keep the entry if only modification times changed, else tokenize anew."""
+def _prepare_entry(
+    data, sources, skipped, tokenizer, entry: Path, check_identity, work: "_Work", damaged: int | None
+) -> Corpus:
+    """Under the entry's lock: keep the entry if its sources were only touched, else tokenize anew."""
     t0 = time.monotonic()
     records = _hashed(sources, work)
+    check_unchanged(sources)  # the bytes hashed are the bytes listed
     check_identity(identity(records))
-    old = Manifest.read(entry)
-    same = lambda rs: [(r.name, r.size, r.sha256) for r in rs]
-    if old is not None and _same_kind(old.tokenizer, tokenizer) and same(old.sources) == same(records):
-        if old.intact(entry):  # the files were touched, not changed
-            manifest = replace(old, sources=records)
-            atomic_write_bytes(entry / MANIFEST_NAME, manifest.to_json())
-            return _open(entry, manifest, prepared=False)
+    kept = _touched(entry, records, tokenizer, work, damaged)
+    if kept is not None:
+        return kept
     remove_leftovers(entry.parent, entry.name)
-    folder = new_folder(entry.parent, entry.name)
+    try:
+        folder = new_folder(entry.parent, entry.name)
+    except OSError as e:
+        raise _cache_error(e, entry, data) from None
     try:
         manifest = _tokenize_into(folder, data, sources, records, skipped, tokenizer, work)
+        check_unchanged(sources)  # and the bytes tokenized
         publish(folder, entry)
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
-        full = e.errno == errno.ENOSPC
-        raise DataError(
-            f"{'no space left' if full else 'cannot write'} in the token cache {entry.parent} "
-            f"({e.strerror or e}) while preparing {data}; {'free some space' if full else 'fix it'} or set "
-            f"EQX_GPT_DATA_CACHE to another folder"
-        ) from None
+        raise _cache_error(e, entry, data) from None
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -189,7 +280,47 @@ def _prepare_entry(data, sources, skipped, tokenizer, entry: Path, check_identit
         f"{manifest.n_tokens:,} tokens in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s); "
         f"cached in {entry}/"
     )
-    return _open(entry, manifest, prepared=True)
+    snapshot = Snapshot.open(entry)  # the version just published: the lock keeps any other out
+    if snapshot is None:
+        raise DataError(f"the token cache {entry} vanished as it was written; run again")
+    return _open(snapshot, manifest, prepared=True)
+
+
+def _cache_error(e: OSError, entry: Path, data: Path) -> DataError:
+    full = e.errno == errno.ENOSPC
+    return DataError(
+        f"{'no space left' if full else 'cannot write'} in the token cache {entry.parent} "
+        f"({e.strerror or e}) while preparing {data}; {'free some space' if full else 'fix it'} or set "
+        f"EQX_GPT_DATA_CACHE to another folder"
+    )
+
+
+def _touched(entry: Path, records, tokenizer: dict, work: "_Work", damaged: int | None) -> Corpus | None:
+    """The entry's version with its manifest rewritten to `records`, if it holds the same sources
+    by name, size and sha256 (they were only touched) and its shards verify; else None."""
+    snapshot = Snapshot.open(entry)
+    if snapshot is None:
+        return None
+    old = _manifest(snapshot)
+    same = lambda rs: [(r.name, r.size, r.sha256) for r in rs]
+    same_text = (
+        old is not None and _same_kind(old.tokenizer, tokenizer) and same(old.sources) == same(records)
+    )
+    if old is None or not same_text or snapshot.inode == damaged:
+        snapshot.close()
+        return None
+    problem = _verified(snapshot, old, work)
+    if problem is not None:
+        work.log(f"{problem.message}; preparing it again")
+        snapshot.close()
+        return None
+    manifest = replace(old, sources=records)
+    try:
+        atomic_write_bytes(entry / MANIFEST_NAME, manifest.to_json())
+    except OSError as e:
+        snapshot.close()
+        raise _cache_error(e, entry, Path(manifest.data)) from None
+    return _open(snapshot, manifest, prepared=False)
 
 
 def _tokenize_into(folder: Path, data, sources, records, skipped, tokenizer: dict, work: _Work) -> Manifest:
@@ -198,11 +329,11 @@ def _tokenize_into(folder: Path, data, sources, records, skipped, tokenizer: dic
     tok = _tokenizer(tokenizer, chunks, work, data)
     dtype = token_dtype(tok.vocab_size)
     names = [f"shard-{i:05d}.bin" for i in range(len(chunks))]
-    counts = work.map(
+    written = work.map(
         lambda i: write_shard(chunks[i], tok, dtype, folder / names[i]),
         list(range(len(chunks))), f"tokenizing ({tok.name})", [chunk_bytes(c) for c in chunks],
     )  # fmt: skip
-    shards = tuple(Shard(name, n) for name, n in zip(names, counts, strict=True) if n)
+    shards = tuple(Shard(name, n, crc) for name, (n, crc) in zip(names, written, strict=True) if n)
     manifest = Manifest(str(data), records, skipped, tok.to_dict(), dtype, shards)
     with open(folder / MANIFEST_NAME, "wb") as f:
         f.write(manifest.to_json())
@@ -226,13 +357,15 @@ def _tokenizer(tokenizer: dict, chunks: list[Chunk], work: _Work, data: Path) ->
 def _in_memory(data, sources, skipped, tokenizer: dict, check_identity, work: _Work) -> Corpus:
     """A small corpus, tokenized in memory (nothing written; too quick for a progress bar)."""
     work = replace(work, progress=_NoProgress())
-    records = tuple(SourceRecord(s.name, s.size, s.mtime_ns, sha256_of(s.path)) for s in sources)
+    records = tuple(SourceRecord.of(s, sha256_of(s.path), work.listed_ns) for s in sources)
+    check_unchanged(sources)
     check_identity(identity(records))
     chunks = plan_chunks(sources)
     tok = _tokenizer(tokenizer, chunks, work, data)
     dtype = token_dtype(tok.vocab_size)
     arrays = work.map(lambda c: tokens(c, tok, dtype), chunks, "tokenizing", [0] * len(chunks))
+    check_unchanged(sources)  # the bytes tokenized are the bytes hashed
     arrays = [a for a in arrays if len(a)]
-    shards = tuple(Shard(f"(in memory {i})", len(a)) for i, a in enumerate(arrays))
+    shards = tuple(Shard(f"(in memory {i})", len(a), zlib.crc32(a.data)) for i, a in enumerate(arrays))
     manifest = Manifest(str(data), records, skipped, tok.to_dict(), dtype, shards)
     return Corpus(TokenSpan(arrays), tok, manifest, None, prepared=True)

@@ -7,51 +7,99 @@ large page-cache folios (6.x, ext4) every window read through a map maps its who
 2 MiB, into the process, and a run's memory grew to the size of its corpus (2.2 GB for a 1.1 GB
 text); pread's cost is about 2 us a window. A small corpus's shards are arrays in memory instead;
 the reader is the same.
+
+Shard files are opened through the `Snapshot` of the version a reader opened (`cache.py`), so they
+are always that version's, however many shards there are and however often they are reopened.
+`verify` reads every byte of a version's shards once and checks them against the manifest (their
+CRC-32, and every id against the vocabulary): see `prepare.py` for when.
 """
 
 import os
-from pathlib import Path
+import zlib
 
 import numpy as np
 
+from eqx_gpt.data.cache import Snapshot
+from eqx_gpt.data.manifest import Shard
+from eqx_gpt.errors import DataError
+
 MAX_OPEN = 256  # shard files kept open at once (a large corpus has thousands of shards)
+VERIFY_BLOCK = 8 << 20  # bytes read at a time by `verify`
 
 
 class ShardFile:
-    """A shard file of `dtype` token ids, read a slice at a time (`shard[i:j]`) with `os.pread`."""
+    """The shard `name` of a `Snapshot`: `dtype` token ids, read a slice at a time (`shard[i:j]`)
+    with `os.pread`. The shards of a snapshot share its open files (at most `MAX_OPEN`)."""
 
-    def __init__(self, path: Path, dtype: str, n_tokens: int):
-        self.path, self.dtype, self.n_tokens = Path(path), np.dtype(dtype), n_tokens
-        self.open_files = {}  # shared by the shards of a corpus: see `_fd`
+    def __init__(self, snapshot: Snapshot, name: str, dtype: str, n_tokens: int):
+        self.snapshot, self.name, self.dtype, self.n_tokens = snapshot, name, np.dtype(dtype), n_tokens
 
     def __len__(self) -> int:
         return self.n_tokens
 
     def _fd(self) -> int:
-        fd = self.open_files.get(self.path)
+        files = self.snapshot.open_files
+        fd = files.get(self.name)
         if fd is None:
-            if len(self.open_files) >= MAX_OPEN:  # a random read touches any shard: close them all
-                for other in self.open_files.values():
+            if len(files) >= MAX_OPEN:  # a random read touches any shard: close them all
+                for other in files.values():
                     os.close(other)
-                self.open_files.clear()
-            fd = self.open_files[self.path] = os.open(self.path, os.O_RDONLY)
+                files.clear()
+            try:
+                fd = files[self.name] = self.snapshot.open_file(self.name)
+            except OSError as e:
+                raise _damaged(self.snapshot, f"{self.name} cannot be opened: {e.strerror or e}") from None
         return fd
 
     def __getitem__(self, part: slice) -> np.ndarray:
         start, stop, _ = part.indices(self.n_tokens)
         width = self.dtype.itemsize
-        data = os.pread(self._fd(), (stop - start) * width, start * width)
+        try:
+            data = os.pread(self._fd(), (stop - start) * width, start * width)
+        except OSError as e:  # a disk error after the start's verification
+            raise _damaged(self.snapshot, f"{self.name} cannot be read: {e.strerror or e}") from None
         if len(data) != (stop - start) * width:
-            raise OSError(f"shard {self.path} is shorter than its manifest says; delete its folder")
+            raise _damaged(self.snapshot, f"{self.name} is shorter than its manifest says")
         return np.frombuffer(data, self.dtype)
 
 
-def open_shards(folder: Path, shards, dtype: str) -> list[ShardFile]:
-    """The shard files `shards` (names and token counts) in `folder`, sharing open files."""
-    files = [ShardFile(folder / s.name, dtype, s.n_tokens) for s in shards]
-    for f in files[1:]:
-        f.open_files = files[0].open_files
-    return files
+def _damaged(snapshot: Snapshot, what: str) -> DataError:
+    return DataError(f"the token cache {snapshot.path} is damaged ({what}); delete that folder and run again")
+
+
+class Damaged(Exception):
+    """What `verify` found wrong with a shard."""
+
+
+def verify(snapshot: Snapshot, shard: Shard, dtype: str, vocab_size: int) -> int:
+    """Check the shard's bytes in `snapshot`: their size, CRC-32 and that every id is below
+    `vocab_size`; returns the bytes read (all of them). Raises `Damaged` saying what is wrong."""
+    width = np.dtype(dtype).itemsize
+    try:
+        fd = snapshot.open_file(shard.name)
+    except OSError as e:
+        raise Damaged(f"{shard.name} cannot be opened: {e.strerror or e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != shard.n_tokens * width:
+            raise Damaged(f"{shard.name} has {size:,} bytes, not {shard.n_tokens * width:,}")
+        crc, top, at = 0, 0, 0
+        while at < size:
+            block = os.pread(fd, min(VERIFY_BLOCK, size - at), at)
+            if not block:
+                raise Damaged(f"{shard.name} ends at byte {at:,} of {size:,}")
+            crc = zlib.crc32(block, crc)
+            top = max(top, int(np.frombuffer(block, dtype).max()))
+            at += len(block)
+    except OSError as e:
+        raise Damaged(f"{shard.name} cannot be read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if crc != shard.crc32:
+        raise Damaged(f"{shard.name} fails its CRC-32 check")
+    if top >= vocab_size:
+        raise Damaged(f"{shard.name} holds id {top}, outside the vocabulary of {vocab_size}")
+    return size
 
 
 class TokenSpan:
