@@ -9,7 +9,7 @@ WINGS = ("model", "generation", "training", "data")
 # What the model may not know of: how it is trained, sampled, stored or fed.
 ABOVE_THE_MODEL = (
     "eqx_gpt.generation", "eqx_gpt.training", "eqx_gpt.data", "eqx_gpt.checkpoint", "eqx_gpt.gpt2",
-    "eqx_gpt.files", "eqx_gpt.cli", "eqx_gpt.visualize", "eqx_gpt.tokenizer",
+    "eqx_gpt.files", "eqx_gpt.commands.cli", "eqx_gpt.visualize", "eqx_gpt.tokenizer",
 )  # fmt: skip
 
 

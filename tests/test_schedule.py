@@ -4,11 +4,10 @@ import math
 
 import pytest
 
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.options import resolve_options
-from eqx_gpt.training.schedule import decay_start, learning_rate, warmup_steps
+from eqx_gpt.training.step import decay_start, describe_optimizer, learning_rate, warmup_steps
 from eqx_gpt.training.time_plan import MIN_RESERVE_S, RESERVE_S, TimePlan
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import describe_optimizer
 
 
 def test_schedule_warms_up_linearly_then_decays_by_cosine_to_min_lr():

@@ -12,12 +12,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
-from eqx_gpt.training.corpus import load_text
+import eqx_gpt.commands.train as train_command
+import eqx_gpt.training.run as run_module
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, TrainResult, load_model, save_checkpoint, train
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.data import load_text
 from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.training.run import TrainResult
-from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
@@ -164,7 +165,7 @@ def test_an_abort_says_whether_there_is_a_checkpoint_to_resume(tmp_path, corpus,
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_cli, "train", interrupted)
+    monkeypatch.setattr(train_command, "train", interrupted)
     out = tmp_path / "run"
     assert train_cli.main([*TINY, "--data", str(corpus), "--out-dir", str(out)]) == 130
     err = capsys.readouterr().err
@@ -214,7 +215,7 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     _fails([*TINY, "--sample-tokens", "99999999999"], capsys, "must be an integer in [0, 2147483647]")
     _fails([*TINY, "--warmup-steps", "-1"], capsys, "warmup_steps must be an integer in [0, 2147483647]")
     with pytest.raises(ValueError, match="sample_tokens must be an integer in"):
-        train_cli.train({}, tmp_path / "never", sample_tokens=-1)
+        train(out_dir=tmp_path / "never", sample_tokens=-1)
     assert not (tmp_path / "never").exists()
 
 
@@ -316,9 +317,10 @@ def _configs_given_to_train(monkeypatch, argv):
         seen.update(
             model=GPTConfig(vocab_size=65, **options.model), train=options.train, preset=options.preset
         )
-        return TrainResult(0, None, None, 0.0, False, None, out_dir)
+        model = GPT(GPTConfig(vocab_size=65, **options.model), key=jax.random.key(0))
+        return TrainResult(model, CharTokenizer("ab"), 0, None, None, 0.0, False, None, out_dir)
 
-    monkeypatch.setattr(train_cli, "train", fake_train)
+    monkeypatch.setattr(run_module, "_train", fake_train)
     assert train_cli.main(argv) == 0
     return seen
 

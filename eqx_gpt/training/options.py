@@ -20,8 +20,8 @@ from pathlib import Path
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.training.train_config import TrainConfig
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

@@ -1,25 +1,34 @@
-"""The training corpus: the bundled Tiny Shakespeare or `--data PATH`, prepared into token shards
-(`eqx_gpt.data`), split 90/10, and checked against the checkpoint a run resumes.
+"""A run's data: the corpus (the bundled Tiny Shakespeare or `--data PATH`, prepared into token
+shards by `eqx_gpt.data`, split 90/10, checked against the checkpoint a run resumes) and the
+training batches drawn from it.
 
 The corpus's identity (`data_sha256` in checkpoints) is the sha256 of its file, or for a folder
 of its files' names and hashes (`Manifest.identity`); a resumed run refuses any other corpus.
+
+A batch is `batch_size` windows of `context_length + 1` consecutive tokens: the first
+`context_length` are the input, the last `context_length` the targets. Where the windows start is
+a pure function of `(seed, stream, step)` computed by JAX (`window_starts`), so a resumed run sees
+exactly the batches it would have seen; the tokens are then read from the shard files
+(`TokenSpan.rows`), a window at a time: no corpus is ever copied whole into memory or onto a device.
 """
 
+import functools
 import hashlib
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
-from eqx_gpt.checkpoint import CheckpointError
-from eqx_gpt.data.manifest import TRAIN_FRACTION
+import jax
+import numpy as np
+from jaxtyping import Array, Int
+
 from eqx_gpt.data.prepare import Corpus, prepare
 from eqx_gpt.data.shards import TokenSpan
-from eqx_gpt.data.sources import DataError
+from eqx_gpt.errors import CheckpointError, DataError
+from eqx_gpt.streams import batch_key
 
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 BUNDLED = "Tiny Shakespeare (bundled)"
-
-__all__ = ["DataError", "SHAKESPEARE_SHA256", "load_corpus", "load_text", "shakespeare_path", "split_text"]
 
 
 def shakespeare_path() -> Path:
@@ -92,8 +101,48 @@ def load_text(path: str | Path | None = None) -> str:
         ) from None
 
 
-def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, str]:
-    """The first `train_fraction` of the characters for training, the rest for validation (for a
-    char tokenizer, the same split as `Corpus.train` and `Corpus.val`)."""
-    n = int(len(text) * train_fraction)
-    return text[:n], text[n:]
+@functools.partial(jax.jit, static_argnames=("n_tokens", "seed", "stream", "batch_size", "length"))
+def window_starts(
+    step: Int[Array, ""] | int, *, n_tokens: int, seed: int, stream: int, batch_size: int, length: int
+) -> Int[Array, " b"]:
+    """Where the `batch_size` windows of `length` tokens of `stream`'s batch at `step` start, in a
+    sequence of `n_tokens`: uniformly at random, the same every time."""
+    return jax.random.randint(batch_key(seed, stream, step), (batch_size,), 0, n_tokens - length + 1)
+
+
+def get_batch(
+    tokens: TokenSpan, step: int, *, seed: int, stream: int, batch_size: int, length: int
+) -> Int[np.ndarray, "b l"]:
+    """The batch of `stream` at `step`: `batch_size` windows of `length` tokens of `tokens`."""
+    starts = window_starts(
+        step, n_tokens=len(tokens), seed=seed, stream=stream, batch_size=batch_size, length=length
+    )
+    return tokens.rows(np.asarray(starts), length)
+
+
+def fixed_batches(
+    tokens: TokenSpan, *, seed: int, stream: int, n_batches: int, batch_size: int, length: int
+) -> Int[np.ndarray, "k b l"]:
+    """`n_batches` batches that never change during a run (evaluation uses the same ones each time)."""
+    return np.stack(
+        [
+            get_batch(tokens, i, seed=seed, stream=stream, batch_size=batch_size, length=length)
+            for i in range(n_batches)
+        ]
+    )
+
+
+def batch_reader(tokens: TokenSpan, starts: np.ndarray, length: int):
+    """`read(index)`: the part `index` (a tuple of slices) of the array `[*starts.shape, length]`
+    whose rows are the windows starting at `starts`; a negative start is a row of zeros (an unused
+    slot). Each process of a multi-host run reads only its own devices' part (`shard_rows`)."""
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        index = (*index, *[slice(None)] * (starts.ndim + 1 - len(index)))
+        chosen = starts[index[:-1]]
+        out = np.zeros((*chosen.shape, length), np.int32)
+        used = chosen >= 0
+        out[used] = tokens.rows(chosen[used], length)
+        return out[..., index[-1]]
+
+    return read
