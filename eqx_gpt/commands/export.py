@@ -50,7 +50,7 @@ def export(checkpoint: Path, out_dir: Path, *, overwrite: bool) -> dict:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
         raise ConfigError(f"{out_dir}/ already holds files; pass --overwrite to replace them")
     model, tokenizer, meta = load_model(checkpoint, kind="GPT")
-    assert isinstance(model, GPT)  # kind="GPT" refuses anything else
+    assert isinstance(model, GPT) and tokenizer is not None  # kind="GPT" refuses anything else
     gpt2_config_dict(model.config)  # refuse another shape before writing anything
     if not isinstance(tokenizer, GPT2Tokenizer):
         raise GPT2FormatError(

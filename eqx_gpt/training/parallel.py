@@ -133,7 +133,7 @@ def shard_parameters(tree, mesh: Mesh):
     return _place_tree(tree, lambda x: parameter_sharding(x, mesh))
 
 
-def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
+def shard_batch(batch: jax.Array | np.ndarray, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
     """Split `batch` along `batch_axis` over the mesh (asynchronous; no copy on one device)."""
     return _place(batch, batch_sharding(mesh, batch_axis))
 

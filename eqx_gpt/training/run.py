@@ -157,8 +157,9 @@ def _train(
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
         records = []
         if resume:  # the checkpoint's metadata, and the settings laid over it
-            options = resolve_options(settings, read_metadata(checkpoint_file(out_dir, LATEST)))
-            records = kept_records(out_dir / METRICS_NAME, options.checkpoint["step"])
+            meta = read_metadata(checkpoint_file(out_dir, LATEST))
+            options = resolve_options(settings, meta)
+            records = kept_records(out_dir / METRICS_NAME, meta["step"])
         assert options is not None
         setup, state = set_up(options, out_dir, log=log)
         # Every check has passed: from here on the folder is this run's.

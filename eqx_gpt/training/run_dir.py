@@ -123,7 +123,8 @@ class RunDirLock:
     def __exit__(self, *exc) -> None:
         if self.claimed:
             self.info.unlink(missing_ok=True)
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def final_recorded(metrics: Path, step: int) -> bool:

@@ -9,6 +9,7 @@ changing the schedule's length needs no recompiling.
 """
 
 import math
+from collections.abc import Hashable
 
 import equinox as eqx
 import jax
@@ -75,9 +76,15 @@ def decay_mask(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(lambda path, decays: decays and not _is_bias(path), mask)
 
 
-def _is_bias(path) -> bool:
+def _field_name(path) -> str | None:
+    """The name of the field a leaf at `path` is (None for a list item or a dict entry)."""
     last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name.endswith("bias")
+    return getattr(last, "name", None) if isinstance(last, jax.tree_util.GetAttrKey) else None
+
+
+def _is_bias(path) -> bool:
+    name = _field_name(path)
+    return name is not None and name.endswith("bias")
 
 
 def muon_labels(params: PyTree) -> PyTree:
@@ -107,8 +114,7 @@ def matrix_axes(split_qkv: bool):
 
 
 def _is_qkv(path) -> bool:
-    last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name == "w_qkv"
+    return _field_name(path) == "w_qkv"
 
 
 def split_qkv(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -158,7 +164,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         adamw = optax.adamw(
             adam_scale, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
         )
-        groups = {"muon": split_qkv(muon) if c.muon_split_qkv else muon, "adamw": adamw}
+        groups: dict[Hashable, optax.GradientTransformation] = {
+            "muon": split_qkv(muon) if c.muon_split_qkv else muon,
+            "adamw": adamw,
+        }
         opt = optax.partition(groups, muon_labels)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
 
