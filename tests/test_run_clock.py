@@ -123,7 +123,7 @@ def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_
     assert any("stable until step" in line and "then linear to 0.1 of their peak" in line for line in lines)
     records = [r for r in _records(tmp_path / "run") if "lr" in r]
     lrs = {r["step"]: r["lr"] for r in records}
-    # The last step runs one step of the line above min_lr: the line is round(0.5 * horizon) long.
+    # The last step runs one step of the line above min_lr: the line is round(0.5 * schedule_steps) long.
     assert max(lrs) == result.step
     assert lrs[result.step] == pytest.approx(0.002 + 0.018 / round(0.5 * result.step), rel=1e-4)
     # The refits move only the decay: every step before the run's last two fifths ran at the peak.

@@ -1,5 +1,6 @@
 """`train.py` end to end on a tiny model: outputs, kill-and-resume, Ctrl-C, and every bad input."""
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -350,6 +351,42 @@ def test_init_from_picks_the_fine_tuning_preset_and_its_options(monkeypatch):
 def test_without_preset_the_default_preset_is_used(monkeypatch):
     seen = _configs_given_to_train(monkeypatch, [])
     assert seen["train"] == TrainConfig(**PRESETS[DEFAULT_PRESET].train) and seen["preset"] == DEFAULT_PRESET
+
+
+def _resolved_by_train(monkeypatch, *args, **kwargs):
+    """The configs `eqx_gpt.train(*args, **kwargs)` would run with (nothing is trained)."""
+    seen = {}
+
+    def fake_train(settings, out_dir, **_):
+        options = resolve_options(settings)
+        seen.update(model=options.model, train=options.train, preset=options.preset)
+        return None
+
+    monkeypatch.setattr(run_module, "_train", fake_train)
+    train(*args, **kwargs)
+    return seen
+
+
+def test_train_from_python_takes_a_config_whole_over_the_preset_and_keywords_over_both(monkeypatch):
+    cpu = PRESETS[DEFAULT_PRESET]
+    # A TrainConfig passed is every training value, its defaults too: the preset gives only the model.
+    config = TrainConfig(max_steps=40, lr=3e-3)
+    seen = _resolved_by_train(monkeypatch, config, d_model=64)
+    assert seen["train"] == config and seen["preset"] == DEFAULT_PRESET
+    assert GPTConfig(vocab_size=65, **seen["model"]) == GPTConfig(
+        vocab_size=65, **{**cpu.model, "d_model": 64}
+    )
+    # Keywords override the config and the preset; a GPTConfig replaces the preset's model values.
+    model = GPTConfig(vocab_size=1, d_model=48, n_heads=4, n_layers=1)
+    seen = _resolved_by_train(monkeypatch, config, model, max_steps=7, context_length=32)
+    assert seen["train"] == TrainConfig(max_steps=7, lr=3e-3)
+    assert GPTConfig(vocab_size=1, **seen["model"]) == dataclasses.replace(model, context_length=32)
+    # Nothing passed: the preset's values, as `train.py` with no flags.
+    seen = _resolved_by_train(monkeypatch, max_steps=9)
+    assert seen["train"] == TrainConfig(**{**cpu.train, "max_steps": 9})
+    # preset=None: the dataclass defaults alone.
+    seen = _resolved_by_train(monkeypatch, preset=None)
+    assert seen["train"] == TrainConfig() and seen["preset"] is None
 
 
 def test_help_shows_the_defaults_of_the_preset_named(capsys):

@@ -114,6 +114,10 @@ class Report:
         if self.last_read is not None and self.last_logged != self.last_read["step"]:
             self.metrics.write(self.last_read)
 
+    def record(self, record: dict) -> None:
+        """Append `record` to `metrics.jsonl` (the final validation's)."""
+        self.metrics.write(record)
+
     def record_evaluation(self, step: int, figures: dict[str, float]) -> None:
         """An evaluation's record in `metrics.jsonl` (written before its checkpoints)."""
         self.metrics.write({"step": step, **figures, "elapsed_s": round(self.elapsed(), 2)})

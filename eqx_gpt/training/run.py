@@ -433,7 +433,7 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
         )
         return _result(run, val_loss=val, interrupted=True, sample=None)
     record = {"step": state.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted}
-    report.metrics.write({**record, "whole_split": final.whole})
+    report.record({**record, "whole_split": final.whole})
     report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
