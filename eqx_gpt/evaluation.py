@@ -50,6 +50,8 @@ def rows_per_call(context: int, vocab_size: int = 0) -> int:
 
 @dataclass(frozen=True)
 class Evaluation:
+    """A model's mean next-token loss over a text (`evaluate`) or over the windows of a plan."""
+
     loss: float  # mean cross-entropy in nats per predicted token
     n_predicted: int  # tokens predicted: len(tokens) - 1 over the whole text
     stride: int  # tokens between window starts (a sample: its windows' length)

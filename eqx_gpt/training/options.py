@@ -6,7 +6,9 @@ training), or `preset`. Later sources override earlier ones:
     a fresh run     dataclass defaults  <  the preset  <  the settings given
     a resumed run   the checkpoint's values  <  the settings given that may change on resume
 
-The preset is `settings["preset"]`: a name, or None for none (the dataclass defaults alone). Left
+`eqx_gpt.train` gives its configs (every field of a config passed) and keywords as settings, and
+`train.py` the flags given. The preset is `settings["preset"]`: a name, or None for none (the
+dataclass defaults alone). Left
 out, it is `cpu`, or `finetune-shakespeare` with `init_from`. On resume, a preset named anew counts
 as settings for its values, and a setting that would change what the run computes must agree with
 the checkpoint (only `RESUMABLE_CHANGES` may differ).

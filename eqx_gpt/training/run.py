@@ -143,7 +143,15 @@ def train(
 
 
 def _train(
-    settings: dict, out_dir: Path, *, resume, overwrite, sample_tokens, log, progress, now
+    settings: dict,
+    out_dir: Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    sample_tokens: int,
+    log: Callable[[str], None],
+    progress: bool,
+    now: Callable[[], float],
 ) -> TrainResult:
     """`train` with its settings by name (`options.resolve_options`)."""
     t_start = now()
