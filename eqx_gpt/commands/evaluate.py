@@ -29,6 +29,7 @@ def parse_args(argv=None, prog: str = "evaluate.py") -> argparse.Namespace:
 
 
 def main(argv=None, prog: str = "evaluate.py") -> int:
+    """Evaluate with the flags `argv`; the exit code: 0, or 2 for bad input."""
     args = parse_args(argv, prog)
     return run_command(prog, lambda: _evaluate(args))
 

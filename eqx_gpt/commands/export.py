@@ -25,6 +25,7 @@ def parse_args(argv=None, prog: str = "export.py") -> argparse.Namespace:
 
 
 def main(argv=None, prog: str = "export.py") -> int:
+    """Export with the flags `argv`; the exit code: 0, or 2 for bad input."""
     args = parse_args(argv, prog)
 
     def body() -> int:

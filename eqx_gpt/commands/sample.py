@@ -115,6 +115,7 @@ def _check_picture_paths(args) -> None:
 
 
 def main(argv=None, prog: str = "sample.py") -> int:
+    """Sample with the flags `argv`; the exit code: 0, or 2 for bad input."""
     args = parse_args(argv, prog)
     return run_command(prog, lambda: _sample(args))
 

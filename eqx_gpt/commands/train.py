@@ -106,6 +106,7 @@ def _preset_in(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
+    """Train with the flags `argv`; the exit code: 0, 2 for bad input, 130 when interrupted."""
     settings = parse(argv, prog)
     out_dir = settings.pop("out_dir", "out")
     preset = settings.pop("preset", AUTO)
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
             )  # fmt: skip
         except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run
             if any(p.suffix == ".json" for p in checkpoint_paths(out_dir)):
-                hint = f"resume from the last checkpoint with: uv run train.py --resume --out-dir {out_dir}"
+                again = "uv run train.py" if prog == "train.py" else prog
+                hint = f"resume from the last checkpoint with: {again} --resume --out-dir {out_dir}"
             else:
                 hint = f"no checkpoint was saved in {out_dir}, nothing to resume: run the command again"
             print(f"{prog}: aborted; {hint}", file=sys.stderr)

@@ -91,12 +91,12 @@ def final_validation(
             f"(the last evaluation's, over {last.n_predicted:,} predicted tokens: the final validation "
             f"would not fit in the time left)"
         )
-    windows = val_plan(setup, final=True)
-    final = validation_loss(setup, model, windows, stop)
+    split_plan = val_plan(setup, final=True)
+    final = validation_loss(setup, model, split_plan, stop)
     if final is None or final.whole:
-        covers = f"over all {windows.n_predicted:,} predicted tokens of the split"
-        return final, f"{covers} (windows of {context} every {windows.stride})"
+        covers = f"over all {split_plan.n_predicted:,} predicted tokens of the split"
+        return final, f"{covers} (windows of {context} every {split_plan.stride})"
     return final, (
-        f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(windows):,} evenly "
+        f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(split_plan):,} evenly "
         f"spread windows of {context}; the whole split is over {FINAL_EVAL_FACTOR}x --eval-tokens)"
     )
