@@ -20,11 +20,11 @@ import numpy as np
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.training.loop import STEPS_PER_CALL
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.options import MODEL_FIELDS, preset_values
+from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.setup import optimizer_and_step
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import init_optimizer_state
+from eqx_gpt.training.step import init_optimizer_state
 
 VOCAB = 65
 # Each variant: the preset with these values instead (issue 33's changes undone one at a time, then

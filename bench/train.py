@@ -12,7 +12,7 @@ alike and the ratio stays meaningful; there is no datasheet number anywhere.
 
 Model FLOPs per token and the peak are `bench/common.py`'s (see its docstring for what is counted).
 
-The timed steps are `train.py`'s: `eqx_gpt.training.train_step.make_train_steps`, `--steps-per-call` steps
+The timed steps are `train.py`'s: `eqx_gpt.training.step.make_train_steps`, `--steps-per-call` steps
 per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
 argument, buffer donation, and the batches placed by `eqx_gpt.training.parallel`. `--steps-per-call 1`
 times one step per dispatch (`make_train_step`), to show what several per call buy.
@@ -33,10 +33,10 @@ from common import CONFIGS, MatmulPeak, flops_per_token  # bench/common.py
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.training.loop import STEPS_PER_CALL
+from eqx_gpt.training.config import OPTIMIZERS, TrainConfig
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.training.train_config import OPTIMIZERS, TrainConfig
-from eqx_gpt.training.train_step import (
+from eqx_gpt.training.run import STEPS_PER_CALL
+from eqx_gpt.training.step import (
     init_optimizer_state,
     make_optimizer,
     make_train_step,

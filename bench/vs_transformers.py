@@ -39,8 +39,8 @@ from common import cpu_description  # noqa: E402 (bench/common.py)
 from eqx_gpt.generation.generate import generate  # noqa: E402
 from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
 from eqx_gpt.gpt2 import load_gpt2  # noqa: E402
-from eqx_gpt.training.train_config import TrainConfig  # noqa: E402
-from eqx_gpt.training.train_step import init_optimizer_state, make_optimizer, make_train_step  # noqa: E402
+from eqx_gpt.training.config import TrainConfig  # noqa: E402
+from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_train_step  # noqa: E402
 
 PROMPT, NEW_TOKENS, BATCH, SEQ, LR = 64, 256, 4, 256, 3e-5
 

@@ -1,13 +1,26 @@
 """eqx_gpt: a small, typed decoder-only GPT in JAX + Equinox.
 
 Every module is an `eqx.Module` acting on one example or on a whole batch passed at once, with
-jaxtyping shape annotations checked by beartype when JAX traces the call.
+jaxtyping shape annotations checked by beartype when JAX traces the call. Every public name is
+importable from here (module paths are not API); `__all__` lists them by what they are for.
 """
 
-from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
-from eqx_gpt.generation.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
+from eqx_gpt.checkpoint import find_checkpoint, load_checkpoint, load_model, save_checkpoint
+from eqx_gpt.data.prepare import Corpus, prepare
+from eqx_gpt.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    EqxGptError,
+    GPT2FormatError,
+    TokenizerError,
+    TrainingError,
+)
+from eqx_gpt.evaluation import Evaluation, evaluate, evaluate_text
+from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
+from eqx_gpt.gpt2 import load_gpt2, save_gpt2
 from eqx_gpt.model.attention import (
     KVCache,
     MultiHeadAttention,
@@ -27,50 +40,85 @@ from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
-from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError, tokenizer_from_dict
-from eqx_gpt.training.evaluate import Evaluation, evaluate, evaluate_text
+from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.presets import PRESETS
+from eqx_gpt.training.run import TrainResult, train
+from eqx_gpt.training.step import (
+    init_optimizer_state,
+    learning_rate,
+    loss_fn,
+    make_optimizer,
+    make_train_step,
+)
 
 __all__ = [
+    # Models and their modules
     "GPT",
-    "MLP",
-    "Block",
-    "CharTokenizer",
-    "CheckpointError",
-    "GPT2Tokenizer",
-    "TokenizerError",
-    "find_checkpoint",
-    "load_checkpoint",
-    "load_model",
-    "save_checkpoint",
-    "tokenizer_from_dict",
     "GPTConfig",
-    "KVCache",
-    "MultiHeadAttention",
-    "RMSNorm",
-    "LayerNorm",
-    "LayerStack",
     "Transformer",
     "TransformerConfig",
-    "translate",
-    "padding_mask",
-    "head_attention",
-    "multi_head_attention",
+    "Block",
+    "LayerStack",
+    "MultiHeadAttention",
+    "KVCache",
+    "MLP",
+    "LayerNorm",
+    "RMSNorm",
     "attention_weights",
     "causal_mask",
+    "head_attention",
+    "multi_head_attention",
+    "padding_mask",
     "dropout",
-    "Evaluation",
-    "evaluate",
-    "evaluate_text",
     "pad_vocab",
-    "sinusoidal_positions",
     "rotary_embedding",
+    "sinusoidal_positions",
+    # Tokenizers
+    "CharTokenizer",
+    "GPT2Tokenizer",
+    "tokenizer_from_dict",
+    # Generation
     "generate",
     "generate_batch",
-    "naive_generate",
     "stream_batch",
     "stream_text",
+    "translate",
     "SamplingOptions",
     "sample_next_token",
     "top_k_filter",
     "top_p_filter",
+    # Training: a whole run, and the parts of a loop of your own
+    "train",
+    "TrainConfig",
+    "TrainResult",
+    "PRESETS",
+    "make_optimizer",
+    "init_optimizer_state",
+    "make_train_step",
+    "loss_fn",
+    "learning_rate",
+    # Evaluation
+    "evaluate",
+    "evaluate_text",
+    "Evaluation",
+    # Checkpoints
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_model",
+    "find_checkpoint",
+    # Hugging Face GPT-2 folders
+    "load_gpt2",
+    "save_gpt2",
+    # Corpus preparation
+    "prepare",
+    "Corpus",
+    # Errors: every eqx_gpt exception derives from EqxGptError (a ValueError)
+    "EqxGptError",
+    "ConfigError",
+    "TokenizerError",
+    "DataError",
+    "CheckpointError",
+    "GPT2FormatError",
+    "TrainingError",
 ]

@@ -33,13 +33,18 @@ import optax
 
 from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
 from eqx_gpt.checkpoint import delete_checkpoints, holds_run
-from eqx_gpt.cli import OneLineParser, finite_float, seed_number, whole_number
+from eqx_gpt.commands.cli import OneLineParser, finite_float, seed_number, whole_number
 from eqx_gpt.gpt2 import is_gpt2_directory
-from eqx_gpt.training.progress import Progress, clock
-from eqx_gpt.training.schedule import learning_rate
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.report import Progress, clock
+from eqx_gpt.training.step import (
+    count_params,
+    init_optimizer_state,
+    learning_rate,
+    make_optimizer,
+    make_train_step,
+)
 from eqx_gpt.training.time_plan import TimePlan
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_step
 
 PAD, BOS, EOS = 0, 1, 2
 BUCKET = 16  # sequences are padded to a multiple of this: few shapes, few compiles

@@ -7,9 +7,9 @@ import pytest
 
 from eqx_gpt.data.cache import Snapshot
 from eqx_gpt.data.shards import ShardFile, TokenSpan
+from eqx_gpt.evaluation import final_plan, periodic_plan
 from eqx_gpt.streams import TRAIN_BATCHES, batch_key
-from eqx_gpt.training.batches import get_batch, window_starts
-from eqx_gpt.training.evaluate import final_windows, periodic_windows
+from eqx_gpt.training.data import get_batch, window_starts
 
 SHARD = 1 << 31  # tokens per shard: three make 6,442,450,944, past 2^32
 
@@ -64,7 +64,7 @@ def test_window_starts_below_2_to_the_31_are_the_int32_draw_they_always_were():
 
 def test_evaluation_windows_of_a_split_past_2_to_the_32_are_int64(huge):
     n = len(huge)
-    for plan in (periodic_windows(n, 64, 1 << 20), final_windows(n, 64, 1 << 20)):
+    for plan in (periodic_plan(n, 64, 1 << 20), final_plan(n, 64, 1 << 20)):
         assert plan.starts.dtype == np.int64 and plan.starts.max() == n - 1 - 64
         assert plan.n_predicted == len(plan) * 64
         assert huge.rows(plan.starts[-3:], 65).shape == (3, 65)

@@ -9,23 +9,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from eqx_gpt.data.manifest import TRAIN_FRACTION
 from eqx_gpt.data.prepare import prepare
 from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.evaluation import final_plan, periodic_plan, plan_sample, plan_whole
 from eqx_gpt.streams import TRAIN_BATCHES, batch_key
 from eqx_gpt.tokenizer import CharTokenizer
-from eqx_gpt.training.batches import fixed_batches, get_batch, windows_reader
-from eqx_gpt.training.corpus import (
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.data import (
     SHAKESPEARE_SHA256,
     DataError,
+    batch_reader,
     check_split,
+    fixed_batches,
+    get_batch,
     load_corpus,
     load_text,
     shakespeare_path,
-    split_text,
 )
-from eqx_gpt.training.evaluate import final_windows, periodic_windows, sampled, whole_text
 from eqx_gpt.training.parallel import data_mesh, shard_rows
-from eqx_gpt.training.train_config import TrainConfig
 
 
 @functools.partial(jax.jit, static_argnames=("seed", "stream", "batch_size", "length"))
@@ -33,6 +35,13 @@ def _batch_the_old_way(data, step, *, seed, stream, batch_size, length):
     """How batches were drawn before the shards: from the whole corpus on the device."""
     starts = jax.random.randint(batch_key(seed, stream, step), (batch_size,), 0, data.shape[0] - length + 1)
     return jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(data, s, length))(starts)
+
+
+def split_text(text: str, train_fraction: float = TRAIN_FRACTION) -> tuple[str, str]:
+    """The first `train_fraction` of the characters for training, the rest for validation (for a
+    char tokenizer, the split `Corpus.train` and `Corpus.val` must make)."""
+    n = int(len(text) * train_fraction)
+    return text[:n], text[n:]
 
 
 def test_the_bundled_corpus_tokenizes_and_splits_as_the_text_did():
@@ -79,7 +88,7 @@ def test_a_span_reads_windows_across_shards_and_refuses_windows_outside_it():
 def test_each_process_reads_only_its_rows_and_an_unused_slot_is_zeros():
     span = TokenSpan([np.arange(50, dtype=np.uint16)])
     starts = np.array([[3, 5, 7, 9], [-1, -1, -1, -1]])
-    read = windows_reader(span, starts, 4)
+    read = batch_reader(span, starts, 4)
     whole = read((slice(None), slice(None), slice(None)))
     assert whole.shape == (2, 4, 4) and not whole[1].any()
     np.testing.assert_array_equal(whole[0, 2], [7, 8, 9, 10])
@@ -102,14 +111,14 @@ def test_a_split_shorter_than_one_window_is_refused():
 
 def test_evaluation_windows_cover_the_split_within_the_budget():
     default = TrainConfig().eval_tokens
-    ts = periodic_windows(111_540, 64, default)  # Tiny Shakespeare's split: whole, as it always was
+    ts = periodic_plan(111_540, 64, default)  # Tiny Shakespeare's split: whole, as it always was
     assert ts.whole and ts.n_predicted == 111_539 and ts.stride == 64
-    final = final_windows(111_540, 64, default)
+    final = final_plan(111_540, 64, default)
     assert final.whole and final.stride == 32 and final.n_predicted == 111_539
-    big = periodic_windows(10**8, 64, default)  # a large split: the same evenly spread windows each time
+    big = periodic_plan(10**8, 64, default)  # a large split: the same evenly spread windows each time
     assert not big.whole and big.n_predicted <= default and len(big) == default // 64
     assert big.starts[0] == 0 and big.starts[-1] == 10**8 - 65 and np.all(np.diff(big.starts) >= 64)
-    np.testing.assert_array_equal(big.starts, periodic_windows(10**8, 64, default).starts)
-    final = final_windows(10**8, 64, default)
+    np.testing.assert_array_equal(big.starts, periodic_plan(10**8, 64, default).starts)
+    final = final_plan(10**8, 64, default)
     assert not final.whole and final.n_predicted == 4 * big.n_predicted
-    assert whole_text(5, 64, 32).n_predicted == 4 and sampled(5, 64, 10).whole  # shorter than a window
+    assert plan_whole(5, 64, 32).n_predicted == 4 and plan_sample(5, 64, 10).whole  # shorter than a window

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,7 @@ import optax
 import pytest
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TokenizerError
-from eqx_gpt.training.evaluate import evaluate, evaluate_text, windows
+from eqx_gpt.evaluation import evaluate, evaluate_text, plan_whole
 
 CONTEXT = 8
 MODEL = GPT(
@@ -17,21 +18,33 @@ MODEL = GPT(
 )
 
 
-@jax.jit
-def _losses_at(windows, lengths, targets):
+def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(starts, counted)` of `plan_whole`: `counted[w, j]` says whether window `w` counts target `j`."""
+    plan = plan_whole(n_tokens, context, stride)
+    j = np.arange(context)
+    return plan.starts, (j >= plan.first[:, None]) & (j < plan.end[:, None])
+
+
+@eqx.filter_jit
+def _losses_at(model, windows, lengths, targets):
     """The loss of `targets[i]` after the first `lengths[i]` tokens of `windows[i]` (padded: the
     model is causal, so what follows position `lengths[i] - 1` cannot change its logits)."""
-    logits = jax.vmap(MODEL)(windows)[jnp.arange(len(lengths)), lengths - 1]
+    logits = jax.vmap(model)(windows)[jnp.arange(len(lengths)), lengths - 1]
     return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets)
 
 
 def _mean_loss_by_hand(ids, contexts):
-    """Mean loss of predicting each `ids[t]` from `contexts[t - 1]` (a slice of ids before t)."""
+    return _mean_loss_by_hand_of(MODEL, ids, contexts)
+
+
+def _mean_loss_by_hand_of(model, ids, contexts):
+    """Mean loss of predicting each `ids[t]` from `contexts[t - 1]` (a slice of ids before t), the
+    model in inference mode."""
     windows = np.zeros((len(contexts), CONTEXT), np.int32)
     for i, c in enumerate(contexts):
         windows[i, : len(c)] = c
     lengths = np.array([len(c) for c in contexts])
-    return float(np.mean(_losses_at(windows, lengths, ids[1:])))
+    return float(np.mean(_losses_at(eqx.nn.inference_mode(model), windows, lengths, ids[1:])))
 
 
 def _window_start(t, n, stride):
@@ -95,3 +108,42 @@ def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_
     assert err.count("\n") == 1 and "'x', 'y', 'z'" in err
     assert cli.main(["--checkpoint", str(tmp_path)]) == 2  # not the bundled corpus: --text is needed
     assert "pass --text PATH" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "tokens, error, named",
+    [
+        ([1, 2, 7], ValueError, r"token id 7 is outside the model's vocabulary \[0, 7\)"),
+        ([1, -1, 2], ValueError, r"token id -1 is outside .*\[0, 7\)"),
+        ([1, 2**32 + 1], ValueError, r"token id 4294967297 is outside"),
+        ([1, 2**70], ValueError, r"token id 1180591620717411303424 is outside"),
+        ([1.0, 2.5], TypeError, r"integer ids, got float64 values such as 1\.0"),
+        ("abc", TypeError, r"integer ids, got <U3"),
+        ([True, False], TypeError, r"integer ids, got bool"),
+    ],
+)
+def test_evaluate_refuses_ids_the_model_cannot_have_in_one_line(tokens, error, named):
+    with pytest.raises(error, match=named) as caught:
+        evaluate(MODEL, tokens)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("batch", [0, -1, 1.5, True])
+def test_evaluate_refuses_a_batch_that_is_not_a_positive_integer(batch):
+    with pytest.raises(ValueError, match=rf"batch must be an integer in \[1, .*got {batch!r}"):
+        evaluate(MODEL, [1, 2, 3], batch=batch)
+
+
+def test_evaluate_refuses_what_is_not_a_model_or_text():
+    with pytest.raises(TypeError, match="model must be a GPT, got dict"):
+        evaluate({}, [1, 2, 3])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="text must be a str, got list"):
+        evaluate_text(MODEL, CharTokenizer("abcdefg"), ["abc"])  # type: ignore[arg-type]
+
+
+def test_evaluation_runs_the_model_without_dropout():
+    config = GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=1, dropout=0.5)
+    model = GPT(config, key=jax.random.key(1))
+    ids = np.random.default_rng(1).integers(0, 7, 30)
+    by_hand = _mean_loss_by_hand_of(model, ids, [ids[max(0, t - CONTEXT) : t] for t in range(1, 30)])
+    assert evaluate(model, ids, stride=1, batch=4).loss == pytest.approx(by_hand, rel=1e-5)

@@ -11,7 +11,7 @@ import pytest
 from eqx_gpt import load_model
 from eqx_gpt.gpt2 import load_gpt2
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
-from eqx_gpt.training.corpus import load_text
+from eqx_gpt.training.data import load_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"

@@ -10,7 +10,7 @@ import pytest
 from jaxtyping import TypeCheckError
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
-from eqx_gpt.training.train_step import loss_fn
+from eqx_gpt.training.step import loss_fn
 
 CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
 

@@ -12,8 +12,8 @@ import pytest
 
 from eqx_gpt import GPT, GPTConfig, load_model
 from eqx_gpt.model.positions import rotary_embedding
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import (
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.step import (
     decay_mask,
     init_optimizer_state,
     make_optimizer,

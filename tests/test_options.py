@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.presets import PRESETS
-from eqx_gpt.training.train_config import TrainConfig
 
 CHECKPOINT = {
     "path": "/runs/a/latest.json",

@@ -25,8 +25,8 @@ WORKER = textwrap.dedent(
     import numpy as np
     from eqx_gpt import GPT, GPTConfig
     from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch, shard_parameters
-    from eqx_gpt.training.train_config import TrainConfig
-    from eqx_gpt.training.train_step import init_optimizer_state, make_optimizer, make_train_step
+    from eqx_gpt.training.config import TrainConfig
+    from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_train_step
 
     config = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
 
@@ -79,7 +79,7 @@ TRAINER_WORKER = textwrap.dedent(
     import eqx_gpt.training.run as trainer
     import eqx_gpt.training.setup as setup
     from eqx_gpt.training.parallel import data_mesh
-    from eqx_gpt.training.train_config import TrainConfig
+    from eqx_gpt.training.config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2, dropout=0.1)
     runs = {}
@@ -89,8 +89,8 @@ TRAINER_WORKER = textwrap.dedent(
                              log_interval=1, fsdp=fsdp)
         setup.data_mesh = lambda devices=devices: data_mesh(devices)
         out = f"{sys.argv[1]}/{name}"
-        settings = {**model, **config.to_dict(), "preset": None}
-        trainer.train(settings, out, sample_tokens=0, progress=False, log=lambda s: None)
+        trainer.train(config, preset=None, out_dir=out, sample_tokens=0, progress=False, log=lambda s: None,
+                      **model)
         runs[name] = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
     print(json.dumps(runs))
     """
@@ -222,7 +222,7 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
     )
     assert initialize_distributed()  # what train.py calls first
     import eqx_gpt.training.run as trainer
-    from eqx_gpt.training.train_config import TrainConfig
+    from eqx_gpt.training.config import TrainConfig
 
     model = dict(context_length=16, d_model=32, n_heads=2, n_layers=2)
     runs = {}
@@ -230,8 +230,8 @@ MULTI_PROCESS_WORKER = textwrap.dedent(
         config = TrainConfig(batch_size=8, max_steps=4, warmup_steps=1, eval_interval=2, eval_batches=2,
                              log_interval=1, fsdp=fsdp)
         run_dir = f"{out}/fsdp{int(fsdp)}-process{pid}"
-        settings = {**model, **config.to_dict(), "preset": None}
-        trainer.train(settings, run_dir, sample_tokens=0, progress=False, log=lambda s: None)
+        trainer.train(config, preset=None, out_dir=run_dir, sample_tokens=0, progress=False,
+                      log=lambda s: None, **model)
         runs[fsdp] = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     print(json.dumps({"devices": len(jax.devices()), "replicated": runs[False], "fsdp": runs[True]}))
     """

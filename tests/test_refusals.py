@@ -28,11 +28,11 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import BEST, LATEST, checkpoint_file, read_metadata
 from eqx_gpt.gpt2 import GPT2FormatError, is_gpt2_directory, load_gpt2, read_gpt2_config
-from eqx_gpt.training import loop as run_module
+from eqx_gpt.training import run as run_module
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.run import train
 from eqx_gpt.training.run_dir import TrainingError, check_run_dir, kept_records
-from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
@@ -157,8 +157,7 @@ def test_gpt2_folders_given_wrongly_say_what_to_pass(tmp_path):
 
 def _tiny_train(corpus, out, resume=False, **settings):
     settings = {} if resume else {**TINY_RUN, "data": str(corpus), **settings}
-    return train(settings, out, resume=resume, sample_tokens=0, log=lambda s: None,
-                 progress=False)  # fmt: skip
+    return train(out_dir=out, resume=resume, sample_tokens=0, log=lambda s: None, progress=False, **settings)
 
 
 def test_a_kill_between_the_best_and_latest_writes_is_redone_on_resume(corpus, tmp_path, monkeypatch):
@@ -187,19 +186,15 @@ def test_a_kill_between_the_best_and_latest_writes_is_redone_on_resume(corpus, t
     )
 
 
-def test_a_finished_run_missing_its_best_and_final_line_repairs_itself_on_resume(corpus, tmp_path):
+def test_a_finished_run_missing_its_final_line_finishes_on_resume(corpus, tmp_path):
     out = tmp_path / "run"
     _tiny_train(corpus, out, max_steps=4, eval_interval=2)
-    # As a kill between the writes of the old order left it: best from step 2, no final line.
-    meta = read_metadata(checkpoint_file(out, BEST))
-    stale = {**meta, "step": 2}
-    stale.pop("path")
-    checkpoint_file(out, BEST).write_text(json.dumps(stale))
+    # As a kill during the final validation leaves it: the checkpoints complete, no final line.
     lines = (out / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if "final_val_loss" not in line))
     result = _tiny_train(corpus, out, max_steps=4, eval_interval=2, resume=True)
     assert result.step == 4 and not result.interrupted
-    assert read_metadata(checkpoint_file(out, BEST))["step"] == 4
+    assert "final_val_loss" in json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     with pytest.raises(ValueError, match="already finished at step 4"):
         _tiny_train(corpus, out, max_steps=4, eval_interval=2, resume=True)
 

@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import eqx_gpt.training.loop
-from eqx_gpt.training.corpus import load_text
+import eqx_gpt.training.run
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.data import load_text
 from eqx_gpt.training.run import train
-from eqx_gpt.training.train_config import TrainConfig
 
-# The module, not the function `eqx_gpt.training.evaluate` that the package exports under its name.
-evaluate_module = importlib.import_module("eqx_gpt.training.evaluate")
+evaluate_module = importlib.import_module("eqx_gpt.evaluation")
 MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
 
 
@@ -44,7 +43,7 @@ class SimulatedClock:
     def __init__(self, monkeypatch, *, compile_s=5.0, step_s=0.1, eval_s=0.05):
         self.t, self.steps, self.step_s, self.eval_s = 1000.0, 0, step_s, eval_s
         self.compile_s = compile_s
-        dispatch, summed = eqx_gpt.training.loop.dispatch_steps, evaluate_module._summed_loss
+        dispatch, summed = eqx_gpt.training.run.dispatch_steps, evaluate_module._summed_loss
 
         def timed_dispatch(run, n):
             self.t += (self.compile_s if self.steps == 0 else 0.0) + n * self.step_s
@@ -55,7 +54,7 @@ class SimulatedClock:
             self.t += self.eval_s
             return summed(*args)
 
-        monkeypatch.setattr(eqx_gpt.training.loop, "dispatch_steps", timed_dispatch)
+        monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", timed_dispatch)
         monkeypatch.setattr(evaluate_module, "_summed_loss", timed_summed)
 
     def __call__(self) -> float:
@@ -68,8 +67,10 @@ def _records(out: Path) -> list[dict]:
 
 def _run(corpus, out, clock, sample_tokens=0, **changes):
     lines = []
-    settings = {**MODEL, **_config(corpus, **changes).to_dict(), "preset": None}
-    result = train(settings, out, log=lines.append, progress=False, now=clock, sample_tokens=sample_tokens)
+    result = train(
+        _config(corpus, **changes), preset=None, out_dir=out, log=lines.append, progress=False, now=clock,
+        sample_tokens=sample_tokens, **MODEL,
+    )  # fmt: skip
     return result, lines
 
 
@@ -122,7 +123,7 @@ def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_
     assert any("stable until step" in line and "then linear to 0.1 of their peak" in line for line in lines)
     records = [r for r in _records(tmp_path / "run") if "lr" in r]
     lrs = {r["step"]: r["lr"] for r in records}
-    # The last step runs one step of the line above min_lr: the line is round(0.5 * horizon) long.
+    # The last step runs one step of the line above min_lr: the line is round(0.5 * schedule_steps) long.
     assert max(lrs) == result.step
     assert lrs[result.step] == pytest.approx(0.002 + 0.018 / round(0.5 * result.step), rel=1e-4)
     # The refits move only the decay: every step before the run's last two fifths ran at the peak.
@@ -134,13 +135,13 @@ def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_
 
 def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
     clock = SimulatedClock(monkeypatch, step_s=0.05)
-    dispatch = eqx_gpt.training.loop.dispatch_steps
+    dispatch = eqx_gpt.training.run.dispatch_steps
 
     def slower_after_step_60(run, n):
         clock.step_s = 0.05 if clock.steps < 60 else 0.5  # the machine got busy
         return dispatch(run, n)
 
-    monkeypatch.setattr(eqx_gpt.training.loop, "dispatch_steps", slower_after_step_60)
+    monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", slower_after_step_60)
     result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.5, eval_interval=1000)
     assert clock() <= 1000.0 + 30 + 1.0, lines  # one call late at most
     assert 60 < result.step < 150, lines
@@ -149,11 +150,11 @@ def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, m
 
 
 def test_steps_go_one_per_call_when_slow_and_several_when_fast(tmp_path, corpus, monkeypatch):
-    for step_s, most in ((0.01, eqx_gpt.training.loop.STEPS_PER_CALL), (1.0, 1)):
+    for step_s, most in ((0.01, eqx_gpt.training.run.STEPS_PER_CALL), (1.0, 1)):
         clock = SimulatedClock(monkeypatch, step_s=step_s)
-        sizes, dispatch = [], eqx_gpt.training.loop.dispatch_steps
+        sizes, dispatch = [], eqx_gpt.training.run.dispatch_steps
         monkeypatch.setattr(
-            eqx_gpt.training.loop,
+            eqx_gpt.training.run,
             "dispatch_steps",
             lambda run, n, d=dispatch, s=sizes: (s.append(n), d(run, n))[1],
         )
@@ -206,7 +207,7 @@ def test_sigterm_during_an_evaluation_stops_after_the_call_in_flight_and_resume_
 
     monkeypatch.undo()  # resume redoes the evaluation at 50: the metrics are those of a run never stopped
     monkeypatch.setattr(evaluate_module, "TOKENS_PER_CALL", 256)  # the same calls sum the same floats
-    resumed = train({}, out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    resumed = train(out_dir=out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
     assert not resumed.interrupted and resumed.step == 100
     assert _without_timing(_records(out)) == _without_timing(_records(never))
 
@@ -217,9 +218,9 @@ def test_sigterm_during_the_final_validation_ends_a_complete_run_without_the_fig
     changes = dict(max_steps=20, eval_interval=20, sample_tokens=5)
     clock = SimulatedClock(monkeypatch)
     calls = _signal_at_eval_call(monkeypatch, clock, None)
-    finish, before_final = eqx_gpt.training.loop.finish, []
+    finish, before_final = eqx_gpt.training.run.finish, []
     monkeypatch.setattr(
-        eqx_gpt.training.loop, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1]
+        eqx_gpt.training.run, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1]
     )
     result, _ = _run(corpus, tmp_path / "never", clock, **changes)
     assert not result.interrupted and result.sample
@@ -254,6 +255,6 @@ def test_a_run_stopped_in_its_last_evaluation_resumes_to_evaluate_and_finish(tmp
     meta = json.loads((out / "latest.json").read_text())
     assert result.interrupted and meta["step"] == 20 and meta["val_loss_step"] == 0
     # The steps are all done, but the run is not finished: --resume evaluates and finishes it.
-    resumed = train({}, out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
+    resumed = train(out_dir=out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
     assert not resumed.interrupted and resumed.step == 20
     assert _without_timing(_records(out)) == _without_timing(_records(tmp_path / "never"))

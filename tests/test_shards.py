@@ -17,7 +17,7 @@ from eqx_gpt.data.prepare import prepare
 from eqx_gpt.data.shards import ShardFile
 from eqx_gpt.data.sources import DataError
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, TokenizerError
-from eqx_gpt.training.corpus import load_corpus
+from eqx_gpt.training.data import load_corpus
 
 TEXT = "".join(f"line {i}: the quick brown fox, ünïcödé ∑ {i * i}\n" for i in range(400))  # ~22 KB
 
@@ -208,6 +208,6 @@ def test_gpt2_shards_hold_gpt2_ids(tmp_path, small_chunks):
 def test_the_bundled_corpus_is_checked_against_its_sha256(monkeypatch, tmp_path):
     fake = tmp_path / "tinyshakespeare.txt"
     fake.write_text("not Shakespeare at all\n" * 10)
-    monkeypatch.setattr("eqx_gpt.training.corpus.shakespeare_path", lambda: Path(fake))
+    monkeypatch.setattr("eqx_gpt.training.data.shakespeare_path", lambda: Path(fake))
     with pytest.raises(DataError, match="does not match its sha256; reinstall"):
         load_corpus(None, {"kind": "char"})

@@ -11,9 +11,9 @@ import numpy as np
 import optax
 
 from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.setup import optimizer_and_step
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import (
+from eqx_gpt.training.step import (
     init_optimizer_state,
     make_optimizer,
     make_train_step,

@@ -24,8 +24,8 @@ from eqx_gpt import (
     padding_mask,
     translate,
 )
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import init_optimizer_state, loss_fn, make_optimizer, make_train_step
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.step import init_optimizer_state, loss_fn, make_optimizer, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

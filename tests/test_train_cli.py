@@ -1,5 +1,6 @@
 """`train.py` end to end on a tiny model: outputs, kill-and-resume, Ctrl-C, and every bad input."""
 
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -12,12 +13,13 @@ from pathlib import Path
 import jax
 import pytest
 
-from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
-from eqx_gpt.training.corpus import load_text
+import eqx_gpt.commands.train as train_command
+import eqx_gpt.training.run as run_module
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, TrainResult, load_model, save_checkpoint, train
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.data import load_text
 from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.training.run import TrainResult
-from eqx_gpt.training.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
@@ -164,7 +166,7 @@ def test_an_abort_says_whether_there_is_a_checkpoint_to_resume(tmp_path, corpus,
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_cli, "train", interrupted)
+    monkeypatch.setattr(train_command, "train", interrupted)
     out = tmp_path / "run"
     assert train_cli.main([*TINY, "--data", str(corpus), "--out-dir", str(out)]) == 130
     err = capsys.readouterr().err
@@ -214,7 +216,7 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     _fails([*TINY, "--sample-tokens", "99999999999"], capsys, "must be an integer in [0, 2147483647]")
     _fails([*TINY, "--warmup-steps", "-1"], capsys, "warmup_steps must be an integer in [0, 2147483647]")
     with pytest.raises(ValueError, match="sample_tokens must be an integer in"):
-        train_cli.train({}, tmp_path / "never", sample_tokens=-1)
+        train(out_dir=tmp_path / "never", sample_tokens=-1)
     assert not (tmp_path / "never").exists()
 
 
@@ -316,9 +318,10 @@ def _configs_given_to_train(monkeypatch, argv):
         seen.update(
             model=GPTConfig(vocab_size=65, **options.model), train=options.train, preset=options.preset
         )
-        return TrainResult(0, None, None, 0.0, False, None, out_dir)
+        model = GPT(GPTConfig(vocab_size=65, **options.model), key=jax.random.key(0))
+        return TrainResult(model, CharTokenizer("ab"), 0, None, None, 0.0, False, None, out_dir)
 
-    monkeypatch.setattr(train_cli, "train", fake_train)
+    monkeypatch.setattr(run_module, "_train", fake_train)
     assert train_cli.main(argv) == 0
     return seen
 
@@ -348,6 +351,42 @@ def test_init_from_picks_the_fine_tuning_preset_and_its_options(monkeypatch):
 def test_without_preset_the_default_preset_is_used(monkeypatch):
     seen = _configs_given_to_train(monkeypatch, [])
     assert seen["train"] == TrainConfig(**PRESETS[DEFAULT_PRESET].train) and seen["preset"] == DEFAULT_PRESET
+
+
+def _resolved_by_train(monkeypatch, *args, **kwargs):
+    """The configs `eqx_gpt.train(*args, **kwargs)` would run with (nothing is trained)."""
+    seen = {}
+
+    def fake_train(settings, out_dir, **_):
+        options = resolve_options(settings)
+        seen.update(model=options.model, train=options.train, preset=options.preset)
+        return None
+
+    monkeypatch.setattr(run_module, "_train", fake_train)
+    train(*args, **kwargs)
+    return seen
+
+
+def test_train_from_python_takes_a_config_whole_over_the_preset_and_keywords_over_both(monkeypatch):
+    cpu = PRESETS[DEFAULT_PRESET]
+    # A TrainConfig passed is every training value, its defaults too: the preset gives only the model.
+    config = TrainConfig(max_steps=40, lr=3e-3)
+    seen = _resolved_by_train(monkeypatch, config, d_model=64)
+    assert seen["train"] == config and seen["preset"] == DEFAULT_PRESET
+    assert GPTConfig(vocab_size=65, **seen["model"]) == GPTConfig(
+        vocab_size=65, **{**cpu.model, "d_model": 64}
+    )
+    # Keywords override the config and the preset; a GPTConfig replaces the preset's model values.
+    model = GPTConfig(vocab_size=1, d_model=48, n_heads=4, n_layers=1)
+    seen = _resolved_by_train(monkeypatch, config, model, max_steps=7, context_length=32)
+    assert seen["train"] == TrainConfig(max_steps=7, lr=3e-3)
+    assert GPTConfig(vocab_size=1, **seen["model"]) == dataclasses.replace(model, context_length=32)
+    # Nothing passed: the preset's values, as `train.py` with no flags.
+    seen = _resolved_by_train(monkeypatch, max_steps=9)
+    assert seen["train"] == TrainConfig(**{**cpu.train, "max_steps": 9})
+    # preset=None: the dataclass defaults alone.
+    seen = _resolved_by_train(monkeypatch, preset=None)
+    assert seen["train"] == TrainConfig() and seen["preset"] is None
 
 
 def test_help_shows_the_defaults_of_the_preset_named(capsys):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import (
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.step import (
     decay_mask,
     init_optimizer_state,
     loss_fn,

@@ -4,5 +4,5 @@
 of work; `prepare` tokenizes them into shards in the cache (`cache`), described by a `manifest`,
 or opens and verifies the shards a previous run wrote; `shards` reads windows of tokens from
 them, always from the version of the cache a reader opened. It knows nothing of models or
-training: `training/corpus.py` and `training/batches.py` use it.
+training: `training/data.py` uses it.
 """

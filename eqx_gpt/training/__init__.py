@@ -1,4 +1,19 @@
-"""The training wing: what a run is configured by (`train_config`, `presets`), its data (`corpus`,
-`batches`; the shards are `eqx_gpt.data`'s), one optimiser step (`train_step`), the schedule and
-time plan (`schedule`), evaluation, the run and its directory (`run`, `run_dir`, `progress`) and
-devices (`parallel`)."""
+"""The training wing: `train` (exported as `eqx_gpt.train`) and what a run is made of.
+
+What a run is configured by:
+    config      `TrainConfig`, every training setting, validated on construction
+    presets     named recipes of model and training values (values only)
+    options     `resolve_options`: defaults < preset < settings given (or the checkpoint's, on resume)
+What it computes:
+    data        the corpus (bundled or `--data`, as token shards) and the training batches
+    step        the learning-rate schedule, the loss, the optimiser and the jitted train step
+    evaluate    a run's evaluations (train and validation loss, the final validation), on
+                `eqx_gpt.evaluation`
+How it runs:
+    setup       `set_up`: every check before the first step; `RunSetup` (fixed) and `TrainState`
+    run         `train`, the loop (dispatch, evaluate, checkpoint, stop) and `TrainResult`
+    report      `Report`: log lines, metrics.jsonl, the loss plot, the progress bar, tokens/s
+    time_plan   `TimePlan`: the schedule's length fitted to `--max-minutes`
+    run_dir     the run's folder: its lock, refusals, and metrics.jsonl
+    parallel    the device mesh, data parallelism and FSDP, multi-host start
+"""

@@ -1,222 +1,102 @@
-"""The loss of a model on a text: over the whole of it, every position predicted once, or over a
-fixed sample of its windows within a token budget.
+"""A run's evaluations, built on `eqx_gpt.evaluation`: at each periodic evaluation the train loss on
+fixed training windows and the validation loss on the periodic plan (the whole split when
+`--eval-tokens` covers it); at the end, the final validation.
 
-A model sees at most `context_length` tokens, so a long text is cut into windows. With
-`stride == context_length` they do not overlap: cheap, but the first positions of each window
-are predicted from little context. With a smaller stride (`final` evaluations use
-`context_length // 2`) the windows overlap and each counts only the targets that no earlier
-window counted, so every target after the first `context_length` is predicted from at least
-`context_length - stride` tokens. Either way every token but the first (which nothing precedes)
-is a target exactly once, so the mean is over `len(tokens) - 1` predictions (`whole_text`).
-
-A split larger than the budget is sampled instead (`sampled`): windows spread evenly over it,
-the same at every evaluation, each counting all its targets. The periodic evaluations of a run
-read `periodic_windows`, the final one `final_windows`: a bounded cost whatever the corpus size.
+`evaluate_run` returns its figures by name (`{"train_loss": ..., "val_loss": ...}`): the loop, the
+metrics log and the log line take whatever it returns, so a new figure is added here alone. Each
+evaluation is a loop of jitted calls that returns None as soon as the run is asked to stop, so
+Ctrl-C never waits for a whole split.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jaxtyping import Array, Float, Int
 
-from eqx_gpt._checks import is_whole
-from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.evaluation import (
+    FINAL_EVAL_FACTOR,
+    EvalPlan,
+    Evaluation,
+    evaluate_plan,
+    final_plan,
+    periodic_plan,
+    rows_per_call,
+    summed_loss,
+)
 from eqx_gpt.model.gpt import GPT
-
-TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
-LOGITS_PER_CALL = 1 << 24  # and at most this many logits (64 MiB of float32), for large vocabularies
-FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
-
-
-def windows_per_call(context: int, vocab_size: int = 0) -> int:
-    """Windows evaluated per call: about `TOKENS_PER_CALL` tokens, at least one window. Why: an
-    evaluation is a loop of calls, and a stop (Ctrl-C, SIGTERM) waits for the call in flight: at
-    4,096 tokens that is milliseconds for the default model and about a second or two for the
-    6-layer preset's on a slow 2-core CPU. With GPT-2's 50,257 ids, fewer: a call's logits stay
-    within `LOGITS_PER_CALL` (4,096 tokens' would be 823 MB)."""
-    tokens = min(TOKENS_PER_CALL, LOGITS_PER_CALL // vocab_size) if vocab_size else TOKENS_PER_CALL
-    return max(1, tokens // context)
+from eqx_gpt.training.parallel import shard_batch
+from eqx_gpt.training.setup import RunSetup
+from eqx_gpt.training.time_plan import TimePlan
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    loss: float  # mean cross-entropy in nats per predicted token
-    n_predicted: int  # tokens predicted: len(tokens) - 1 over the whole text
-    stride: int  # tokens between window starts (a sample: its windows' length)
-    whole: bool = True  # every token of the text predicted (False: a sample of its windows)
+def val_plan(setup: RunSetup, *, final: bool) -> EvalPlan:
+    """The validation windows a periodic (or the final) evaluation reads, within `--eval-tokens`."""
+    choose = final_plan if final else periodic_plan
+    return choose(len(setup.val_ids), setup.model_config.context_length, setup.config.eval_tokens)
 
 
-@dataclass(frozen=True)
-class Windows:
-    """Windows of `context + 1` tokens of a text of `n_tokens`: window `w` starts at `starts[w]` and
-    counts the loss of its targets `first[w] <= j < end[w]` (target `j` is token `starts[w] + 1 + j`)."""
-
-    starts: np.ndarray
-    first: np.ndarray
-    end: np.ndarray
-    context: int
-    n_tokens: int
-    stride: int
-    whole: bool
-
-    @property
-    def n_predicted(self) -> int:
-        return int(np.sum(self.end - self.first))
-
-    def __len__(self) -> int:
-        return len(self.starts)
+def _place(setup: RunSetup) -> Callable[[np.ndarray], object]:
+    """Puts one evaluation call's rows on the devices, split along the batch axis."""
+    return lambda x: shard_batch(x, setup.mesh, batch_axis=0)
 
 
-def whole_text(n_tokens: int, context: int, stride: int) -> Windows:
-    """Windows every `stride` tokens, the last one ending at the last token, that predict every
-    token but the first exactly once (see the module docstring)."""
-    if n_tokens < 2:
-        raise ValueError(f"evaluation needs at least 2 tokens (one to predict from), got {n_tokens}")
-    last_start = max(0, n_tokens - 1 - context)  # the window that ends at the last token
-    starts = np.append(np.arange(0, last_start, stride), last_start)
-    ends = np.minimum(starts + context, n_tokens - 1)  # the last target each window predicts
-    covered = np.append(0, ends[:-1])  # targets 1 .. covered are counted by earlier windows
-    return Windows(
-        starts, np.maximum(covered, starts) - starts, ends - starts, context, n_tokens, stride, True
-    )
+def _rows_per_call(setup: RunSetup) -> int:
+    """Windows per evaluation call: `rows_per_call`, rounded up to whole windows per device."""
+    per_call = rows_per_call(setup.model_config.context_length, setup.model_config.vocab_size)
+    return -(-per_call // setup.mesh.size) * setup.mesh.size
 
 
-def sampled(n_tokens: int, context: int, budget: int) -> Windows:
-    """`budget // context` windows (at least one) spread evenly over the text, each counting all
-    its `context` targets: about `budget` predicted tokens, the same every time."""
-    if n_tokens < context + 1:
-        return whole_text(n_tokens, context, context)
-    k = min(max(1, budget // context), n_tokens // context)
-    starts = np.linspace(0, n_tokens - 1 - context, k).round().astype(np.int64)
-    return Windows(starts, np.zeros(k, np.int64), np.full(k, context), context, n_tokens, context, False)
-
-
-def periodic_windows(n_tokens: int, context: int, budget: int) -> Windows:
-    """What a run's periodic evaluations read: the whole split in non-overlapping windows if it
-    fits `budget` tokens (Tiny Shakespeare's does), else an even sample of `budget` tokens."""
-    return (
-        whole_text(n_tokens, context, context) if n_tokens <= budget else sampled(n_tokens, context, budget)
-    )
-
-
-def final_windows(n_tokens: int, context: int, budget: int) -> Windows:
-    """What a run's final validation reads: the whole split in overlapping windows (every
-    `context // 2`) if it is at most `FINAL_EVAL_FACTOR` times the periodic budget, else an even
-    sample of that many tokens."""
-    if n_tokens <= FINAL_EVAL_FACTOR * budget:
-        return whole_text(n_tokens, context, max(1, context // 2))
-    return sampled(n_tokens, context, FINAL_EVAL_FACTOR * budget)
-
-
-def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
-    """`(starts, counted)` of `whole_text`: `counted[w, j]` says whether window `w` counts target `j`."""
-    w = whole_text(n_tokens, context, stride)
-    j = np.arange(context)
-    return w.starts, (j >= w.first[:, None]) & (j < w.end[:, None])
-
-
-@eqx.filter_jit
-def _summed_loss(
-    model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
-) -> Float[Array, ""]:
-    logits = model(batch[:, :-1])
-    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-    return jnp.sum(losses * weight)
-
-
-def _summed(model: GPT, n_rows: int, read, *, batch: int, place, stop) -> float | None:
-    """`sum(weight * loss)` over `n_rows` windows, `batch` per jitted call; `read(i, j)` gives the
-    `(rows, weight)` of windows `i..j`. The last call is padded with zero weight, so every call has
-    one shape. None as soon as `stop()` is true between calls. One call is kept in flight while the
-    next is dispatched."""
-    total, in_flight = 0.0, None
-    for i in range(0, n_rows, batch):
-        if stop():
-            return None
-        rows, weight = read(i, min(i + batch, n_rows))
-        padded_rows = np.zeros((batch, rows.shape[1]), np.int32)
-        padded_rows[: len(rows)] = rows
-        padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
-        padded_weight[: len(weight)] = weight
-        result = _summed_loss(model, place(padded_rows), place(padded_weight))
-        total += 0.0 if in_flight is None else float(in_flight)
-        in_flight = result
-    return total + (0.0 if in_flight is None else float(in_flight))
-
-
-def summed_loss(
-    model: GPT,
-    rows: Int[np.ndarray, "n window"],
-    weight: Float[np.ndarray, "n seq"],
-    *,
-    batch: int,
-    place=lambda x: x,
-    stop: Callable[[], bool] = lambda: False,
-) -> float | None:
-    """`sum(weight * loss)` over the windows `rows` (no dropout), `batch` rows per jitted call;
-    None if `stop()` turns true between calls."""
-    read = lambda i, j: (rows[i:j], weight[i:j])
-    return _summed(model, len(rows), read, batch=batch, place=place, stop=stop)
-
-
-def evaluate_windows(
-    model: GPT,
-    tokens: TokenSpan,
-    plan: Windows,
-    *,
-    place=lambda x: x,
-    batch: int | None = None,
-    stop: Callable[[], bool] = lambda: False,
+def validation_loss(
+    setup: RunSetup, model: GPT, plan: EvalPlan, stop: Callable[[], bool]
 ) -> Evaluation | None:
-    """Mean next-token loss of `model` (no dropout) over the windows `plan` of `tokens`, read from
-    them a call at a time (a split is never copied whole). See `evaluate` for the arguments."""
-    context, j = plan.context, np.arange(plan.context)
+    """The loss over `plan`'s windows of the validation split; None if the run was asked to stop."""
+    return evaluate_plan(
+        model, setup.val_ids, plan, place=_place(setup), batch=_rows_per_call(setup), stop=stop
+    )
 
-    def read(i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-        starts, fits = plan.starts[i:k], plan.starts[i:k] + context + 1 <= len(tokens)
-        rows = np.zeros((k - i, context + 1), np.int32)  # a text shorter than a window: zeros after it
-        rows[fits] = tokens.rows(starts[fits], context + 1)
-        for r in np.flatnonzero(~fits):
-            rows[r, : len(tokens) - starts[r]] = tokens.span(int(starts[r]), len(tokens)).to_array()
-        weight = (j >= plan.first[i:k, None]) & (j < plan.end[i:k, None])
-        return rows, weight.astype(np.float32)
 
-    batch = windows_per_call(context, model.config.vocab_size) if batch is None else batch
-    total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop)
-    if total is None:
+def train_loss(setup: RunSetup, model: GPT, stop: Callable[[], bool]) -> float | None:
+    """The mean loss over the run's fixed training windows (the same program as `validation_loss`)."""
+    rows = setup.eval_train_rows
+    weight = np.ones((len(rows), rows.shape[1] - 1), np.float32)
+    total = summed_loss(model, rows, weight, batch=_rows_per_call(setup), place=_place(setup), stop=stop)
+    return None if total is None else total / weight.size
+
+
+def evaluate_run(setup: RunSetup, model: GPT, stop: Callable[[], bool]) -> dict[str, float] | None:
+    """A periodic evaluation's figures by name, `train_loss` then `val_loss` (the one that picks the
+    best checkpoint); None if the run was asked to stop before it finished."""
+    train = train_loss(setup, model, stop)
+    val = validation_loss(setup, model, val_plan(setup, final=False), stop) if train is not None else None
+    if train is None or val is None:
         return None
-    return Evaluation(total / plan.n_predicted, plan.n_predicted, plan.stride, plan.whole)
+    return {"train_loss": train, "val_loss": val.loss}
 
 
-def evaluate(
-    model: GPT,
-    tokens,
-    *,
-    stride: int | None = None,
-    place=lambda x: x,
-    batch: int | None = None,
-    stop: Callable[[], bool] = lambda: False,
-) -> Evaluation | None:
-    """Mean next-token loss of `model` over all of `tokens` `(n,)` (an array, or a `TokenSpan`; no
-    dropout), in windows of `context_length` started every `stride` tokens (default
-    `context_length // 2`; see the module docstring). Runs `batch` windows per jitted call (default
-    `windows_per_call`); `place` puts each call's `(batch, ...)` arrays on devices.
-    Returns None if `stop()` turns true between calls (an interrupted run does not wait for the
-    whole split)."""
-    context = model.config.context_length
-    stride = max(1, context // 2) if stride is None else stride
-    if not is_whole(stride, 1, context):
-        raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
-    if not isinstance(tokens, TokenSpan):
-        tokens = TokenSpan([np.asarray(tokens, np.int32).reshape(-1)])
-    plan = whole_text(len(tokens), context, stride)
-    return evaluate_windows(model, tokens, plan, place=place, batch=batch, stop=stop)
+def final_evaluations(setup: RunSetup) -> float:
+    """The final validation's cost in periodic evaluations: what the time plan keeps back for it."""
+    return val_plan(setup, final=True).starts.size / val_plan(setup, final=False).starts.size
 
 
-def evaluate_text(model: GPT, tokenizer, text: str, *, stride: int | None = None) -> Evaluation:
-    """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
-    return evaluate(model, tokenizer.encode(text), stride=stride)
+def final_validation(
+    setup: RunSetup, model: GPT, last_val: float, plan: TimePlan, now: float, stop: Callable[[], bool]
+) -> tuple[Evaluation | None, str]:
+    """The final model's validation loss and what it covers: the whole split in overlapping
+    windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
+    no time left for it, the last evaluation's figure. None if a stop came meanwhile."""
+    context, n = setup.model_config.context_length, len(setup.val_ids)
+    if not plan.affords(now, plan.final_evals):
+        periodic = val_plan(setup, final=False)
+        last = Evaluation(last_val, periodic.n_predicted, periodic.stride, periodic.whole)
+        return last, (
+            f"(the last evaluation's, over {last.n_predicted:,} predicted tokens: the final validation "
+            f"would not fit in the time left)"
+        )
+    split_plan = val_plan(setup, final=True)
+    final = validation_loss(setup, model, split_plan, stop)
+    if final is None or final.whole:
+        covers = f"over all {split_plan.n_predicted:,} predicted tokens of the split"
+        return final, f"{covers} (windows of {context} every {split_plan.stride})"
+    return final, (
+        f"estimated over {final.n_predicted:,} of the split's {n:,} tokens ({len(split_plan):,} evenly "
+        f"spread windows of {context}; the whole split is over {FINAL_EVAL_FACTOR}x --eval-tokens)"
+    )

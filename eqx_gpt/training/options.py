@@ -6,7 +6,9 @@ training), or `preset`. Later sources override earlier ones:
     a fresh run     dataclass defaults  <  the preset  <  the settings given
     a resumed run   the checkpoint's values  <  the settings given that may change on resume
 
-The preset is `settings["preset"]`: a name, or None for none (the dataclass defaults alone). Left
+`eqx_gpt.train` gives its configs (every field of a config passed) and keywords as settings, and
+`train.py` the flags given. The preset is `settings["preset"]`: a name, or None for none (the
+dataclass defaults alone). Left
 out, it is `cpu`, or `finetune-shakespeare` with `init_from`. On resume, a preset named anew counts
 as settings for its values, and a setting that would change what the run computes must agree with
 the checkpoint (only `RESUMABLE_CHANGES` may differ).
@@ -20,8 +22,8 @@ from pathlib import Path
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.training.train_config import TrainConfig
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))

@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from eqx_gpt.errors import ConfigError
+
 DATA_AXIS = "data"
 
 
@@ -39,7 +41,7 @@ def initialize_distributed() -> bool:
     if coordinator:
         missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"JAX_COORDINATOR_ADDRESS is set but {', '.join(missing)} is not; set all three "
                 f"(JAX_NUM_PROCESSES = number of hosts, JAX_PROCESS_ID = 0 .. hosts - 1) on every host"
             )
@@ -63,16 +65,16 @@ def data_mesh(devices=None) -> Mesh:
 
 
 def check_batch(mesh: Mesh, batch_size: int, grad_accum: int = 1) -> None:
-    """Raise a one-line `ValueError` unless every micro-batch splits evenly over the devices."""
+    """Raise a one-line `ConfigError` unless every micro-batch splits evenly over the devices."""
     n = mesh.size
     if batch_size % (grad_accum * n) == 0:
         return
     if grad_accum == 1:
-        raise ValueError(
+        raise ConfigError(
             f"batch_size={batch_size} cannot be split evenly over {n} devices; "
             f"use a batch_size that is a multiple of {n}"
         )
-    raise ValueError(
+    raise ConfigError(
         f"batch_size={batch_size} with grad_accum={grad_accum} gives micro-batches of "
         f"{batch_size / grad_accum:g} sequences, which {n} devices cannot share evenly; "
         f"use a batch_size that is a multiple of grad_accum * {n} = {grad_accum * n}"
@@ -131,7 +133,7 @@ def shard_parameters(tree, mesh: Mesh):
     return _place_tree(tree, lambda x: parameter_sharding(x, mesh))
 
 
-def shard_batch(batch: jax.Array, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
+def shard_batch(batch: jax.Array | np.ndarray, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
     """Split `batch` along `batch_axis` over the mesh (asynchronous; no copy on one device)."""
     return _place(batch, batch_sharding(mesh, batch_axis))
 

@@ -41,28 +41,10 @@ PRESETS = {
     "cpu": Preset(
         "the default: a 0.8M-parameter model trained with Muon, its schedule fitted to 9 minutes on a "
         "2-core CPU or to 4,400 steps, past which it stops gaining, whichever comes first",
-        # The CPU speedrun (docs/PERFORMANCE.md): Muon on the block matrices (lr 0.03, momentum 0.95,
-        # Nesterov) and AdamW at 6e-3 on the embedding, head and norm scales, batch 32, one cosine
-        # to zero fitted to the time. Against lr 0.02 / 4e-3 and a cosine to a tenth, the whole-split
-        # val went 1.5160 -> 1.4961 at 1,600 steps and 1.4545 -> 1.4167 at 5,300. Longer schedules
-        # did not gain (7,000 steps: 1.4215; 9,500: 1.4238), nor did spending a fast machine's time on
-        # dropout 0.1 (1.4536 at 9,500), weight decay 0.3 (1.4375), lr 0.02 (1.4277) or 6 layers
-        # (1.4179 at 6,300 steps, the time of 9,500 of 4 layers): so the schedule ended at 5,500 steps of 32
-        # where time allows more (docs/PERFORMANCE.md, "Fitting the budget"). scan_unroll=4 runs the 4
-        # layers in one scan iteration (5-10% faster steps on 2 cores, no slower compile).
-        # Issue 33 (docs/PERFORMANCE.md, "The speedrun by steps") then took batch 48, not 32: a step
-        # holds 1.5x the tokens in 1.5x the time (the same tokens/s), so a time-fitted run sees as
-        # many tokens as before (at about the same loss per token), while each step learns more. With
-        # it, four changes that cost nothing per step: Muon on the query, key and value projections
-        # apart, Muon lr 0.04, AdamW betas 0.8/0.95, no clipping. Means of 3 seeds, per step: 1,400
-        # steps 1.5179 -> 1.4712, 2,000 1.4734 -> 1.4448, 4,400 1.4271 -> 1.4186 (runs on one core; on
-        # two, seeds 0 and 1 read 1.4214 and 1.4281: XLA rounds otherwise). 4,400 steps of 48 are
-        # 6,600 of 32, where this model stops gaining: 5,500 read 1.4249 against 4,400's 1.4195 (seed
-        # 0), so the cap is 4,400. Weight decay 0.15, not 0.1, then bought the longer runs back
-        # (docs/PERFORMANCE.md, "Weight decay 0.15"): 5,500 steps read 1.4127 / 1.4159 / 1.4257 (seeds
-        # 0 / 1 / 2; mean 1.4181), at no cost at 1,400 (mean 1.4723), 2,000 (1.4424) or 4,400
-        # (1.4183); 0.2 and 0.3 did not (1.4190 and 1.4282 at 5,500, and 0.2 cost 0.006 at 1,400).
-        # 5,500 steps gain nothing on 4,400 over those seeds, so the cap stays at 4,400.
+        # The CPU speedrun's recipe (docs/PERFORMANCE.md): Muon on the block matrices, the query, key
+        # and value apart, AdamW on the rest, one cosine to zero fitted to the time. Batch 48 holds
+        # 1.5x the tokens of 32 in 1.5x the time, so each step learns more at the same tokens/s;
+        # 4,400 steps is where this model stops gaining on Tiny Shakespeare.
         model=_CPU_MODEL,
         train={
             **_CPU_ADAMW_TRAIN,
@@ -82,11 +64,8 @@ PRESETS = {
     ),
     "cpu-adamw": Preset(
         "the previous default: the same model with AdamW, stopping at 7,000 steps or 9 minutes",
-        # Tuned by short runs on 2 cores: at equal tokens, batch 16 beat batch 32 (more updates) at
-        # the same tokens/s, and lr 5e-3 beat 2e-3 and 1e-2 (the preset kept 4e-3, just below it);
-        # context 64 then ran about twice the tokens/s of context 128 on CPU (on 2026-11-24's code
-        # 1.05x, and context 128 did not lower the loss at equal tokens). Past ~7,000 steps this
-        # model overfits the 1M training characters faster than a longer schedule helps.
+        # Batch 16 makes more updates than 32 at the same tokens/s; past ~7,000 steps this model
+        # overfits the 1M training characters faster than a longer schedule helps.
         model=_CPU_MODEL,
         train=_CPU_ADAMW_TRAIN,
     ),

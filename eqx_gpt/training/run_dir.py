@@ -123,7 +123,8 @@ class RunDirLock:
     def __exit__(self, *exc) -> None:
         if self.claimed:
             self.info.unlink(missing_ok=True)
-        os.close(self.fd)
+        if self.fd is not None:
+            os.close(self.fd)
 
 
 def final_recorded(metrics: Path, step: int) -> bool:
@@ -142,17 +143,9 @@ def final_recorded(metrics: Path, step: int) -> bool:
     return False
 
 
-# The numbers a record of `metrics.jsonl` may hold (the plot and a resumed run read them).
-NUMBERS = (
-    "loss",
-    "lr",
-    "tokens_per_s",
-    "train_loss",
-    "val_loss",
-    "elapsed_s",
-    "final_val_loss",
-    "val_tokens",
-)
+# What a record of `metrics.jsonl` may hold besides its step and numbers (the plot and a resumed run
+# read them; every other value is a loss, a rate or a time).
+NOT_NUMBERS = ("step", "whole_split")
 
 
 def _check_record(record: dict, path: Path, number: int) -> None:
@@ -161,12 +154,11 @@ def _check_record(record: dict, path: Path, number: int) -> None:
     step = record.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise TrainingError(f"{path} line {number}: 'step' is {step!r}, not a whole number >= 0; fix or "
-                          f"delete that line, then resume")  # fmt: skip
-    for key in NUMBERS:
-        value = record.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int | float):
+                            f"delete that line, then resume")  # fmt: skip
+    for key, value in record.items():
+        if key not in NOT_NUMBERS and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise TrainingError(f"{path} line {number}: {key!r} is {value!r}, not a number; fix or delete "
-                              f"that line, then resume")  # fmt: skip
+                                f"that line, then resume")  # fmt: skip
 
 
 def kept_records(path: Path, keep_until: int) -> list[dict]:

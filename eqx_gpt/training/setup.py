@@ -3,7 +3,8 @@
 `set_up` reads the corpus (tokenized once into shards), the tokenizer, the model's config, the
 devices and, on resume, the checkpoint; it builds the model and optimiser state; it writes nothing
 in the run directory. What it resolves is a frozen `RunSetup`; what the loop will change starts as
-a `TrainState`.
+a `TrainState`: the model, the optimiser state, the step, the schedule's length and the best
+validation loss.
 """
 
 import functools
@@ -15,6 +16,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import numpy as np
+from jaxtyping import PyTree
 
 from eqx_gpt.checkpoint import load_checkpoint
 from eqx_gpt.data.prepare import Corpus
@@ -26,16 +28,13 @@ from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.template import model_template
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
-from eqx_gpt.training.batches import fixed_batches
-from eqx_gpt.training.corpus import BUNDLED, check_split, load_corpus
-from eqx_gpt.training.evaluate import Windows, final_windows, periodic_windows
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
 from eqx_gpt.training.options import RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
-from eqx_gpt.training.progress import Progress
+from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
-from eqx_gpt.training.state import TrainState
-from eqx_gpt.training.train_config import TrainConfig
-from eqx_gpt.training.train_step import count_params, init_optimizer_state, make_optimizer, make_train_steps
+from eqx_gpt.training.step import count_params, init_optimizer_state, make_optimizer, make_train_steps
 
 
 @dataclass(frozen=True)
@@ -59,10 +58,23 @@ class RunSetup:
     def tokens_per_step(self) -> int:
         return self.config.batch_size * self.model_config.context_length
 
-    def val_windows(self, *, final: bool) -> Windows:
-        """The validation windows a periodic (or the final) evaluation reads, within `--eval-tokens`."""
-        choose = final_windows if final else periodic_windows
-        return choose(len(self.val_ids), self.model_config.context_length, self.config.eval_tokens)
+
+@dataclass
+class TrainState:
+    """What the loop changes as a run trains; everything else about it is fixed in `RunSetup`."""
+
+    model: GPT
+    opt_state: PyTree
+    step: int  # optimiser steps done
+    schedule_steps: int  # the schedule's length: the run ends here (`--max-minutes` may refit it)
+    best_val: float = math.inf
+    last_eval: tuple[int, float] | None = None  # (step, val loss) of the latest evaluation
+    last_saved: int | None = None  # step of the latest `latest` checkpoint
+
+    @property
+    def evaluated(self) -> bool:
+        """Whether the current step's evaluation is done."""
+        return self.last_eval is not None and self.last_eval[0] == self.step
 
 
 # The fields of a TrainConfig that the compiled step never reads (the schedule's rates arrive as
@@ -106,10 +118,7 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     for name, ids in (("train", corpus.train), ("validation", corpus.val)):
         check_split(ids, name, model_config.context_length, source)
     mesh = data_mesh()
-    try:
-        check_batch(mesh, config.batch_size, config.grad_accum)
-    except ValueError as e:
-        raise TrainingError(str(e)) from None
+    check_batch(mesh, config.batch_size, config.grad_accum)
     optimizer, train_steps = optimizer_and_step(config, dropout=model_config.dropout > 0)
     state = _initial_state(options, config, model_config, optimizer, out_dir, log)
     # Data parallelism: each batch split over the devices; parameters and optimiser state on every
@@ -148,18 +157,18 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
         else:
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
-        return TrainState(model, opt_state, step=0, horizon=options.schedule_steps)
+        return TrainState(model, opt_state, step=0, schedule_steps=options.schedule_steps)
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
     model, opt_state, _, meta = load_checkpoint(meta, opt_like)
-    start, horizon = meta["step"], options.schedule_steps
+    start, schedule_steps = meta["step"], options.schedule_steps
     last_eval = saved_evaluation(meta)
-    finished = start >= horizon and (last_eval or (None,))[0] == start
+    finished = start >= schedule_steps and (last_eval or (None,))[0] == start
     if finished and final_recorded(out_dir / METRICS_NAME, start):  # else: finish it now
         raise TrainingError(
             f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
         )
     best_val = meta.get("best_val_loss") or math.inf
-    return TrainState(model, opt_state, start, horizon, best_val, last_eval, last_saved=start)
+    return TrainState(model, opt_state, start, schedule_steps, best_val, last_eval, last_saved=start)
 
 
 def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dict) -> dict:

@@ -1,5 +1,5 @@
 """Fitting a run to the time it has: `TimePlan` measures the step rate and the cost of evaluations,
-and sets the schedule's length (the horizon) to the steps that fit before `--max-minutes` is up."""
+and sets the schedule's length (`schedule_steps`) to the steps that fit before `--max-minutes` is up."""
 
 import math
 
@@ -15,7 +15,7 @@ FINAL_VALIDATION_EVALS = 2.0
 
 
 class TimePlan:
-    """Fits the schedule's length (the horizon) to the steps that fit before a deadline.
+    """Fits the schedule's length (`schedule_steps`) to the steps that fit before a deadline.
 
     The step rate is measured from `start_timing` (called after the first step, which compiles),
     leaving out the time spent in evaluations, which are priced separately. Every method takes the
@@ -96,8 +96,10 @@ class TimePlan:
         seconds_per_step = 1 / rate + per_eval / eval_interval
         return max(step, step + int(budget / seconds_per_step))
 
-    def fit(self, step: int, horizon: int, now: float, eval_interval: int, eval_cost_steps: float) -> int:
-        """The horizon that ends the run at the deadline, within `[step, max_steps]` (`horizon`
-        unchanged without a time limit or a timed step)."""
+    def fit(
+        self, step: int, schedule_steps: int, now: float, eval_interval: int, eval_cost_steps: float
+    ) -> int:
+        """The schedule's length that ends the run at the deadline, within `[step, max_steps]`
+        (`schedule_steps` unchanged without a time limit or a timed step)."""
         fits = self.steps_that_fit(step, now, eval_interval, eval_cost_steps)
-        return horizon if fits is None else max(step, min(self.max_steps, fits))
+        return schedule_steps if fits is None else max(step, min(self.max_steps, fits))

@@ -1,18 +1,46 @@
-"""What the command-line faces share: an argument parser whose errors are one line and exit code
-2, the number types their flags parse with (every number is range-checked where it enters), and
-the `--checkpoint` argument of sample.py, evaluate.py and export.py."""
+"""What the commands share: the one place their errors are caught (`run_command`), an argument
+parser whose errors are one line and exit code 2, the number types their flags parse with (every
+number is range-checked where it enters), and the `--checkpoint` argument of sample, evaluate and
+export."""
 
 import argparse
+import contextlib
 import math
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
+from eqx_gpt.errors import ConfigError, EqxGptError
+
+
+def run_command(prog: str, body: Callable[[], int]) -> int:
+    """Run a command's `body` and return its exit code: bad input of any kind (an `EqxGptError`) is
+    one line on stderr naming the fix, and exit code 2."""
+    try:
+        return body()
+    except EqxGptError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+@contextlib.contextmanager
+def flag_values() -> Iterator[None]:
+    """The library's public range checks raise plain `ValueError`s; given a command's flags, they
+    are bad input (`ConfigError`)."""
+    try:
+        yield
+    except EqxGptError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """The CLIs' argument parser: a bad argument is one line on stderr and exit code 2."""
+    """The commands' argument parser: a bad argument is one line on stderr and exit code 2."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 

@@ -1,8 +1,15 @@
-"""What one optimisation step is: the loss, AdamW and the jitted step (one step, or several per call).
+"""One optimisation step: the learning-rate schedule, the loss, the optimiser (AdamW, or Muon and
+AdamW) and the jitted step (one step, or several per call).
 
-The run around these (data, evaluation, checkpoints, the loop) is in `run.py`; the learning-rate
-schedule in `schedule.py`; the config in `train_config.py`.
+The schedule: linear warm-up, then half a cosine down to `min_lr` (or, under `schedule="wsd"`, a
+stable `lr` and a linear decay to `min_lr` over the run's last part), `schedule_steps` long. With
+`--max-minutes`, `time_plan.TimePlan` shortens `schedule_steps` so that the schedule ends when the
+time does; the optimiser is built with a unit learning rate and each step is passed its rate, so
+changing the schedule's length needs no recompiling.
 """
+
+import math
+from collections.abc import Hashable
 
 import equinox as eqx
 import jax
@@ -14,8 +21,42 @@ from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
-from eqx_gpt.training.schedule import decay_start, warmup_steps
-from eqx_gpt.training.train_config import TrainConfig
+from eqx_gpt.training.config import TrainConfig
+
+
+def warmup_steps(config: TrainConfig, schedule_steps: int) -> int:
+    """The warm-up actually run: `config.warmup_steps`, shortened to half the schedule if longer,
+    so that a short run still reaches `lr` and decays (rather than ending mid-warm-up)."""
+    return min(config.warmup_steps, schedule_steps // 2)
+
+
+def decay_start(config: TrainConfig, schedule_steps: int) -> int:
+    """The step where the decay to `min_lr` begins: the end of the warm-up under the cosine, the
+    last `decay_fraction` of the run under `schedule="wsd"`."""
+    warmup = warmup_steps(config, schedule_steps)
+    if config.schedule == "cosine":
+        return warmup
+    return max(warmup, schedule_steps - round(config.decay_fraction * schedule_steps))
+
+
+def learning_rate(step: int, config: TrainConfig, schedule_steps: int) -> float:
+    """The learning rate of optimiser step `step` (0-based) in a schedule `schedule_steps` steps long.
+
+    Linear warm-up to `lr` over `warmup_steps(config, schedule_steps)`, then half a cosine down to
+    `min_lr` at `schedule_steps` (nanoGPT's schedule); `min_lr` after that. Under `schedule="wsd"`
+    (warm-up, stable, decay), `lr` holds until the last `decay_fraction` of the run, which decays
+    linearly to `min_lr`: refitting the schedule's length to the time then moves only the decay.
+    """
+    c, warmup = config, warmup_steps(config, schedule_steps)
+    if step < warmup:
+        return c.lr * (step + 1) / (warmup + 1)
+    if step >= schedule_steps:
+        return c.min_lr
+    start = decay_start(c, schedule_steps)
+    progress = max(0, step - start) / max(1, schedule_steps - start)
+    if c.schedule == "wsd":
+        return c.lr + progress * (c.min_lr - c.lr)
+    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
 
 
 def decay_mask(params: PyTree) -> PyTree:
@@ -35,9 +76,15 @@ def decay_mask(params: PyTree) -> PyTree:
     return jax.tree_util.tree_map_with_path(lambda path, decays: decays and not _is_bias(path), mask)
 
 
-def _is_bias(path) -> bool:
+def _field_name(path) -> str | None:
+    """The name of the field a leaf at `path` is (None for a list item or a dict entry)."""
     last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name.endswith("bias")
+    return getattr(last, "name", None) if isinstance(last, jax.tree_util.GetAttrKey) else None
+
+
+def _is_bias(path) -> bool:
+    name = _field_name(path)
+    return name is not None and name.endswith("bias")
 
 
 def muon_labels(params: PyTree) -> PyTree:
@@ -67,8 +114,7 @@ def matrix_axes(split_qkv: bool):
 
 
 def _is_qkv(path) -> bool:
-    last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.GetAttrKey) and last.name == "w_qkv"
+    return _field_name(path) == "w_qkv"
 
 
 def split_qkv(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -118,7 +164,10 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
         adamw = optax.adamw(
             adam_scale, b1=c.beta1, b2=c.beta2, weight_decay=c.adam_weight_decay, mask=decay_mask
         )
-        groups = {"muon": split_qkv(muon) if c.muon_split_qkv else muon, "adamw": adamw}
+        groups: dict[Hashable, optax.GradientTransformation] = {
+            "muon": split_qkv(muon) if c.muon_split_qkv else muon,
+            "adamw": adamw,
+        }
         opt = optax.partition(groups, muon_labels)
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
 
@@ -233,21 +282,21 @@ def make_train_steps(
     return train_steps
 
 
-def describe_optimizer(config: TrainConfig, horizon: int) -> str:
-    """The line a run prints: the optimiser, and exactly what `learning_rate` will do over `horizon` steps."""
-    c, warmup = config, warmup_steps(config, horizon)
+def describe_optimizer(config: TrainConfig, schedule_steps: int) -> str:
+    """The line a run prints: the optimiser, and what `learning_rate` does over `schedule_steps` steps."""
+    c, warmup = config, warmup_steps(config, schedule_steps)
     clip = f"gradient clip {c.grad_clip:g}" if c.grad_clip > 0 else "no gradient clipping"
     shortened = (
         f" (--warmup-steps {c.warmup_steps} shortened to half the run)" if warmup < c.warmup_steps else ""
     )
     if c.optimizer == "adamw":
-        decay = _decay(c, horizon, f"{c.min_lr:g}")
+        decay = _decay(c, schedule_steps, f"{c.min_lr:g}")
         return (
             f"AdamW, lr warm-up 0 -> {c.lr:g} over {warmup} steps{shortened}, {decay}; "
             f"betas ({c.beta1:g}, {c.beta2:g}), weight decay {c.weight_decay:g} on matrices, "
             f"{clip}"
         )
-    adam_lr, decay = c.adam_lr or c.lr, _decay(c, horizon, f"{c.min_lr / c.lr:g} of their peak")
+    adam_lr, decay = c.adam_lr or c.lr, _decay(c, schedule_steps, f"{c.min_lr / c.lr:g} of their peak")
     split = ", query, key and value apart" if c.muon_split_qkv else ""
     return (
         f"Muon (momentum {c.muon_momentum:g}, Nesterov, {c.muon_ns_steps} Newton-Schulz steps{split}) on the "
@@ -259,8 +308,9 @@ def describe_optimizer(config: TrainConfig, horizon: int) -> str:
     )
 
 
-def _decay(config: TrainConfig, horizon: int, floor: str) -> str:
+def _decay(config: TrainConfig, schedule_steps: int, floor: str) -> str:
     """What the schedule does after the warm-up, in words (`floor`: where it ends)."""
     if config.schedule == "cosine":
-        return f"a cosine to {floor} at step {horizon}"
-    return f"stable until step {decay_start(config, horizon)}, then linear to {floor} at step {horizon}"
+        return f"a cosine to {floor} at step {schedule_steps}"
+    stable = decay_start(config, schedule_steps)
+    return f"stable until step {stable}, then linear to {floor} at step {schedule_steps}"

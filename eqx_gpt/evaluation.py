@@ -1,0 +1,245 @@
+"""The loss of a model on a text: over the whole of it, every position predicted once, or over a
+fixed sample of its windows within a token budget.
+
+A model sees at most `context_length` tokens, so a long text is cut into windows. With
+`stride == context_length` they do not overlap: cheap, but the first positions of each window
+are predicted from little context. With a smaller stride (`final` evaluations use
+`context_length // 2`) the windows overlap and each counts only the targets that no earlier
+window counted, so every target after the first `context_length` is predicted from at least
+`context_length - stride` tokens. Either way every token but the first (which nothing precedes)
+is a target exactly once, so the mean is over `len(tokens) - 1` predictions (`plan_whole`).
+
+Which windows an evaluation reads, and which of their targets it counts, is an `EvalPlan`. A split
+larger than the budget is sampled instead (`plan_sample`): windows spread evenly over it, the same
+at every evaluation, each counting all its targets. The periodic evaluations of a run read
+`periodic_plan`, the final one `final_plan`: a bounded cost whatever the corpus size.
+
+The model is evaluated in inference mode (`eqx.nn.inference_mode`): no dropout, whatever it was
+built with.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float, Int
+
+from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt.data.shards import TokenSpan
+from eqx_gpt.errors import DataError
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.tokenizer import Tokenizer
+
+TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
+LOGITS_PER_CALL = 1 << 24  # and at most this many logits (64 MiB of float32), for large vocabularies
+FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
+
+
+def rows_per_call(context: int, vocab_size: int = 0) -> int:
+    """Windows evaluated per call: about `TOKENS_PER_CALL` tokens, at least one window. Why: an
+    evaluation is a loop of calls, and a stop (Ctrl-C, SIGTERM) waits for the call in flight: at
+    4,096 tokens that is milliseconds for the default model and about a second or two for the
+    6-layer preset's on a slow 2-core CPU. With GPT-2's 50,257 ids, fewer: a call's logits stay
+    within `LOGITS_PER_CALL` (4,096 tokens' would be 823 MB)."""
+    tokens = min(TOKENS_PER_CALL, LOGITS_PER_CALL // vocab_size) if vocab_size else TOKENS_PER_CALL
+    return max(1, tokens // context)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's mean next-token loss over a text (`evaluate`) or over the windows of a plan."""
+
+    loss: float  # mean cross-entropy in nats per predicted token
+    n_predicted: int  # tokens predicted: len(tokens) - 1 over the whole text
+    stride: int  # tokens between window starts (a sample: its windows' length)
+    whole: bool = True  # every token of the text predicted (False: a sample of its windows)
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """The windows of `context + 1` tokens an evaluation reads in a text of `n_tokens`, and the
+    targets each counts: window `w` starts at `starts[w]` and counts the loss of its targets
+    `first[w] <= j < end[w]` (target `j` is token `starts[w] + 1 + j`)."""
+
+    starts: np.ndarray
+    first: np.ndarray
+    end: np.ndarray
+    context: int
+    n_tokens: int
+    stride: int
+    whole: bool
+
+    @property
+    def n_predicted(self) -> int:
+        return int(np.sum(self.end - self.first))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+
+def plan_whole(n_tokens: int, context: int, stride: int) -> EvalPlan:
+    """Windows every `stride` tokens, the last one ending at the last token, that predict every
+    token but the first exactly once (see the module docstring)."""
+    if n_tokens < 2:
+        raise DataError(f"evaluation needs at least 2 tokens (one to predict from), got {n_tokens}")
+    last_start = max(0, n_tokens - 1 - context)  # the window that ends at the last token
+    starts = np.append(np.arange(0, last_start, stride), last_start)
+    ends = np.minimum(starts + context, n_tokens - 1)  # the last target each window predicts
+    covered = np.append(0, ends[:-1])  # targets 1 .. covered are counted by earlier windows
+    return EvalPlan(
+        starts, np.maximum(covered, starts) - starts, ends - starts, context, n_tokens, stride, True
+    )
+
+
+def plan_sample(n_tokens: int, context: int, budget: int) -> EvalPlan:
+    """`budget // context` windows (at least one) spread evenly over the text, each counting all
+    its `context` targets: about `budget` predicted tokens, the same every time."""
+    if n_tokens < context + 1:
+        return plan_whole(n_tokens, context, context)
+    k = min(max(1, budget // context), n_tokens // context)
+    starts = np.linspace(0, n_tokens - 1 - context, k).round().astype(np.int64)
+    return EvalPlan(starts, np.zeros(k, np.int64), np.full(k, context), context, n_tokens, context, False)
+
+
+def periodic_plan(n_tokens: int, context: int, budget: int) -> EvalPlan:
+    """What a run's periodic evaluations read: the whole split in non-overlapping windows if it
+    fits `budget` tokens (Tiny Shakespeare's does), else an even sample of `budget` tokens."""
+    return (
+        plan_whole(n_tokens, context, context)
+        if n_tokens <= budget
+        else plan_sample(n_tokens, context, budget)
+    )
+
+
+def final_plan(n_tokens: int, context: int, budget: int) -> EvalPlan:
+    """What a run's final validation reads: the whole split in overlapping windows (every
+    `context // 2`) if it is at most `FINAL_EVAL_FACTOR` times the periodic budget, else an even
+    sample of that many tokens."""
+    if n_tokens <= FINAL_EVAL_FACTOR * budget:
+        return plan_whole(n_tokens, context, max(1, context // 2))
+    return plan_sample(n_tokens, context, FINAL_EVAL_FACTOR * budget)
+
+
+@eqx.filter_jit
+def _summed_loss(
+    model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
+) -> Float[Array, ""]:
+    logits = model(batch[:, :-1])
+    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+    return jnp.sum(losses * weight)
+
+
+def _summed(model: GPT, n_rows: int, read, *, batch: int, place, stop) -> float | None:
+    """`sum(weight * loss)` over `n_rows` windows, `batch` per jitted call; `read(i, j)` gives the
+    `(rows, weight)` of windows `i..j`. The last call is padded with zero weight, so every call has
+    one shape. None as soon as `stop()` is true between calls. One call is kept in flight while the
+    next is dispatched. The model runs in inference mode (no dropout)."""
+    model = eqx.nn.inference_mode(model)
+    total, in_flight = 0.0, None
+    for i in range(0, n_rows, batch):
+        if stop():
+            return None
+        rows, weight = read(i, min(i + batch, n_rows))
+        padded_rows = np.zeros((batch, rows.shape[1]), np.int32)
+        padded_rows[: len(rows)] = rows
+        padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
+        padded_weight[: len(weight)] = weight
+        result = _summed_loss(model, place(padded_rows), place(padded_weight))
+        total += 0.0 if in_flight is None else float(in_flight)
+        in_flight = result
+    return total + (0.0 if in_flight is None else float(in_flight))
+
+
+def summed_loss(
+    model: GPT,
+    rows: Int[np.ndarray, "n window"],
+    weight: Float[np.ndarray, "n seq"],
+    *,
+    batch: int,
+    place=lambda x: x,
+    stop: Callable[[], bool] = lambda: False,
+) -> float | None:
+    """`sum(weight * loss)` over the windows `rows` (no dropout), `batch` rows per jitted call;
+    None if `stop()` turns true between calls."""
+    read = lambda i, j: (rows[i:j], weight[i:j])
+    return _summed(model, len(rows), read, batch=batch, place=place, stop=stop)
+
+
+def evaluate_plan(
+    model: GPT,
+    tokens: TokenSpan,
+    plan: EvalPlan,
+    *,
+    place=lambda x: x,
+    batch: int | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> Evaluation | None:
+    """Mean next-token loss of `model` (no dropout) over the windows of `plan` in `tokens`, read from
+    them a call at a time (a split is never copied whole). See `evaluate` for the arguments."""
+    context, j = plan.context, np.arange(plan.context)
+
+    def read(i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        starts, fits = plan.starts[i:k], plan.starts[i:k] + context + 1 <= len(tokens)
+        rows = np.zeros((k - i, context + 1), np.int32)  # a text shorter than a window: zeros after it
+        rows[fits] = tokens.rows(starts[fits], context + 1)
+        for r in np.flatnonzero(~fits):
+            rows[r, : len(tokens) - starts[r]] = tokens.span(int(starts[r]), len(tokens)).to_array()
+        weight = (j >= plan.first[i:k, None]) & (j < plan.end[i:k, None])
+        return rows, weight.astype(np.float32)
+
+    batch = rows_per_call(context, model.config.vocab_size) if batch is None else batch
+    total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop)
+    if total is None:
+        return None
+    return Evaluation(total / plan.n_predicted, plan.n_predicted, plan.stride, plan.whole)
+
+
+def check_tokens(tokens, vocab_size: int) -> np.ndarray:
+    """`tokens` as a 1-D int32 array, or a one-line `TypeError` (not integer ids) or `ValueError` (an
+    id outside `[0, vocab_size)`, naming it): a float is never truncated, nor an id wrapped."""
+    try:
+        ids = np.asarray(tokens)
+    except (TypeError, ValueError):
+        raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}") from None
+    flat = ids.reshape(-1)
+    if ids.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
+        flat = [t for t in flat if not 0 <= t < vocab_size]  # ints numpy cannot hold: out of range
+        raise ValueError(f"token id {flat[0]} is outside the model's vocabulary [0, {vocab_size})")
+    if ids.size == 0:
+        return np.zeros(0, np.int32)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integer ids, got {ids.dtype} values such as {flat[0].item()!r}")
+    outside = flat[(flat < 0) | (flat >= vocab_size)]
+    if outside.size:
+        raise ValueError(f"token id {outside[0]} is outside the model's vocabulary [0, {vocab_size})")
+    return flat.astype(np.int32)
+
+
+def evaluate(model: GPT, tokens, *, stride: int | None = None, batch: int | None = None) -> Evaluation:
+    """Mean next-token loss of `model` over all of `tokens` `(n,)` (integer ids in `[0, vocab_size)`,
+    or a `TokenSpan`; no dropout), in windows of `context_length` started every `stride` tokens
+    (default `context_length // 2`; see the module docstring), `batch` windows per jitted call
+    (default `rows_per_call`). Bad arguments raise a one-line `TypeError` or `ValueError`."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a GPT, got {type(model).__name__}")
+    context = model.config.context_length
+    stride = max(1, context // 2) if stride is None else stride
+    if not is_whole(stride, 1, context):
+        raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
+    if batch is not None and not is_whole(batch, 1):
+        raise ValueError(f"batch must be an integer in [1, {INT32_MAX}], got {batch!r}")
+    if not isinstance(tokens, TokenSpan):
+        tokens = TokenSpan([check_tokens(tokens, model.config.vocab_size)])
+    result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch)
+    assert result is not None  # only a `stop` (none here) ends an evaluation early
+    return result
+
+
+def evaluate_text(model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None) -> Evaluation:
+    """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return evaluate(model, tokenizer.encode(text), stride=stride)

@@ -1,0 +1,125 @@
+"""The package as a user meets it: its public names, the README's Python training example, the
+commands of `python -m eqx_gpt`, and a wheel installed in a fresh environment."""
+
+import dataclasses
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import eqx_gpt
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block after `heading` in README.md."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    after = text[text.index(heading) :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```\n", start)]
+
+
+def _env() -> dict:
+    """The environment of a user's process: no test-only paths, this checkout not importable by accident."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_XDIST_WORKER")}
+
+
+def test_every_public_name_resolves_and_nothing_private_or_a_test_oracle_is_exported():
+    assert len(set(eqx_gpt.__all__)) == len(eqx_gpt.__all__)
+    assert all(hasattr(eqx_gpt, name) for name in eqx_gpt.__all__)
+    assert not [name for name in eqx_gpt.__all__ if name.startswith("_")]
+    assert "naive_generate" not in eqx_gpt.__all__
+    wanted = {"train", "TrainConfig", "TrainResult", "PRESETS", "evaluate", "Evaluation", "load_gpt2",
+              "save_gpt2", "prepare", "Corpus", "load_model", "save_checkpoint", "generate",
+              "EqxGptError"}  # fmt: skip
+    assert wanted <= set(eqx_gpt.__all__)
+    errors = [getattr(eqx_gpt, name) for name in eqx_gpt.__all__ if name.endswith("Error")]
+    assert all(isinstance(e, type) and issubclass(e, eqx_gpt.EqxGptError) for e in errors), errors
+
+
+def test_train_takes_typed_configs_and_no_dict():
+    parameters = inspect.signature(eqx_gpt.train).parameters
+    assert "dict" not in str(parameters["config"].annotation) and "dict" not in str(
+        parameters["model"].annotation
+    )
+    with pytest.raises(TypeError, match="config must be a TrainConfig, got dict"):
+        eqx_gpt.train({"max_steps": 3})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['max_stepz'\]"):
+        eqx_gpt.train(max_stepz=3)
+    assert {f.name for f in dataclasses.fields(eqx_gpt.TrainResult)} >= {"model", "tokenizer", "val_loss"}
+
+
+def test_the_readme_example_trains_from_python_in_an_empty_folder(tmp_path):
+    code = _readme_block("### Train from Python")
+    assert "from eqx_gpt import" in code and "train(" in code
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 40: val loss" in proc.stdout
+    records = [
+        json.loads(line) for line in (tmp_path / "tiny-run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert records[-1]["step"] == 40 and "final_val_loss" in records[-1]
+
+
+def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
+    from eqx_gpt.__main__ import main
+
+    assert main([]) == 2
+    assert "usage: python -m eqx_gpt {train,sample,evaluate,export}" in capsys.readouterr().err
+    assert main(["fly"]) == 2
+    assert "unknown command 'fly'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m eqx_gpt train")
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv")
+@pytest.mark.slow
+def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(tmp_path):
+    dist, venv, work = tmp_path / "dist", tmp_path / "venv", tmp_path / "elsewhere"
+    work.mkdir()
+    env = _env()
+    env.pop("VIRTUAL_ENV", None)
+
+    def uv(*args: str) -> None:
+        proc = subprocess.run(["uv", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    uv("build", "--wheel", "--out-dir", str(dist))
+    (wheel,) = dist.glob("eqx_gpt-*.whl")
+    # The locked versions of the dependencies (uv's cache holds them), on this Python.
+    requirements = str(tmp_path / "requirements.txt")
+    uv("export", "--frozen", "--no-default-groups", "--no-emit-project", "--no-hashes", "-o", requirements)
+    uv("venv", "--quiet", "--python", sys.executable, str(venv))
+    python = venv / "bin" / "python"
+    uv("pip", "install", "--quiet", "--python", str(python), "-r", requirements, str(wheel))
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(python), "-m", "eqx_gpt", *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+
+    tiny = ["--d-model", "32", "--n-heads", "2", "--n-layers", "1", "--batch-size", "8", "--max-steps", "4",
+            "--eval-interval", "4", "--eval-tokens", "2048", "--max-minutes", "0",
+            "--sample-tokens", "0"]  # fmt: skip
+    trained = command("train", *tiny, "--out-dir", "run")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (work / "run" / "latest.json").exists()
+    sampled = command("sample", "--checkpoint", "run", "--prompt", "ROMEO:", "--max-new-tokens", "20")
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > len("ROMEO:")
+    bad = command("sample", "--checkpoint", "nowhere")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    script = subprocess.run([str(venv / "bin" / "eqx-gpt"), "evaluate", "--checkpoint", "run"], cwd=work,
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert script.returncode == 0 and "the validation split of Tiny Shakespeare" in script.stdout, (
+        script.stderr
+    )
