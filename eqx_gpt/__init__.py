@@ -5,7 +5,7 @@ jaxtyping shape annotations checked by beartype when JAX traces the call.
 """
 
 from eqx_gpt.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_model, save_checkpoint
-from eqx_gpt.generation.generate import generate, generate_batch, naive_generate, stream_batch, stream_text
+from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
 from eqx_gpt.model.attention import (
@@ -66,7 +66,6 @@ __all__ = [
     "rotary_embedding",
     "generate",
     "generate_batch",
-    "naive_generate",
     "stream_batch",
     "stream_text",
     "SamplingOptions",
