@@ -92,7 +92,8 @@ def translate(
         raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
     key = jax.random.key(0) if key is None else key
     out = _translate(
-        eqx.nn.inference_mode(model), jnp.asarray(src, jnp.int32), jnp.int32(bos_id), jnp.int32(eos_id), key, n_steps=max_new_tokens,
+        eqx.nn.inference_mode(model), jnp.asarray(src, jnp.int32), jnp.int32(bos_id), jnp.int32(eos_id),
+        key, n_steps=max_new_tokens,
         **sampling_arrays(options),
     )  # fmt: skip
     return np.asarray(out)

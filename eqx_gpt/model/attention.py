@@ -418,8 +418,9 @@ class MultiHeadAttention(eqx.Module):
         `start + new <= capacity` (`jax.lax.dynamic_update_slice` would otherwise clamp).
 
         A batch `(*batch, new, d_model)` needs a cache with the same leading `batch` axes; its
-        sequences share `start`. Decoding is inference: it never drops out. (Updating in place matters here: under `jax.vmap` the update would
-        become a scatter, which XLA:CPU turns into a copy of the whole cache per token.)
+        sequences share `start`. Decoding is inference: it never drops out. (Updating in place
+        matters here: under `jax.vmap` the update would become a scatter, which XLA:CPU turns
+        into a copy of the whole cache per token.)
         """
         q, k, v = self._project(x, None, start)  # (*batch, new, heads, d_head)
         lead = (0,) * (x.ndim - 2)

@@ -73,8 +73,9 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None = None, *, inference
     unchanged; otherwise it needs a `key` (a one-line `ValueError` without one). `rate` must be in
     `[0, 1)`. `key` is one key, or an array of keys for the leading axes of `x` (one per sequence
     of a batch): each sequence then gets the mask it would get on its own, so a batch gives the
-    same result as `jax.vmap` over its sequences. The rate is rounded to a multiple of 1/65536 and survivors are scaled by the exact keep probability, so
-    the expected output is `x` (see `keep_mask`).
+    same result as `jax.vmap` over its sequences. The rate is rounded to a multiple of 1/65536
+    and survivors are scaled by the exact keep probability, so the expected output is `x` (see
+    `keep_mask`).
     """
     check_rate(rate)
     if not dropout_active(rate, inference, key, "dropout") or key is None:  # (active without one raised)
