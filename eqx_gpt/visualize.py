@@ -109,11 +109,12 @@ def plot_attention(
     axes = fig.subplots(n_layers, n_heads, squeeze=False)
     show_ticks = max(seq, kv_seq) <= 48
     font = max(4, min(8, 220 // max(seq, kv_seq, 1)))
+    images = []
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer, head]
-            image = ax.imshow(
-                weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest"
+            images.append(
+                ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
             )
             ax.set_title(f"layer {layer} head {head}", fontsize=8)
             if show_ticks:
@@ -123,7 +124,7 @@ def plot_attention(
             else:
                 ax.set_xticks([])
                 ax.set_yticks([])
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.colorbar(images[-1], ax=axes, shrink=0.6, label="attention weight")
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)
