@@ -13,19 +13,27 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt._checks import INT32_MAX, is_whole, typechecked
+from eqx_gpt._checks import INT32_MAX, is_real, is_traced, is_whole, typechecked
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise a one-line `ValueError` naming a bad sampling setting and its valid range."""
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
+    if not (is_real(temperature) and temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and not is_whole(top_k, 1):
         raise ValueError(
             f"top_k must be an integer in [1, {INT32_MAX}] (or None to keep every token), got {top_k!r}"
         )
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
+    if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None to keep every token), got {top_p!r}")
+
+
+def _concrete(value):
+    """`value` as a Python number where it is known (not a tracer under `jit`), else None: the
+    filters check their settings wherever they can."""
+    if value is None or is_traced(value):
+        return None
+    return value.item() if isinstance(value, jax.Array) else value
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,11 @@ def _rank(logits):
 
 @typechecked
 def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
-    """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id)."""
+    """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id).
+    `k` is an integer >= 1 (checked where it is known, i.e. not traced under `jit`)."""
+    known = _concrete(k)
+    if known is not None:
+        check_sampling_args(0.0, known, None)
     _, rank = _rank(logits)
     if isinstance(k, int):  # a k past the vocabulary keeps every token (and never overflows int32)
         k = min(k, logits.shape[-1])
@@ -95,8 +107,12 @@ def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Flo
 @typechecked
 def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) -> Float[Array, " vocab"]:
     """Nucleus filter: keep the smallest set of most probable tokens whose total probability
-    reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p >= 1` keeps all.
+    reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p == 1` keeps
+    all. `p` is in `(0, 1]` (checked where it is known, i.e. not traced under `jit`).
     """
+    known = _concrete(p)
+    if known is not None:
+        check_sampling_args(0.0, None, known)
     order, rank = _rank(logits)
     probs = jax.nn.softmax(logits)[order]
     # A token stays when the tokens ranked above it have not yet reached p.
@@ -119,8 +135,13 @@ def sample_next_token(
     `temperature == 0` means greedy (`argmax`, no randomness). `top_k=None` / `top_p=None` skip
     that filter. The filters are applied in the order temperature, top-k, top-p (top-p measures
     mass on the distribution that top-k left). Only ids `< len(logits)` can come out, so passing
-    the model's (padding-free) logits never yields a padded vocabulary id.
+    the model's (padding-free) logits never yields a padded vocabulary id. Settings are checked
+    where they are known (not traced under `jit`): `temperature` finite and >= 0, `top_k` >= 1,
+    `top_p` in `(0, 1]`.
     """
+    temperature_known = _concrete(temperature)
+    if temperature_known is not None:
+        check_sampling_args(temperature_known, None, None)
     greedy = jnp.argmax(logits)
     # Any positive stand-in avoids 0/0 on the greedy path; `where` below discards that branch.
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
