@@ -123,7 +123,7 @@ def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.nd
 def _summed_loss(
     model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
 ) -> Float[Array, ""]:
-    logits = model(batch[:, :-1])
+    logits = model(batch[:, :-1], inference=True)  # evaluation: no dropout
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
     return jnp.sum(losses * weight)
 
