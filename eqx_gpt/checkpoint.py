@@ -25,7 +25,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import equinox as eqx
 import jax
@@ -290,6 +290,16 @@ def _deserialise(
         ) from None
 
 
+@overload
+def load_model(path: str | Path, *, kind: Literal["GPT"]) -> tuple[GPT, Tokenizer, dict]: ...
+@overload
+def load_model(
+    path: str | Path, *, kind: Literal["Transformer"]
+) -> tuple[Transformer, Tokenizer | None, dict]: ...
+@overload
+def load_model(
+    path: str | Path, *, kind: None = None
+) -> tuple[GPT | Transformer, Tokenizer | None, dict]: ...
 def load_model(
     path: str | Path, *, kind: str | None = None
 ) -> tuple[GPT | Transformer, Tokenizer | None, dict]:

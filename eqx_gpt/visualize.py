@@ -96,6 +96,10 @@ def plot_attention(
     along the top (`key_labels`, default the same: self-attention). Returns the path written.
     """
     weights = np.asarray(weights)
+    if weights.ndim != 4 or 0 in weights.shape:
+        raise ValueError(
+            f"plot_attention takes weights of shape (layers, heads, seq, kv_seq), got {weights.shape}"
+        )
     n_layers, n_heads, seq, kv_seq = weights.shape
     key_labels = labels if key_labels is None else key_labels
     if len(labels) != seq or len(key_labels) != kv_seq:
