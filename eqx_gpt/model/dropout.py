@@ -78,8 +78,10 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None = None, *, inference
     `keep_mask`).
     """
     check_rate(rate)
-    if not dropout_active(rate, inference, key, "dropout") or key is None:  # (active without one raised)
+    if rate == 0 or inference:
         return x
+    if key is None:
+        raise ValueError(f"dropout at rate {rate} needs key=; pass inference=True (or rate 0) for no dropout")
     key = typed_key(key)
     if key.ndim == 0:
         keep = keep_mask(key, rate, x.shape)
