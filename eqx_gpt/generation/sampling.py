@@ -25,7 +25,7 @@ def check_sampling_args(temperature: float, top_k: int | None, top_p: float | No
             f"top_k must be an integer in [1, {INT32_MAX}] (or None to keep every token), got {top_k!r}"
         )
     if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be a number in (0, 1] (or None to keep every token), got {top_p!r}")
+        raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p!r}")
 
 
 def _concrete(value):
