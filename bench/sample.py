@@ -33,15 +33,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt import GPT, GPTConfig, SamplingOptions
-from eqx_gpt.generation.generate import _naive_step, generate, naive_generate, prompt_bucket
+from eqx_gpt.generation.generate import generate, prompt_bucket
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from oracles import naive_generate, naive_step  # noqa: E402  (the naive method is the tests' oracle)
+
 SHAPES = {
     "6L-384-ctx256": dict(context_length=256, d_model=384, n_heads=6, n_layers=6),
     f"preset {DEFAULT_PRESET}": {k: v for k, v in PRESETS[DEFAULT_PRESET].model.items() if k != "dropout"},
@@ -57,9 +61,10 @@ def timed(fn):
 def compile_naive(model, key):
     """Compile the naive step for every window bucket it will meet (so timing excludes compiles)."""
     context = model.config.context_length
+    model = eqx.nn.inference_mode(model)  # as naive_generate runs it
     sizes = sorted({prompt_bucket(n, context) for n in range(1, context + 1)})
     for size in sizes:
-        _naive_step(
+        naive_step(
             model, jnp.zeros(size, jnp.int32), jnp.int32(1), key, jnp.int32(0), jnp.float32(1.0), None, None
         ).block_until_ready()
     return sizes

@@ -5,7 +5,13 @@ A checkpoint named `latest` (or `best`) in a run directory is a pair of files:
     latest.json             metadata, written LAST: step, the model's class and config, the
                             training config, tokenizer, losses, and the name and sha256 of the
                             weights file below
-    latest-<sha256[:16]>.eqx  `eqx.tree_serialise_leaves` of the model, then the optimiser state
+    latest-<sha256[:16]>.eqx  `eqx.tree_serialise_leaves` of the model's arrays, then the
+                            optimiser state
+
+The model's `inference` flags (see `eqx.nn.inference_mode`) are a mode, not weights: they are not
+stored, and a model always loads in training mode, as built. Format version 2 records the model's
+class (`"model"`); version 1, whose weights files are the same, may lack it, and then holds a GPT
+(the only model there was).
 
 Every file is written to a temporary file in the same directory, fsynced and `os.replace`d into
 place, so a crash at any moment leaves either the old or the new JSON, and the JSON always names a
@@ -19,7 +25,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import equinox as eqx
 import jax
@@ -35,22 +41,22 @@ from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 
 FORMAT = "eqx_gpt-checkpoint"
-VERSION = 1
+VERSION = 2  # what `save_checkpoint` writes
+READABLE_VERSIONS = (1, 2)
 # A run directory's two checkpoints; `find_checkpoint` prefers them in the order of NAMES.
 BEST, LATEST = "best", "latest"
 NAMES = (BEST, LATEST)
-# The models a checkpoint can hold, by the class name it records, with their config classes. A
-# checkpoint without the record is a GPT's (written before there were two).
+# The models a checkpoint can hold, by the class name it records, with their config classes.
 MODELS = {"GPT": (GPT, GPTConfig), "Transformer": (Transformer, TransformerConfig)}
 WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (examples/translate.py)"}
 
 
 # What each metadata field must be (JSON gives ints, floats, strings and dicts): checked on reading,
 # so a hand-edited or damaged file is one line, never a TypeError deep in a run.
-METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model_config": dict, "train_config": dict,
-                  "tokenizer": dict}  # fmt: skip
+METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model": str, "model_config": dict,
+                  "train_config": dict, "tokenizer": dict}  # fmt: skip
 OPTIONAL_TYPES = {"val_loss": float, "best_val_loss": float, "val_loss_step": int, "schedule_steps": int,
-                  "model": str, "data_sha256": str}  # fmt: skip
+                  "data_sha256": str}  # fmt: skip
 
 
 def _is_of(value: Any, kind: type) -> bool:
@@ -68,10 +74,23 @@ def _on_this_host(x: Any) -> Any:
     return x
 
 
-def _serialise(*trees: Any) -> bytes:
+def _write_model_leaf(f, x: Any) -> None:
+    """Equinox's default serialisation of a leaf, except the model's Python bools (its
+    `inference` flags), which are a mode, not weights: files then hold arrays only, as they did
+    before the flags existed."""
+    if not isinstance(x, bool):
+        eqx.default_serialise_filter_spec(f, x)
+
+
+def _read_model_leaf(f, x: Any) -> Any:
+    """The inverse of `_write_model_leaf`: a flag keeps the template's value (training mode)."""
+    return x if isinstance(x, bool) else eqx.default_deserialise_filter_spec(f, x)
+
+
+def _serialise(model: Any, opt_state: Any) -> bytes:
     buffer = io.BytesIO()
-    for tree in trees:
-        eqx.tree_serialise_leaves(buffer, jax.tree.map(_on_this_host, tree))
+    eqx.tree_serialise_leaves(buffer, jax.tree.map(_on_this_host, model), filter_spec=_write_model_leaf)
+    eqx.tree_serialise_leaves(buffer, jax.tree.map(_on_this_host, opt_state))
     return buffer.getvalue()
 
 
@@ -88,10 +107,11 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `name` ("latest", "best") of a run into `out_dir`; return its JSON path.
 
-    `model` is a `GPT` or a `Transformer`; its class and config are recorded. `metadata` holds any
-    further JSON-ready values (losses, the schedule length, ...).
+    `model` is a `GPT` or a `Transformer`; its class and config are recorded, its mode
+    (`inference`) is not. `metadata` holds any further JSON-ready values (losses, the schedule
+    length, ...).
     """
-    if type(model).__name__ not in MODELS:
+    if not isinstance(model, GPT | Transformer):
         raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")
     out_dir = Path(out_dir)
     weights = _serialise(model, opt_state)
@@ -181,10 +201,13 @@ def read_metadata(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {path} is unreadable or corrupt ({type(e).__name__})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not an eqx_gpt checkpoint")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"checkpoint {path} has format version {meta.get('version')}, expected {VERSION}"
+            f"checkpoint {path} has format version {meta.get('version')!r}; this eqx_gpt reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if meta["version"] == 1:
+        meta.setdefault("model", "GPT")  # the only model there was when version 1 lacked the record
     for key, kind in METADATA_TYPES.items():
         if key not in meta:
             raise CheckpointError(f"checkpoint {path} lacks {key!r}; it is corrupt")
@@ -220,7 +243,7 @@ def _read_weights(meta: dict) -> io.BytesIO:
 
 def _model_kind(meta: dict, kind: str | None) -> str:
     """The class name the checkpoint records, checked against the `kind` the caller wants."""
-    name = meta.get("model", "GPT")
+    name = meta["model"]
     if name not in MODELS:
         raise CheckpointError(f"checkpoint {meta['path']} holds a {name!r}, which eqx_gpt does not know")
     if kind is not None and name != kind:
@@ -255,9 +278,11 @@ def _tokenizer(meta: dict, config: GPTConfig | TransformerConfig) -> Tokenizer |
     return tokenizer
 
 
-def _deserialise(f: io.BytesIO, like: Any, meta: dict) -> Any:
+def _deserialise(
+    f: io.BytesIO, like: Any, meta: dict, filter_spec=eqx.default_deserialise_filter_spec
+) -> Any:
     try:
-        return eqx.tree_deserialise_leaves(f, like)
+        return eqx.tree_deserialise_leaves(f, like, filter_spec=filter_spec)
     except Exception as e:  # truncated/garbled .npy data raises several exception types
         raise CheckpointError(
             f"checkpoint weights for {meta['path']} do not fit its config ({type(e).__name__}); "
@@ -265,6 +290,16 @@ def _deserialise(f: io.BytesIO, like: Any, meta: dict) -> Any:
         ) from None
 
 
+@overload
+def load_model(path: str | Path, *, kind: Literal["GPT"]) -> tuple[GPT, Tokenizer, dict]: ...
+@overload
+def load_model(
+    path: str | Path, *, kind: Literal["Transformer"]
+) -> tuple[Transformer, Tokenizer | None, dict]: ...
+@overload
+def load_model(
+    path: str | Path, *, kind: None = None
+) -> tuple[GPT | Transformer, Tokenizer | None, dict]: ...
 def load_model(
     path: str | Path, *, kind: str | None = None
 ) -> tuple[GPT | Transformer, Tokenizer | None, dict]:
@@ -275,7 +310,8 @@ def load_model(
     Hugging Face GPT-2 directory (`config.json` saying `"model_type": "gpt2"`, and
     `model.safetensors`; see `eqx_gpt.gpt2`); its metadata is then the model config and the
     directory. A folder is told apart by its marker: a run's own checkpoints come first, so a stray
-    `config.json` in a run folder is never read as a GPT-2.
+    `config.json` in a run folder is never read as a GPT-2. The model is in training mode, as
+    built: `eqx.nn.inference_mode(model)` for evaluation (sampling does it itself).
     """
     path = Path(path)
     if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
@@ -286,7 +322,7 @@ def load_model(
     meta = read_metadata(path)
     config = _model_config(meta, kind)
     tokenizer = _tokenizer(meta, config)
-    model = _deserialise(_read_weights(meta), model_template(config), meta)
+    model = _deserialise(_read_weights(meta), model_template(config), meta, _read_model_leaf)
     return model, tokenizer, meta
 
 
@@ -295,13 +331,15 @@ def load_checkpoint(path: str | Path | dict, opt_state_like: Any) -> tuple[GPT, 
 
     `path` as in `find_checkpoint`, or the metadata `read_metadata` already returned (it is not
     read again). `opt_state_like` is a template of the optimiser state (e.g. from
-    `eqx.filter_eval_shape`).
+    `eqx.filter_eval_shape`). The model is in training mode, as built.
     """
     meta = path if isinstance(path, dict) else read_metadata(path)
     config = _model_config(meta, "GPT")
     tokenizer = _tokenizer(meta, config)
+    if not isinstance(config, GPTConfig) or tokenizer is None:  # a GPT's tokenizer is checked
+        raise CheckpointError(f"checkpoint {meta['path']} does not hold a GPT with its tokenizer")
     f = _read_weights(meta)
-    model = _deserialise(f, model_template(config), meta)
+    model = _deserialise(f, model_template(config), meta, _read_model_leaf)
     opt_state = _deserialise(f, opt_state_like, meta)
     if f.read(1):
         raise CheckpointError(

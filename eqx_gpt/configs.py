@@ -4,6 +4,7 @@ JSON-ready dicts as checkpoints store them, the checks of their numbers, and the
 
 import dataclasses
 import math
+from typing import Any, ClassVar
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
@@ -16,6 +17,8 @@ def described(help: str, **kwargs):
 
 class DictConfig:
     """`to_dict` and `from_dict` for the frozen config dataclasses: JSON-ready dicts."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]  # set by @dataclass on each subclass
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

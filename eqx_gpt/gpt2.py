@@ -205,7 +205,8 @@ def load_gpt2(directory: str | Path, **options) -> GPT:
 
     `options` as in `read_gpt2_config` (`context_length`, `dropout`, `compute_dtype`,
     `scan_unroll`). Its tokenizer is `gpt2_tokenizer(model.config)`. Raises `GPT2FormatError` (a
-    `CheckpointError`) naming what is missing or wrong.
+    `CheckpointError`) naming what is missing or wrong. The model is in training mode, as built
+    (it matters with `dropout=`): `eqx.nn.inference_mode(model)` for inference.
     """
     directory = Path(directory)
     config, n_positions = _read_config(directory, options)
@@ -231,7 +232,7 @@ def load_gpt2(directory: str | Path, **options) -> GPT:
     if not config.tie_embeddings:
         head = _tensor(tensors, "lm_head.weight", (config.vocab_size, config.d_model), directory)
         getters.append(lambda m: m.head)
-        arrays.append(np.zeros(template.head.shape, np.float32))
+        arrays.append(np.zeros((config.d_model, config.padded_vocab_size), np.float32))
         arrays[-1][:, : config.vocab_size] = head.T
     return eqx.tree_at(lambda m: [get(m) for get in getters], template, [jnp.asarray(a) for a in arrays])
 

@@ -10,6 +10,7 @@ caller uses (`typed_key`).
 import math
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
 # Independent random streams derived from one seed (folded into the key before the step).
@@ -28,7 +29,7 @@ def typed_key(key: PRNGKeyArray) -> PRNGKeyArray:
     key has shape `(2,)` and `ndim` cannot tell one key from many; wrapping them makes one key
     0-d, as `jax.random.key` gives.
     """
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         return key
     return jax.random.wrap_key_data(key)
 

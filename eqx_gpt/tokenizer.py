@@ -13,6 +13,38 @@ from eqx_gpt._checks import is_whole
 from eqx_gpt.errors import TokenizerError
 
 
+def checked_ids(ids: Iterable[int], vocab_size: int, vocabulary: str) -> list[int]:
+    """`ids` as a list of Python ints, or a one-line `TokenizerError` (a `ValueError`) naming the
+    first id that is not an integer in `[0, vocab_size)`: a float, a bool or a string is not
+    truncated or read as a number."""
+    try:
+        items = list(ids)
+    except TypeError:
+        raise TokenizerError(f"decode takes a sequence of token ids, got {ids!r}") from None
+    if not items:
+        return []
+    try:
+        values = np.asarray(items)
+    except (ValueError, TypeError):
+        values = np.asarray(items, dtype=object)
+    flags = [i for i in items if isinstance(i, bool | np.bool_)]
+    if values.ndim != 1 or values.dtype.kind not in "iu" or flags:
+        first = flags[0] if flags else next((i for i in items if not _is_integer(i)), items[0])
+        raise TokenizerError(
+            f"token ids must be integers in [0, {vocab_size}) of the {vocabulary}, got {first!r}"
+        )
+    outside = values[(values < 0) | (values >= vocab_size)]
+    if outside.size:
+        raise TokenizerError(f"token id {outside[0]} is outside the {vocabulary} [0, {vocab_size})")
+    return values.tolist()
+
+
+def _is_integer(value) -> bool:
+    """Whether one id is an integer scalar (Python, NumPy or a 0-d array), not a bool."""
+    dtype = np.asarray(value).dtype
+    return np.ndim(value) == 0 and dtype.kind in "iu"
+
+
 class CharTokenizer:
     """One id per character: id `i` is `chars[i]`.
 
@@ -64,14 +96,9 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
-        chars, n = self.chars, len(self.chars)
-        out = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < n:
-                raise TokenizerError(f"token id {i} is outside the character vocabulary [0, {n})")
-            out.append(chars[i])
-        return "".join(out)
+        """The text of `ids`, each an integer in `[0, vocab_size)` (else a `TokenizerError`)."""
+        chars = self.chars
+        return "".join(chars[i] for i in checked_ids(ids, len(chars), "character vocabulary"))
 
     def to_dict(self) -> dict:
         return {"kind": self.name, "chars": self.chars}
@@ -134,11 +161,8 @@ class GPT2Tokenizer:
         return self._encoding.encode_to_numpy(text, disallowed_special=())
 
     def decode(self, ids: Iterable[int]) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise TokenizerError(f"token id {bad[0]} is outside the GPT-2 vocabulary [0, {self.vocab_size})")
-        return self._encoding.decode(ids)
+        """The text of `ids`, each an integer in `[0, vocab_size)` (else a `TokenizerError`)."""
+        return self._encoding.decode(checked_ids(ids, self.vocab_size, "GPT-2 vocabulary"))
 
     def to_dict(self) -> dict:
         full = self.vocab_size == GPT2_VOCAB_SIZE

@@ -96,6 +96,10 @@ def plot_attention(
     along the top (`key_labels`, default the same: self-attention). Returns the path written.
     """
     weights = np.asarray(weights)
+    if weights.ndim != 4 or 0 in weights.shape:
+        raise ValueError(
+            f"plot_attention takes weights of shape (layers, heads, seq, kv_seq), got {weights.shape}"
+        )
     n_layers, n_heads, seq, kv_seq = weights.shape
     key_labels = labels if key_labels is None else key_labels
     if len(labels) != seq or len(key_labels) != kv_seq:
@@ -109,11 +113,12 @@ def plot_attention(
     axes = fig.subplots(n_layers, n_heads, squeeze=False)
     show_ticks = max(seq, kv_seq) <= 48
     font = max(4, min(8, 220 // max(seq, kv_seq, 1)))
+    images = []
     for layer in range(n_layers):
         for head in range(n_heads):
             ax = axes[layer, head]
-            image = ax.imshow(
-                weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest"
+            images.append(
+                ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
             )
             ax.set_title(f"layer {layer} head {head}", fontsize=8)
             if show_ticks:
@@ -123,7 +128,7 @@ def plot_attention(
             else:
                 ax.set_xticks([])
                 ax.set_yticks([])
-    fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.colorbar(images[-1], ax=axes, shrink=0.6, label="attention weight")
     if title:
         fig.suptitle(title)
     return save_figure(fig, path)

@@ -12,11 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import naive_generate
 from test_sample_cli import load_cli, sample
 from test_train_cli import TINY, _fails, _records, train_cli
 
 from eqx_gpt import GPT, Block, GPTConfig, MultiHeadAttention, dropout, generate
-from eqx_gpt.generation.generate import naive_generate  # the test oracle, not public
 from eqx_gpt.training.config import TrainConfig
 
 

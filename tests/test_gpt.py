@@ -59,11 +59,16 @@ def test_layers_start_different(model):
     assert not np.allclose(w[0], w[1])
 
 
-def test_dropout_needs_a_key():
+def test_dropout_needs_a_key_in_training_mode():
     m = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
     tokens = jnp.arange(10)
-    np.testing.assert_array_equal(logits_of(m, tokens), logits_of(m, tokens))
-    assert not np.allclose(logits_of(m, tokens, key=jax.random.key(1)), logits_of(m, tokens))
+    with pytest.raises(ValueError, match="needs key="):
+        logits_of(m, tokens)
+    deterministic = logits_of(eqx.nn.inference_mode(m), tokens)
+    np.testing.assert_array_equal(
+        deterministic, logits_of(eqx.nn.inference_mode(m), tokens, jax.random.key(1))
+    )
+    assert not np.allclose(logits_of(m, tokens, key=jax.random.key(1)), deterministic)
 
 
 def test_batched_and_jitted_call(model):
@@ -194,14 +199,15 @@ def test_a_batch_gives_what_vmap_over_its_sequences_gives():
     tokens = jax.random.randint(jax.random.key(1), (3, 8), 0, CFG.vocab_size)
     keys = jax.random.split(jax.random.key(2), 3)
     vmapped = eqx.filter_jit(lambda m, t, k: jax.vmap(lambda t, k: m(t, key=k))(t, k))
+    inference = eqx.nn.inference_mode(dropout_model)
     np.testing.assert_allclose(
-        logits_of(dropout_model, tokens), vmapped(dropout_model, tokens, None), rtol=0, atol=1e-5
+        logits_of(inference, tokens), vmapped(inference, tokens, None), rtol=0, atol=1e-5
     )
     # Dropout: each sequence of the batch gets the masks its own key gives it alone.
     batched = logits_of(dropout_model, tokens, keys)
     one_by_one = vmapped(dropout_model, tokens, keys)
     np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
-    assert not np.allclose(batched, logits_of(dropout_model, tokens))
+    assert not np.allclose(batched, logits_of(inference, tokens))
 
 
 def test_gpt_rejects_float_tokens_under_jit(model):

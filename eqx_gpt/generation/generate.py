@@ -1,4 +1,4 @@
-"""Autoregressive generation with a key/value cache, and the naive reference it must match.
+"""Autoregressive generation with a key/value cache.
 
 How the cached loop works:
 
@@ -25,14 +25,16 @@ How the cached loop works:
    `context_length - keep + 1` tokens. The window's length never depends on the tokens drawn, so
    the host schedules each slide between chunks and the decode loop holds no branch.
    `keep = context_length` gives nanoGPT's true sliding window (every token then pays a
-   full-window pass). The same policy, stated on token lists, is `naive_generate`'s: predict from
-   the window `W`; append the new token; if `len(W) > context_length`, `W = W[-keep:]`.
+   full-window pass). The same policy, stated on token lists: predict from the window `W`;
+   append the new token; if `len(W) > context_length`, `W = W[-keep:]`.
 
 Randomness: token `i` of sample (row) `r` is drawn with `fold_in(fold_in(key, r), i)`, so the
 same key gives the same tokens whatever the chunk size, and sample 0 of a batch equals `generate`.
+
+Generation is inference: the model is put in inference mode (`eqx.nn.inference_mode`) first, so
+a model with dropout, still in training mode, generates without dropout and needs no key for it.
 """
 
-from collections import Counter
 from collections.abc import Iterable, Iterator
 
 import equinox as eqx
@@ -51,10 +53,6 @@ from eqx_gpt.generation.sampling import (
 )
 from eqx_gpt.model.attention import KVCache
 from eqx_gpt.model.gpt import GPT
-
-# How many times each jitted function has been traced (compiled), so tests can prove the loop
-# does not recompile per token, prompt length or sampling setting.
-trace_counts: Counter = Counter()
 
 
 class GenerationState(eqx.Module):
@@ -96,10 +94,9 @@ def _prefill(
 
     Sampling here lets the first token be shown before the decode loop is even compiled.
     """
-    trace_counts["prefill"] += 1
     batch, bucket = padded.shape
     logits, cache = model.decode(padded, model.init_cache(batch=batch), 0)
-    if model.blocks.stacked:  # one buffer per layer, for the unstacked decode loop
+    if not isinstance(cache, tuple):  # stacked: one buffer per layer, for the unstacked decode loop
         cache = model.blocks.split(cache)
     token = sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
@@ -124,8 +121,6 @@ def _decode_steps(
     `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
     every chunk, however the window boundary cuts it.
     """
-    trace_counts["decode_steps"] += 1
-
     # A single sequence runs without its batch axis: XLA:CPU then updates the cache in place,
     # whereas with a size-1 batch axis it copies every layer's cache for every token.
     squeeze = state.window.shape[0] == 1
@@ -152,14 +147,18 @@ def _decode_steps(
 @eqx.filter_jit
 def _cut_window(state: GenerationState, keep: int, bucket: int) -> Int[Array, "batch bucket"]:
     """The last `keep` tokens of a full window followed by `next_token`, padded to `bucket`."""
-    trace_counts["cut_window"] += 1
     context = state.window.shape[1]
     kept = jnp.concatenate([state.window[:, context - keep + 1 :], state.next_token[:, None]], axis=1)
     return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept)
 
 
-def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
-    """Validate arguments; return `(prompts (batch, seq) int32 cropped to the context, keep)`."""
+def check_generation_args(
+    model: GPT, prompts, max_new_tokens: int, options: SamplingOptions
+) -> tuple[np.ndarray, int]:
+    """Check the arguments of a generation; return `(prompts (batch, seq) int32 cropped to the
+    context, keep)`, or raise a one-line `ValueError`/`TypeError` naming the bad one."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"generation takes a GPT, got {type(model).__name__}")
     if not isinstance(options, SamplingOptions):
         raise TypeError(f"options must be a SamplingOptions, got {type(options).__name__}")
     context = model.config.context_length
@@ -169,11 +168,13 @@ def _prepare(model, prompts, max_new_tokens, options: SamplingOptions):
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(
-            "prompt token ids must have shape (seq,) for generate/naive_generate and "
-            "(batch, seq) for generate_batch/stream_batch"
+            "prompt token ids must have shape (seq,) for generate and (batch, seq) for "
+            "generate_batch/stream_batch"
         )
     if prompts.shape[1] == 0:
         raise ValueError("the prompt must hold at least one token; start from e.g. the id of a newline")
+    if prompts.shape[0] == 0:
+        raise ValueError("generate_batch/stream_batch need at least one prompt row, got shape (0, seq)")
     if not np.issubdtype(prompts.dtype, np.integer):
         raise ValueError(f"prompt tokens must be integers, got dtype {prompts.dtype}")
     if prompts.min() < 0 or prompts.max() >= model.config.vocab_size:
@@ -205,10 +206,11 @@ def stream_batch(
     `options`'s fields, here and in every function below.
     """
     options = with_settings(options, settings)
-    prompts, keep = _prepare(model, prompts, max_new_tokens, options)
+    prompts, keep = check_generation_args(model, prompts, max_new_tokens, options)
     chunk_size = options.chunk_size
     if max_new_tokens == 0:
         return
+    model = eqx.nn.inference_mode(model)
     context = model.config.context_length
     batch, length = prompts.shape
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
@@ -293,46 +295,6 @@ def generate(
         options=options,
         **settings,
     )[0]
-
-
-@eqx.filter_jit
-def _naive_step(model, window, length, key, index, temperature, top_k, top_p):
-    trace_counts["naive_step"] += 1
-    logits = model(window)[length - 1]
-    return sample_rows(logits[None], key, index, temperature, top_k, top_p)[0]
-
-
-def naive_generate(
-    model: GPT,
-    prompt_tokens: Int[Array, " seq"] | np.ndarray | list[int],
-    max_new_tokens: int,
-    *,
-    key: PRNGKeyArray,
-    options: SamplingOptions = DEFAULT_SAMPLING,
-    **settings,
-) -> np.ndarray:
-    """The reference: rerun the model on the whole window for every token (as nanoGPT does).
-
-    Same sliding policy and per-token randomness as `generate`, so within float rounding the two
-    give the same tokens. The window is padded to a power-of-two bucket (causal attention makes
-    the padding invisible), so the cost tracks the window length with a few compiled shapes.
-    """
-    options = with_settings(options, settings)
-    prompts, keep = _prepare(model, np.asarray(prompt_tokens)[None], max_new_tokens, options)
-    context = model.config.context_length
-    window = list(prompts[0])
-    sampling = sampling_arrays(options)
-    out = []
-    for i in range(max_new_tokens):
-        padded = np.zeros(prompt_bucket(len(window), context), np.int32)
-        padded[: len(window)] = window
-        length = jnp.asarray(len(window), jnp.int32)
-        token = int(_naive_step(model, jnp.asarray(padded), length, key, jnp.asarray(i), **sampling))
-        out.append(token)
-        window.append(token)
-        if len(window) > context:
-            window = window[-keep:]
-    return np.asarray(out, np.int32)
 
 
 def stream_text(

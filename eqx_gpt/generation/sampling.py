@@ -13,19 +13,29 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from eqx_gpt._checks import INT32_MAX, is_whole, typechecked
+from eqx_gpt._checks import INT32_MAX, is_real, is_traced, is_whole, typechecked
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """Raise a one-line `ValueError` naming a bad sampling setting and its valid range."""
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
+    if not (is_real(temperature) and temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}")
     if top_k is not None and not is_whole(top_k, 1):
         raise ValueError(
             f"top_k must be an integer in [1, {INT32_MAX}] (or None to keep every token), got {top_k!r}"
         )
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p}")
+    if top_p is not None and not (is_real(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (or None to keep every token), got {top_p!r}")
+
+
+def _concrete(value):
+    """`value` as a Python number where it is known (not a tracer under `jit`), else None: the
+    filters check their settings wherever they can."""
+    if value is None or is_traced(value):
+        return None
+    if isinstance(value, jax.Array):
+        return value.item() if value.size == 1 else None  # a wrong shape: the type check names it
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,20 +93,40 @@ def _rank(logits):
     return order, jnp.zeros_like(order).at[order].set(jnp.arange(logits.shape[0]))
 
 
-@typechecked
+def _check_known(temperature=None, top_k=None, top_p=None) -> None:
+    """`check_sampling_args` on the settings that are known (not traced under `jit`)."""
+    t, k, p = _concrete(temperature), _concrete(top_k), _concrete(top_p)
+    check_sampling_args(0.0 if t is None else t, k, p)
+
+
 def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
-    """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id)."""
+    """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id).
+    `k` is an integer >= 1 (checked where it is known, i.e. not traced under `jit`)."""
+    _check_known(top_k=k)
+    return _top_k_filter(logits, k)
+
+
+@typechecked
+def _top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
     _, rank = _rank(logits)
     if isinstance(k, int):  # a k past the vocabulary keeps every token (and never overflows int32)
         k = min(k, logits.shape[-1])
     return jnp.where(rank < k, logits, -jnp.inf)
 
 
-@typechecked
 def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) -> Float[Array, " vocab"]:
     """Nucleus filter: keep the smallest set of most probable tokens whose total probability
-    reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p >= 1` keeps all.
+    reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p == 1` keeps
+    all. `p` is in `(0, 1]` (checked where it is known, i.e. not traced under `jit`).
     """
+    _check_known(top_p=p)
+    return _top_p_filter(logits, p)
+
+
+@typechecked
+def _top_p_filter(
+    logits: Float[Array, " vocab"], p: Float[Array, ""] | float | int
+) -> Float[Array, " vocab"]:
     order, rank = _rank(logits)
     probs = jax.nn.softmax(logits)[order]
     # A token stays when the tokens ranked above it have not yet reached p.
@@ -105,7 +135,6 @@ def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) ->
     return jnp.where(keep_sorted[rank], logits, -jnp.inf)
 
 
-@typechecked
 def sample_next_token(
     logits: Float[Array, " vocab"],
     key: PRNGKeyArray,
@@ -119,15 +148,29 @@ def sample_next_token(
     `temperature == 0` means greedy (`argmax`, no randomness). `top_k=None` / `top_p=None` skip
     that filter. The filters are applied in the order temperature, top-k, top-p (top-p measures
     mass on the distribution that top-k left). Only ids `< len(logits)` can come out, so passing
-    the model's (padding-free) logits never yields a padded vocabulary id.
+    the model's (padding-free) logits never yields a padded vocabulary id. Settings are checked
+    where they are known (not traced under `jit`): `temperature` finite and >= 0, `top_k` >= 1,
+    `top_p` in `(0, 1]`.
     """
+    _check_known(temperature, top_k, top_p)
+    return _sample_next_token(logits, key, temperature, top_k, top_p)
+
+
+@typechecked
+def _sample_next_token(
+    logits: Float[Array, " vocab"],
+    key: PRNGKeyArray,
+    temperature: Float[Array, ""] | float | int,
+    top_k: Int[Array, ""] | int | None,
+    top_p: Float[Array, ""] | float | int | None,
+) -> Int[Array, ""]:
     greedy = jnp.argmax(logits)
     # Any positive stand-in avoids 0/0 on the greedy path; `where` below discards that branch.
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
     if top_k is not None:
-        scaled = top_k_filter(scaled, top_k)
+        scaled = _top_k_filter(scaled, top_k)
     if top_p is not None:
-        scaled = top_p_filter(scaled, top_p)
+        scaled = _top_p_filter(scaled, top_p)
     drawn = jax.random.categorical(key, scaled)
     return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 

@@ -4,7 +4,8 @@ The source is encoded once; each decoder layer projects the memory's keys and va
 attention reads them at every step); then every new target token costs one position of the decoder,
 through each layer's self-attention `KVCache`, inside one jitted `fori_loop`. Sampling and its
 per-row randomness are `generate`'s (`sample_rows`, `sampling_arrays`), so the same key and
-settings mean the same thing in both loops.
+settings mean the same thing in both loops. Like `generate`, it runs the model in inference mode
+(`eqx.nn.inference_mode`): no dropout.
 """
 
 import equinox as eqx
@@ -65,25 +66,34 @@ def translate(
     come in `options` or as keywords (`temperature=`, `top_k=`, `top_p=`), as in `generate`.
     """
     options = with_settings(options, settings)
+    if not isinstance(model, Transformer):
+        raise TypeError(f"translate takes a Transformer, got {type(model).__name__}")
     c = model.config
-    src = np.asarray(src, np.int32)
+    src = np.asarray(src)
     if src.ndim != 2 or 0 in src.shape:
         raise ValueError(f"translate takes sources of shape (batch, src_seq), neither 0, got {src.shape}")
+    if src.dtype == bool or not np.issubdtype(src.dtype, np.integer):
+        raise ValueError(f"source ids must be integers in [0, src_vocab_size), got dtype {src.dtype}")
     for name, value in (("bos_id", bos_id), ("eos_id", eos_id)):
         if not is_whole(value, 0, c.tgt_vocab_size - 1):
             raise ValueError(
                 f"{name} must be a target id in [0, tgt_vocab_size={c.tgt_vocab_size}), got {value!r}"
             )
-    if not 1 <= max_new_tokens <= c.max_len:
-        raise ValueError(f"max_new_tokens must be in [1, max_len={c.max_len}], got {max_new_tokens}")
-    if src.size and (src.min() < 0 or src.max() >= c.src_vocab_size):
-        raise ValueError(f"source ids must be in [0, src_vocab_size={c.src_vocab_size})")
+    if not is_whole(max_new_tokens, 1, c.max_len):
+        raise ValueError(
+            f"max_new_tokens must be an integer in [1, max_len={c.max_len}], got {max_new_tokens!r}"
+        )
+    if src.min() < 0 or src.max() >= c.src_vocab_size:
+        raise ValueError(
+            f"source ids must be in [0, src_vocab_size={c.src_vocab_size}), got {src.min()} to {src.max()}"
+        )
     greedy = options.temperature == 0
     if key is None and not greedy:
         raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
     key = jax.random.key(0) if key is None else key
     out = _translate(
-        model, jnp.asarray(src), jnp.int32(bos_id), jnp.int32(eos_id), key, n_steps=max_new_tokens,
+        eqx.nn.inference_mode(model), jnp.asarray(src, jnp.int32), jnp.int32(bos_id), jnp.int32(eos_id),
+        key, n_steps=max_new_tokens,
         **sampling_arrays(options),
     )  # fmt: skip
     return np.asarray(out)

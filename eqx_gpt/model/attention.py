@@ -1,6 +1,7 @@
 """Scaled dot-product and multi-head attention (Vaswani et al. 2017, sections 3.2.1-3.2.2)."""
 
 import math
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -8,16 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import check_last_dim, is_whole, typechecked
-from eqx_gpt.model.dropout import dropout
+from eqx_gpt._checks import check_last_dim, check_size, is_traced, is_whole, typechecked
+from eqx_gpt.model.dropout import check_rate, dropout, dropout_active
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.positions import rotary_embedding
 from eqx_gpt.streams import keys_per_sequence
 
 
-@typechecked
 def causal_mask(seq_len: int) -> Bool[Array, "{seq_len} {seq_len}"]:
-    """Lower-triangular boolean mask: `mask[i, j]` is True when query `i` may attend to key `j <= i`."""
+    """Lower-triangular boolean mask `(seq_len, seq_len)`: `mask[i, j]` is True when query `i` may
+    attend to key `j <= i`. `seq_len` is a whole number >= 1."""
+    check_size(seq_len, "causal_mask: seq_len")
     return jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
 
 
@@ -46,6 +48,8 @@ def padding_mask(
     if tokens is not None:
         if pad_id is None:
             raise ValueError("padding_mask(tokens=...) needs pad_id=, the id that marks padding")
+        if not is_whole(pad_id, 0):
+            raise ValueError(f"padding_mask: pad_id must be a token id (an integer >= 0), got {pad_id!r}")
         return tokens != pad_id
     if kv_seq is None:
         raise ValueError("padding_mask(lengths=...) needs kv_seq=, the padded length")
@@ -58,7 +62,7 @@ def padding_mask(
 def _check_lengths(lengths, kv_seq: int) -> Int[Array, "*batch"]:
     """`lengths` as an integer array, refused (one line) unless whole numbers in `[0, kv_seq]`;
     under `jit` only the dtype can be checked, the values being unknown."""
-    if isinstance(lengths, jax.core.Tracer):
+    if is_traced(lengths):
         if not jnp.issubdtype(lengths.dtype, jnp.integer):
             raise ValueError(f"padding_mask: lengths must be integers, got dtype {lengths.dtype}")
         return lengths
@@ -138,12 +142,13 @@ def multi_head_attention(
     if not batch:
         out, weights = one_sequence(q, k, v, mask, key)
     else:
-        flat = [a.reshape(-1, *a.shape[-3:]) for a in (q, k, v)]
-        per_sequence_mask = mask is not None and mask.ndim > 2
-        masks = mask.reshape(-1, *mask.shape[-2:]) if per_sequence_mask else mask
+        q1, k1, v1 = (a.reshape(-1, *a.shape[-3:]) for a in (q, k, v))
+        masks, mask_axis = mask, None
+        if mask is not None and mask.ndim > 2:  # one mask per sequence
+            masks, mask_axis = mask.reshape(-1, *mask.shape[-2:]), 0
         keys = None if key is None else keys_per_sequence(key, batch).reshape(-1)
-        in_axes = (0, 0, 0, 0 if per_sequence_mask else None, 0)
-        out, weights = jax.vmap(one_sequence, in_axes=in_axes)(*flat, masks, keys)
+        in_axes = (0, 0, 0, mask_axis, 0)
+        out, weights = jax.vmap(one_sequence, in_axes=in_axes)(q1, k1, v1, masks, keys)
         out, weights = out.reshape(*batch, *out.shape[1:]), weights.reshape(*batch, *weights.shape[1:])
     return out.reshape(*batch, q_seq, heads * d_head), weights
 
@@ -153,7 +158,7 @@ def fused_attention(
     k: Float[Array, "kv_seq heads d_head"],
     v: Float[Array, "kv_seq heads d_head"],
     mask: Bool[Array, "q_seq kv_seq"] | None = None,
-    implementation: str | None = None,
+    implementation: Literal["xla", "cudnn"] | None = None,
 ) -> Float[Array, "q_seq heads d_head"]:
     """All heads' `attention_weights(q, k, mask) @ v` in one `jax.nn.dot_product_attention` call.
 
@@ -198,6 +203,10 @@ class KVCache(eqx.Module):
 class MultiHeadAttention(eqx.Module):
     """Multi-head attention on one sequence (or a batch of them: see `__call__`).
 
+    Not `eqx.nn.MultiheadAttention`: this one is built from `(d_model, n_heads)` alone (queries,
+    keys, values and output all `d_model` wide), takes `x` and an optional `context` rather than
+    separate query, key and value inputs, and adds KV-cached decoding (`decode`) and RoPE.
+
     Queries come from `x`; keys and values from `x` too (self-attention) or from another sequence,
     the `context` (cross-attention: a decoder attending to its encoder's output). A fused
     projection `w_qkv` holds the query, key and value weights side by side, so self-attention
@@ -205,9 +214,12 @@ class MultiHeadAttention(eqx.Module):
     and the key/value part. `multi_head_attention` runs the per-head core (`head_attention`) over
     every head; the concatenated heads are projected back to `d_model`. Without a `mask` every
     position attends everywhere (an encoder); pass `causal_mask(seq)` for a decoder,
-    `padding_mask(...)` to hide padding, or both combined (see `padding_mask`). When `key` is given
-    and `dropout > 0`, attention weights are dropped out (training); without a key it is
-    deterministic.
+    `padding_mask(...)` to hide padding, or both combined (see `padding_mask`).
+
+    Dropout on the attention weights follows `eqx.nn.Dropout`'s contract: with `dropout > 0` and
+    `inference=False` (training mode, as built) a call needs a `key`; `eqx.nn.inference_mode`
+    sets `inference=True` (no dropout, any key or none), and `__call__(..., inference=...)`
+    overrides it for one call.
 
     Options: `bias=True` adds a bias to both projections (GPT-2's; zeros at first). `rope=True`
     rotates the queries and keys of self-attention by their positions (`rotary_embedding`), so the
@@ -218,6 +230,7 @@ class MultiHeadAttention(eqx.Module):
     qkv_bias: Float[Array, " 3*d_model"] | None
     w_out: Float[Array, "d_model d_model"]
     out_bias: Float[Array, " d_model"] | None
+    inference: bool
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
@@ -233,16 +246,19 @@ class MultiHeadAttention(eqx.Module):
         init_std: float = 0.02,
         bias: bool = False,
         rope: bool = False,
+        inference: bool = False,
     ):
-        if n_heads < 1 or d_model < 1 or d_model % n_heads:
+        check_size(d_model, "MultiHeadAttention: d_model")
+        check_size(n_heads, "MultiHeadAttention: n_heads")
+        if d_model % n_heads:
             raise ValueError(
                 f"MultiHeadAttention needs d_model divisible by n_heads, got d_model={d_model}, "
                 f"n_heads={n_heads}; pick n_heads that divides d_model."
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        check_rate(dropout, "MultiHeadAttention: dropout")
         k_qkv, k_out = jax.random.split(key)
         self.d_model, self.n_heads, self.dropout = d_model, n_heads, dropout
+        self.inference = inference
         self.w_qkv = init_std * jax.random.normal(k_qkv, (d_model, 3 * d_model), jnp.float32)
         self.w_out = init_std * jax.random.normal(k_out, (d_model, d_model), jnp.float32)
         self.qkv_bias = jnp.zeros((3 * d_model,), jnp.float32) if bias else None
@@ -319,28 +335,36 @@ class MultiHeadAttention(eqx.Module):
             )
         return jnp.broadcast_to(mask, target)
 
-    def attend(self, x, k, v, *, mask=None, key=None):
+    def _rate(self, key, inference: bool | None) -> float:
+        """This call's attention dropout rate: `self.dropout` in training mode, else 0 (see the
+        class docstring; training mode without a `key` raises)."""
+        inference = self.inference if inference is None else inference
+        return self.dropout if dropout_active(self.dropout, inference, key, "MultiHeadAttention") else 0.0
+
+    def attend(self, x, k, v, *, mask=None, key=None, inference: bool | None = None):
         """Attention of the queries of `x` `(*batch, seq, d_model)` over given keys and values
-        `(*batch, kv_seq, heads, d_head)` (from `project_kv`); returns `(*batch, seq, d_model)`."""
+        `(*batch, kv_seq, heads, d_head)` (from `project_kv`); returns `(*batch, seq, d_model)`.
+        `key` and `inference` as in `__call__`."""
+        rate = self._rate(key, inference)
         q = self.project_q(x)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key), self.w_out, self.out_bias)
+        return linear(self._attend(q, k, v, mask, key, rate), self.w_out, self.out_bias)
 
-    def _attend(self, q, k, v, mask, key, cached: bool = False):
-        """All heads' outputs `(*batch, seq, d_model)`: cuDNN's fused kernel on a GPU with 16-bit
-        activations and no attention dropout (the same function, see `fused_attention`), else
-        `multi_head_attention`. A cache's layout (`cached`) is read by `multi_head_attention`
-        only: cuDNN's kernel takes keys position first."""
-        fused = _cudnn_attention_available(q.dtype) and (key is None or self.dropout == 0.0) and not cached
-        if fused:
-            per_sequence = mask is not None and mask.ndim > 2  # (batch, q, kv) -> (batch, heads=1, q, kv)
+    def _attend(self, q, k, v, mask, key, rate: float, cached: bool = False):
+        """All heads' outputs `(*batch, seq, d_model)`, attention weights dropped out at `rate`:
+        cuDNN's fused kernel on a GPU with 16-bit activations and no dropout (the same function,
+        see `fused_attention`), else `multi_head_attention`. A cache's layout (`cached`) is read
+        by `multi_head_attention` only: cuDNN's kernel takes keys position first."""
+        if _cudnn_attention_available(q.dtype) and rate == 0.0 and not cached:
+            per_sequence = mask is not None and mask.ndim > 2
+            fused_mask = mask[..., None, :, :] if mask is not None and per_sequence else mask  # heads=1
             try:
-                out = fused_attention(q, k, v, mask[..., None, :, :] if per_sequence else mask, "cudnn")
+                out = fused_attention(q, k, v, fused_mask, "cudnn")
             except (RuntimeError, ValueError, NotImplementedError):
                 pass  # an unsupported shape or cuDNN version: the vmap path below
             else:
                 return out.reshape(*q.shape[:-2], self.d_model)
-        return multi_head_attention(q, k, v, mask, self.dropout, key, cached=cached)[0]
+        return multi_head_attention(q, k, v, mask, rate, key if rate else None, cached=cached)[0]
 
     @typechecked
     def __call__(
@@ -350,6 +374,7 @@ class MultiHeadAttention(eqx.Module):
         *,
         mask: Bool[Array, "..."] | None = None,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> Float[Array, "*batch seq d_model"]:
         """Attention of `x` `(seq, d_model)` over itself, or over `context` `(kv_seq, d_model)`.
 
@@ -358,11 +383,13 @@ class MultiHeadAttention(eqx.Module):
         `(batch, seq, d_model)` (with `context` `(batch, kv_seq, d_model)`): the same as `jax.vmap`
         over its sequences, but the projections then run as one matrix multiply for the whole
         batch, which is faster (see `linear`). For a batch, `key` is one key per sequence (shape
-        `(batch,)`) or one key.
+        `(batch,)`) or one key. `key` drives the attention dropout, and is needed in training mode
+        when `dropout > 0`; `inference=True` or `False` overrides `self.inference` for this call.
         """
+        rate = self._rate(key, inference)
         q, k, v = self._project(x, context)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key), self.w_out, self.out_bias)
+        return linear(self._attend(q, k, v, mask, key, rate), self.w_out, self.out_bias)
 
     @typechecked
     def weights(
@@ -391,8 +418,9 @@ class MultiHeadAttention(eqx.Module):
         `start + new <= capacity` (`jax.lax.dynamic_update_slice` would otherwise clamp).
 
         A batch `(*batch, new, d_model)` needs a cache with the same leading `batch` axes; its
-        sequences share `start`. (Updating in place matters here: under `jax.vmap` the update would
-        become a scatter, which XLA:CPU turns into a copy of the whole cache per token.)
+        sequences share `start`. Decoding is inference: it never drops out. (Updating in place
+        matters here: under `jax.vmap` the update would become a scatter, which XLA:CPU turns
+        into a copy of the whole cache per token.)
         """
         q, k, v = self._project(x, None, start)  # (*batch, new, heads, d_head)
         lead = (0,) * (x.ndim - 2)
@@ -402,5 +430,5 @@ class MultiHeadAttention(eqx.Module):
         v_all = jax.lax.dynamic_update_slice(cache.v, v_h, (*lead, 0, start, 0))
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
-        out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, cached=True)
+        out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, 0.0, cached=True)
         return linear(out, self.w_out, self.out_bias), KVCache(k=k_all, v=v_all)

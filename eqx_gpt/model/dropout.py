@@ -1,6 +1,13 @@
-"""Inverted dropout as a plain function: no key means no dropout (inference)."""
+"""Inverted dropout as a plain function, and the dropout contract every module with dropout keeps.
+
+The contract is `eqx.nn.Dropout`'s: a module holds an `inference: bool` field (switched by
+`eqx.nn.inference_mode`), its `__call__` takes `inference: bool | None = None` to override it for
+one call, and dropout that is active (a rate above 0, not in inference mode) without a `key` is an
+error rather than silently no dropout.
+"""
 
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -36,18 +43,45 @@ def keep_mask(key: PRNGKeyArray, rate: float, shape: tuple[int, ...]) -> Bool[Ar
     return (draws >= threshold).reshape(shape)
 
 
-def dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+def check_rate(rate: float, what: str = "dropout") -> float:
+    """`rate` if it is a dropout rate: a number in `[0, 1)` that stays below 1 at the 1/65536
+    resolution of `keep_mask`; else a one-line `TypeError`/`ValueError` naming it and the range."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        raise TypeError(f"{what} rate must be a number in [0, 1), got {rate!r}")
+    if not 0.0 <= rate < 1.0 or round(rate * _LEVELS) >= _LEVELS:
+        raise ValueError(f"{what} rate must be in [0, 1) (the fraction of elements zeroed), got {rate!r}")
+    return rate
+
+
+def dropout_active(rate: float, inference: bool, key, what: str) -> bool:
+    """Whether a module drops out on this call: `rate > 0` and not in inference mode. Active
+    without a `key` is a one-line `ValueError` (as `eqx.nn.Dropout` refuses it), never silently
+    no dropout."""
+    active = rate > 0 and not inference
+    if active and key is None:
+        raise ValueError(
+            f"{what} has dropout {rate} and is in training mode, so it needs key=; pass one, or run it in "
+            f"inference mode: eqx.nn.inference_mode(model), or inference=True for this call"
+        )
+    return active
+
+
+def dropout(x: Array, rate: float, key: PRNGKeyArray | None = None, *, inference: bool = False) -> Array:
     """Zero each element of `x` with probability `rate` and scale survivors by `1 / (1 - rate)`.
 
-    With `key=None` or `rate == 0` it returns `x` unchanged, so the same model code serves
-    training (pass a key) and inference (pass none). `key` is one key, or an array of keys for the
-    leading axes of `x` (one per sequence of a batch): each sequence then gets the mask it would
-    get on its own, so a batch gives the same result as `jax.vmap` over its sequences. The rate is
-    rounded to a multiple of 1/65536 and survivors are scaled by the exact keep probability, so
-    the expected output is `x` (see `keep_mask`).
+    `eqx.nn.Dropout`'s contract as a function: with `inference=True` or `rate == 0` it returns `x`
+    unchanged; otherwise it needs a `key` (a one-line `ValueError` without one). `rate` must be in
+    `[0, 1)`. `key` is one key, or an array of keys for the leading axes of `x` (one per sequence
+    of a batch): each sequence then gets the mask it would get on its own, so a batch gives the
+    same result as `jax.vmap` over its sequences. The rate is rounded to a multiple of 1/65536
+    and survivors are scaled by the exact keep probability, so the expected output is `x` (see
+    `keep_mask`).
     """
-    if key is None or rate == 0.0:
+    check_rate(rate)
+    if rate == 0 or inference:
         return x
+    if key is None:
+        raise ValueError(f"dropout at rate {rate} needs key=; pass inference=True (or rate 0) for no dropout")
     key = typed_key(key)
     if key.ndim == 0:
         keep = keep_mask(key, rate, x.shape)

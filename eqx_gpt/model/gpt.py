@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import is_whole, typechecked
+from eqx_gpt._checks import is_traced, is_whole, typechecked
 from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.dropout import dropout
+from eqx_gpt.model.dropout import dropout, dropout_active
 from eqx_gpt.model.linear import linear
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
@@ -35,6 +35,13 @@ class GPT(eqx.Module):
     The embedding and head have `config.padded_vocab_size` rows/columns; the logits of the padding
     ids are **sliced off**, so `__call__` returns exactly `config.vocab_size` logits per position
     and a padding id can never be predicted or sampled.
+
+    Dropout (`config.dropout`, on the embeddings, each sub-layer's output and the attention
+    weights) follows `eqx.nn.Dropout`'s contract. The model is built in training mode
+    (`inference=False` here and in every block): with `dropout > 0` a call needs a `key`, and
+    without one it raises. `eqx.nn.inference_mode(model)` switches it, and every block, to
+    inference mode (no dropout, any key or none); `model(tokens, inference=True)` does so for
+    one call. With `dropout == 0` no key is ever needed.
     """
 
     embed: Float[Array, "padded_vocab d_model"]
@@ -42,11 +49,15 @@ class GPT(eqx.Module):
     blocks: LayerStack  # of Blocks
     final_norm: RMSNorm | LayerNorm | None  # None with post-norm blocks: their output is normed
     head: Float[Array, "d_model padded_vocab"] | None  # None with tie_embeddings: `embed.T`
+    inference: bool  # the embeddings' dropout; each block holds its own (`eqx.nn.inference_mode`)
     config: GPTConfig = eqx.field(static=True)
 
-    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: GPTConfig, *, key: PRNGKeyArray, inference: bool = False):
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT takes a GPTConfig, got {type(config).__name__}")
         k_embed, k_blocks, k_head = jax.random.split(key, 3)
         c = config
+        d_hidden = c.d_hidden if c.d_hidden is not None else 4 * c.d_model  # set by GPTConfig
         self.config = c
         if c.positions == "sinusoidal":
             # Unit-variance token vectors after the sqrt(d_model) scale, comparable to the table.
@@ -59,9 +70,9 @@ class GPT(eqx.Module):
 
         def make_block(k):
             return Block(
-                c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
+                c.d_model, c.n_heads, d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
                 norm=c.norm, norm_position=c.norm_position, bias=c.bias, activation=c.activation,
-                rope=c.positions == "rope",
+                rope=c.positions == "rope", inference=inference,
             )  # fmt: skip
 
         blocks = LayerStack(make_block, jax.random.split(k_blocks, c.n_layers), unroll=c.scan_unroll)
@@ -77,6 +88,7 @@ class GPT(eqx.Module):
         tied = c.tie_embeddings
         head_std = 0.0 if c.zero_init else 0.02
         self.head = None if tied else head_std * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
+        self.inference = inference
 
     def _embed(self, tokens, start, table_length: int):
         """Token vectors plus the position vectors of positions `start .. start + new - 1`, read
@@ -85,7 +97,7 @@ class GPT(eqx.Module):
         x = self.embed[tokens]
         if c.positions == "rope":  # positions enter in attention
             return x.astype(c.compute_dtype)
-        if c.positions == "sinusoidal":
+        if self.pos_embed is None:  # sinusoidal
             x = x * math.sqrt(c.d_model)
             table = sinusoidal_positions(table_length, c.d_model)
         else:
@@ -106,7 +118,7 @@ class GPT(eqx.Module):
         clamped row (JAX's gather semantics) and a padding id reads an untrained row, so the
         logits are finite but meaningless. `generate` and the CLIs check ids before tracing.
         """
-        if isinstance(tokens, jax.core.Tracer) or tokens.size == 0:
+        if is_traced(tokens) or tokens.size == 0:
             return
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.config.vocab_size:
@@ -124,12 +136,18 @@ class GPT(eqx.Module):
 
     @typechecked
     def __call__(
-        self, tokens: Int[Array, "*batch seq"], *, key: PRNGKeyArray | Key[Array, "*batch"] | None = None
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> Float[Array, "*batch seq vocab"]:
         """Next-token logits `(seq, vocab_size)` for `tokens` of shape `(seq,)`.
 
-        Position t sees tokens 0..t only (causal). With `key` and `config.dropout > 0`, dropout is
-        applied (training); with `key=None` the call is deterministic.
+        Position t sees tokens 0..t only (causal). In training mode with `config.dropout > 0`,
+        dropout is applied and `key` is required; in inference mode (`eqx.nn.inference_mode`) the
+        call is deterministic, whatever the key. `inference=True` or `False` overrides the modes of
+        the model and its blocks for this call.
 
         A batch `(batch, seq)` gives `(batch, seq, vocab_size)`, the same as `jax.vmap` over its
         rows, but faster: every projection is then one matrix multiply for the whole batch. Its
@@ -138,13 +156,19 @@ class GPT(eqx.Module):
         seq = tokens.shape[-1]
         self._check_length(seq)
         self._check_ids(tokens)
+        own = self.inference if inference is None else inference
+        dropout_active(self.config.dropout, own, key, "GPT")
+        k_embed = k_blocks = layer_keys = None
         if key is not None:
-            key = keys_per_sequence(key, tokens.shape[:-1])
-        k_embed, k_blocks = (None, None) if key is None else split_key(key, 2)
-        x = dropout(self._embed(tokens, 0, seq), self.config.dropout, k_embed)
+            k_embed, k_blocks = split_key(keys_per_sequence(key, tokens.shape[:-1]), 2)
+            layer_keys = split_key(k_blocks, self.config.n_layers)
+        x = dropout(self._embed(tokens, 0, seq), self.config.dropout, k_embed, inference=own)
         mask = causal_mask(seq)
-        layer_keys = None if k_blocks is None else split_key(k_blocks, self.config.n_layers)
-        x, _ = self.blocks.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
+
+        def layer(block, x, k):
+            return block(x, mask=mask, key=k, inference=inference), None
+
+        x, _ = self.blocks.run(layer, x, layer_keys)
         return self._logits(x)
 
     @typechecked
@@ -160,7 +184,7 @@ class GPT(eqx.Module):
         mask = causal_mask(seq)
 
         def layer(block, x, _):
-            return block(x, mask=mask), block.attention_weights(x, mask=mask)
+            return block(x, mask=mask, inference=True), block.attention_weights(x, mask=mask)
 
         _, weights = self.blocks.run(layer, x)
         return self.blocks.as_array(weights)
@@ -190,6 +214,8 @@ class GPT(eqx.Module):
         capacity = c.context_length if capacity is None else capacity
         if not is_whole(capacity, 1):
             raise ValueError(f"init_cache needs a capacity >= 1 (positions to hold), got {capacity!r}")
+        if batch is not None and not is_whole(batch, 1):
+            raise ValueError(f"init_cache needs batch >= 1 (sequences) or None, got {batch!r}")
         self._check_length(capacity)
         rows = () if batch is None else (batch,)
 
@@ -208,10 +234,11 @@ class GPT(eqx.Module):
         Equal (up to float rounding) to the last `new` rows of `__call__` on the whole sequence so
         far, but costs only the new positions. Keep `start + new <= capacity`. `cache` comes from
         `init_cache` (a tuple of per-layer caches for an unstacked model). A batch of sequences
-        `(batch, new)` sharing `start` takes a cache from `init_cache(batch=batch)`.
+        `(batch, new)` sharing `start` takes a cache from `init_cache(batch=batch)`. Decoding is
+        inference: it never drops out, in either mode.
         """
         capacity = self.blocks.first(cache).v.shape[-2]
-        if not isinstance(start, jax.core.Tracer) and not 0 <= int(start) <= capacity - tokens.shape[-1]:
+        if not is_traced(start) and not 0 <= int(start) <= capacity - tokens.shape[-1]:
             raise ValueError(
                 f"decode of {tokens.shape[-1]} token(s) at position {int(start)} does not fit a cache of "
                 f"capacity {capacity}; keep start + new <= capacity (a larger init_cache, or a new window)"

@@ -1,13 +1,14 @@
 """The position-wise feed-forward network (Vaswani et al. 2017, section 3.3)."""
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt._checks import check_last_dim, check_size, typechecked
 from eqx_gpt.model.config import ACTIVATION_KINDS
 from eqx_gpt.model.linear import linear
 
@@ -39,7 +40,7 @@ gelu.defvjp(_gelu_forward, _gelu_backward)
 # The MLP's non-linearity by name: "gelu_tanh" (GPT-2's, and the default), "gelu" (the exact,
 # erf-based GELU of BERT and PyTorch's default), "relu" (the paper's) and "relu2" (relu squared:
 # modded-nanogpt's and nanochat's, sparse like relu with a smooth kink).
-ACTIVATIONS = dict(
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(
     zip(
         ACTIVATION_KINDS,
         (
@@ -56,11 +57,16 @@ ACTIVATIONS = dict(
 class MLP(eqx.Module):
     """`act(x @ w_in + in_bias) @ w_out + out_bias`, applied to every position independently.
 
+    Not `eqx.nn.MLP`: this is the transformer's two-layer feed-forward network, built from
+    `(d_model, d_hidden)` (no `depth`, `in_size`/`out_size` or activation function argument), and
+    acting on a whole sequence `(seq, d_model)` rather than one vector. It has no dropout (the
+    `Block` drops out its output).
+
     Weights are stored `(in, out)` so that a whole sequence (or batch of sequences) is one matrix
     multiply. Biases are optional (`bias=True`, GPT-2's; zeros at first): by default there are
     none, since the norm before the MLP makes them nearly redundant. `activation` names the
-    non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu" or "relu"). Weights start as
-    N(0, init_std^2).
+    non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu", "relu" or "relu2", relu
+    squared). Weights start as N(0, init_std^2).
     """
 
     w_in: Float[Array, "d_model d_hidden"]
@@ -81,8 +87,10 @@ class MLP(eqx.Module):
         bias: bool = False,
         activation: str = "gelu_tanh",
     ):
-        if d_model < 1 or d_hidden < 1:
-            raise ValueError(f"MLP needs positive sizes, got d_model={d_model}, d_hidden={d_hidden}")
+        check_size(d_model, "MLP: d_model")
+        check_size(d_hidden, "MLP: d_hidden")
+        if not isinstance(init_std, int | float) or not 0 <= init_std < math.inf:
+            raise ValueError(f"MLP: init_std must be a finite number >= 0, got {init_std!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"MLP activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
         k_in, k_out = jax.random.split(key)

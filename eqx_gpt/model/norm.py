@@ -4,7 +4,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt._checks import check_eps, check_last_dim, check_size, typechecked
 from eqx_gpt.model.config import NORM_KINDS
 
 
@@ -13,6 +13,10 @@ class RMSNorm(eqx.Module):
 
     Cheaper than LayerNorm (no mean subtraction) and just as good in a pre-norm transformer.
     Statistics are computed in float32 whatever the input dtype.
+
+    Not `eqx.nn.RMSNorm`: built from a feature count `dim` (not a `shape`), with a weight called
+    `scale` and no bias (Equinox's has one by default), and it normalises the last axis of
+    `(..., dim)` inputs, a whole sequence or batch at once.
     """
 
     scale: Float[Array, " dim"]
@@ -20,10 +24,8 @@ class RMSNorm(eqx.Module):
     eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, eps: float = 1e-5):
-        if dim < 1:
-            raise ValueError(f"RMSNorm needs dim >= 1, got {dim}")
-        self.dim = dim
-        self.eps = eps
+        self.dim = check_size(dim, "RMSNorm: dim")
+        self.eps = check_eps(eps, "RMSNorm:")
         self.scale = jnp.ones((dim,), jnp.float32)
 
     @typechecked
@@ -40,6 +42,10 @@ class LayerNorm(eqx.Module):
 
     The norm of "Attention Is All You Need" (its "Add & Norm"). Learned `scale` (ones) and `bias`
     (zeros); statistics are computed in float32 whatever the input dtype, as in `RMSNorm`.
+
+    Not `eqx.nn.LayerNorm`: built from a feature count `dim` (not a `shape`; no `use_weight`,
+    `use_bias` or `dtype`), with its weight called `scale`, and it normalises the last axis of
+    `(..., dim)` inputs, a whole sequence or batch at once.
     """
 
     scale: Float[Array, " dim"]
@@ -48,10 +54,8 @@ class LayerNorm(eqx.Module):
     eps: float = eqx.field(static=True)
 
     def __init__(self, dim: int, eps: float = 1e-5):
-        if dim < 1:
-            raise ValueError(f"LayerNorm needs dim >= 1, got {dim}")
-        self.dim = dim
-        self.eps = eps
+        self.dim = check_size(dim, "LayerNorm: dim")
+        self.eps = check_eps(eps, "LayerNorm:")
         self.scale = jnp.ones((dim,), jnp.float32)
         self.bias = jnp.zeros((dim,), jnp.float32)
 

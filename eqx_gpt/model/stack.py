@@ -19,8 +19,20 @@ import jax
 import jax.numpy as jnp
 
 
+def _per_layer(x) -> bool:
+    """Whether a leaf of stacked layers is one of their arrays, with the leading `n` axis. A 0-d
+    array is not: it is what a flag such as `inference` becomes when the whole model is an
+    argument of `jax.jit` or `jax.make_jaxpr`, and it is shared by every layer."""
+    return eqx.is_array(x) and x.ndim > 0
+
+
 class LayerStack(eqx.Module):
-    """`n` layers of the same structure; `run` applies them in order, whichever the storage."""
+    """`n` layers of the same structure; `run` applies them in order, whichever the storage.
+
+    It has no mode of its own: `eqx.nn.inference_mode` reaches the `inference` field of its
+    layers (one flag for a stacked module, one per module unstacked), and `run` passes them as
+    they are (a flag is not one of the per-layer arrays: it stays with the static part).
+    """
 
     layers: Any  # one module with a leading `n` axis on its arrays, or a tuple of `n` modules
     n: int = eqx.field(static=True)
@@ -37,7 +49,7 @@ class LayerStack(eqx.Module):
     def stacked(self) -> bool:
         return not isinstance(self.layers, tuple)
 
-    def run(self, layer: Callable, x, per_layer=None):
+    def run(self, layer: Callable, x, per_layer=None) -> tuple[Any, Any]:
         """`x, out = layer(module, x, per_layer[i])` for each layer in order; returns `x` and the
         outs (stacked or a tuple, like the storage; see the module docstring)."""
         if not self.stacked:
@@ -46,7 +58,7 @@ class LayerStack(eqx.Module):
                 x, out = layer(module, x, None if per_layer is None else per_layer[i])
                 outs.append(out)
             return x, tuple(outs)
-        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+        dynamic, static = eqx.partition(self.layers, _per_layer)
 
         def step(x, xs):
             arrays, xs_i = xs
@@ -60,20 +72,20 @@ class LayerStack(eqx.Module):
             return self
         return eqx.tree_at(lambda s: s.layers, self, self.split(self.layers))
 
-    def split(self, stacked_values):
+    def split(self, stacked_values) -> tuple[Any, ...]:
         """A pytree with a leading `n` axis as a tuple of its `n` slices."""
-        dynamic, static = eqx.partition(stacked_values, eqx.is_array)
+        dynamic, static = eqx.partition(stacked_values, _per_layer)
         return tuple(eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static) for i in range(self.n))
 
-    def per_layer(self, make: Callable[[tuple[int, ...]], Any]):
+    def per_layer(self, make: Callable[[tuple[int, ...]], Any]) -> Any:
         """One value per layer in the storage's form: `make((n,))` (arrays with a leading `n`
         axis) when stacked, a tuple of `n` values `make(())` when unstacked."""
         return make((self.n,)) if self.stacked else tuple(make(()) for _ in range(self.n))
 
-    def first(self, values):
+    def first(self, values) -> Any:
         """Layer 0's value of a per-layer pytree (a slice when stacked)."""
         return jax.tree.map(lambda a: a[0], values) if self.stacked else values[0]
 
-    def as_array(self, outs):
+    def as_array(self, outs) -> Any:
         """Per-layer outs with a leading `n` axis, whichever the storage."""
         return outs if self.stacked else jax.tree.map(lambda *xs: jnp.stack(xs), *outs)

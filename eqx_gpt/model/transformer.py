@@ -22,9 +22,9 @@ from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS
-from eqx_gpt.model.dropout import dropout
+from eqx_gpt.model.dropout import dropout, dropout_active
 from eqx_gpt.model.linear import linear
-from eqx_gpt.model.norm import make_norm
+from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
 from eqx_gpt.streams import keys_per_sequence, split_key
@@ -69,27 +69,36 @@ class TransformerConfig(DictConfig):
 
 
 class Transformer(eqx.Module):
-    """An encoder-decoder transformer on one (source, target) pair of id sequences, or a batch."""
+    """An encoder-decoder transformer on one (source, target) pair of id sequences, or a batch.
+
+    Dropout follows `eqx.nn.Dropout`'s contract, as in `GPT`: built in training mode, a call with
+    `config.dropout > 0` needs a `key`; `eqx.nn.inference_mode(model)` switches the model and
+    every block to inference mode, and `inference=` overrides the modes for one call.
+    """
 
     src_embed: Float[Array, "src_vocab d_model"]
     tgt_embed: Float[Array, "tgt_vocab d_model"]
     encoder: LayerStack  # of Blocks
     decoder: LayerStack  # of Blocks with cross-attention
-    encoder_norm: eqx.Module | None  # pre-norm only: the blocks' output is not normalised
-    decoder_norm: eqx.Module | None
+    encoder_norm: RMSNorm | LayerNorm | None  # pre-norm only: the blocks' output is not normalised
+    decoder_norm: RMSNorm | LayerNorm | None
     head: Float[Array, "d_model tgt_vocab"]
+    inference: bool  # the embeddings' dropout; each block holds its own
     config: TransformerConfig = eqx.field(static=True)
 
-    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: TransformerConfig, *, key: PRNGKeyArray, inference: bool = False):
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"Transformer takes a TransformerConfig, got {type(config).__name__}")
         c = self.config = config
+        d_hidden = c.d_hidden if c.d_hidden is not None else 4 * c.d_model  # set by TransformerConfig
         k_src, k_tgt, k_enc, k_dec, k_head = jax.random.split(key, 5)
         self.src_embed = jax.random.normal(k_src, (c.src_vocab_size, c.d_model)) / math.sqrt(c.d_model)
         self.tgt_embed = jax.random.normal(k_tgt, (c.tgt_vocab_size, c.d_model)) / math.sqrt(c.d_model)
 
         def make_block(cross: bool):
             return lambda k: Block(
-                c.d_model, c.n_heads, c.d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
-                norm=c.norm, norm_position=c.norm_position, cross_attention=cross,
+                c.d_model, c.n_heads, d_hidden, key=k, dropout=c.dropout, norm_eps=c.norm_eps,
+                norm=c.norm, norm_position=c.norm_position, cross_attention=cross, inference=inference,
             )  # fmt: skip
 
         self.encoder = LayerStack(make_block(False), jax.random.split(k_enc, c.n_encoder_layers))
@@ -98,10 +107,21 @@ class Transformer(eqx.Module):
         self.encoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
         self.decoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
         self.head = 0.02 * jax.random.normal(k_head, (c.d_model, c.tgt_vocab_size))
+        self.inference = inference
 
-    def _embed(self, table, ids, positions, key):
+    def _embed(self, table, ids, positions, key, inference: bool):
         x = table[ids] * math.sqrt(self.config.d_model) + positions
-        return dropout(x, self.config.dropout, key)
+        return dropout(x, self.config.dropout, key, inference=inference)
+
+    def _keys(self, key, ids, inference: bool | None):
+        """`(own mode, embedding key, layers' key)` of a call on `ids`; training mode with dropout
+        and no key raises."""
+        own = self.inference if inference is None else inference
+        dropout_active(self.config.dropout, own, key, "Transformer")
+        if key is None:
+            return own, None, None
+        k_embed, k_layers = split_key(keys_per_sequence(key, ids.shape[:-1]), 2)
+        return own, k_embed, k_layers
 
     def _check(self, ids, what: str) -> None:
         if ids.shape[-1] > self.config.max_len:
@@ -112,18 +132,25 @@ class Transformer(eqx.Module):
 
     @typechecked
     def encode(
-        self, src: Int[Array, "*batch src_seq"], *, key: PRNGKeyArray | Key[Array, "*batch"] | None = None
+        self,
+        src: Int[Array, "*batch src_seq"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> Float[Array, "*batch src_seq d_model"]:
-        """The memory: every source position after the encoder. Padding (`pad_id`) is invisible."""
+        """The memory: every source position after the encoder. Padding (`pad_id`) is invisible.
+        `key` and `inference` as in `__call__`."""
         self._check(src, "source")
         c, seq = self.config, src.shape[-1]
-        k_embed, k_layers = (
-            (None, None) if key is None else split_key(keys_per_sequence(key, src.shape[:-1]), 2)
-        )
-        x = self._embed(self.src_embed, src, sinusoidal_positions(seq, c.d_model), k_embed)
+        own, k_embed, k_layers = self._keys(key, src, inference)
+        x = self._embed(self.src_embed, src, sinusoidal_positions(seq, c.d_model), k_embed, own)
         mask = padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]  # every query sees the real keys
         layer_keys = None if k_layers is None else split_key(k_layers, c.n_encoder_layers)
-        x, _ = self.encoder.run(lambda block, x, k: (block(x, mask=mask, key=k), None), x, layer_keys)
+
+        def layer(block, x, k):
+            return block(x, mask=mask, key=k, inference=inference), None
+
+        x, _ = self.encoder.run(layer, x, layer_keys)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
     def _decode_whole(
@@ -133,20 +160,19 @@ class Transformer(eqx.Module):
         src: Int[Array, "*batch src_seq"],
         *,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> Float[Array, "*batch tgt_seq tgt_vocab"]:
         """Next-token logits for every target position at once (teacher forcing), attending
         causally to the target and to the memory of `src` (whose padding is hidden)."""
         self._check(tgt, "target")
         c, seq = self.config, tgt.shape[-1]
-        k_embed, k_layers = (
-            (None, None) if key is None else split_key(keys_per_sequence(key, tgt.shape[:-1]), 2)
-        )
-        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(seq, c.d_model), k_embed)
+        own, k_embed, k_layers = self._keys(key, tgt, inference)
+        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(seq, c.d_model), k_embed, own)
         mask, context_mask = causal_mask(seq), padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]
         layer_keys = None if k_layers is None else split_key(k_layers, c.n_decoder_layers)
 
         def layer(block, x, k):
-            return block(x, memory, mask=mask, context_mask=context_mask, key=k), None
+            return block(x, memory, mask=mask, context_mask=context_mask, key=k, inference=inference), None
 
         x, _ = self.decoder.run(layer, x, layer_keys)
         return linear(x if self.decoder_norm is None else self.decoder_norm(x), self.head)
@@ -158,13 +184,18 @@ class Transformer(eqx.Module):
         tgt: Int[Array, "*batch tgt_seq"],
         *,
         key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> Float[Array, "*batch tgt_seq tgt_vocab"]:
         """Logits `(tgt_seq, tgt_vocab)` for `tgt` given `src` (teacher forcing: position t sees
-        target tokens 0..t and the whole source). Dropout only with a `key`."""
+        target tokens 0..t and the whole source). In training mode with `config.dropout > 0` a
+        `key` is required; `inference=True` or `False` overrides the modes for this call."""
+        own = self.inference if inference is None else inference
+        dropout_active(self.config.dropout, own, key, "Transformer")
         k_enc, k_dec = (None, None) if key is None else split_key(keys_per_sequence(key, src.shape[:-1]), 2)
-        return self._decode_whole(tgt, self.encode(src, key=k_enc), src, key=k_dec)
+        memory = self.encode(src, key=k_enc, inference=inference)
+        return self._decode_whole(tgt, memory, src, key=k_dec, inference=inference)
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
+    def init_cache(self, batch: int, capacity: int) -> KVCache | tuple[KVCache, ...]:
         """An empty self-attention `KVCache` for every decoder layer and `batch` target rows, of
         `capacity` positions: keys `(n_layers, batch, n_heads, d_head, capacity)`."""
         c = self.config
@@ -176,28 +207,31 @@ class Transformer(eqx.Module):
     def memory_kv(self, memory: Float[Array, "batch src_seq d_model"]):
         """Each decoder layer's cross-attention keys and values of `memory` (from `encode`): what
         every decoding step attends to, projected once per source."""
-        _, kv = self.decoder.run(lambda block, x, _: (x, block.cross_attn.project_kv(memory)), memory)
+        _, kv = self.decoder.run(
+            lambda block, x, _: (x, block.cross_sublayer()[1].project_kv(memory)), memory
+        )
         return kv
 
     def decode(
         self,
         tgt: Int[Array, "batch new"],
-        cache: KVCache,
+        cache: KVCache | tuple[KVCache, ...],
         start: Int[Array, ""] | int,
         memory_kv,
         src: Int[Array, "batch src_seq"],
-    ) -> tuple[Float[Array, "batch new tgt_vocab"], KVCache]:
+    ) -> tuple[Float[Array, "batch new tgt_vocab"], KVCache | tuple[KVCache, ...]]:
         """Logits for the target tokens `tgt` at positions `start, ..., start + new - 1`, reading
         and updating the decoder's self-attention `cache` (from `init_cache`) and attending to the
         source through `memory_kv` (from `memory_kv(encode(src))`; `src` hides its padding).
 
         Equal (up to float rounding) to the last `new` rows of `__call__(src, target so far)`, but
-        costs only the new positions: `GPT.decode`'s meaning, for the encoder-decoder."""
+        costs only the new positions: `GPT.decode`'s meaning, for the encoder-decoder. Decoding
+        is inference: it never drops out."""
         c = self.config
         capacity = self.decoder.first(cache).v.shape[-2]
         table = sinusoidal_positions(capacity, c.d_model)
         positions = jax.lax.dynamic_slice_in_dim(table, start, tgt.shape[-1])
-        x = self._embed(self.tgt_embed, tgt, positions, None)
+        x = self._embed(self.tgt_embed, tgt, positions, None, True)
         context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
 
         def layer(block, x, per_layer):
@@ -212,13 +246,13 @@ class Transformer(eqx.Module):
         self, src: Int[Array, " src_seq"], tgt: Int[Array, " tgt_seq"]
     ) -> Float[Array, "layers heads tgt_seq src_seq"]:
         """Every decoder layer's and head's cross-attention weights (target rows, source columns)."""
-        c, memory = self.config, self.encode(src)
-        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(tgt.shape[-1], c.d_model), None)
+        c, memory = self.config, self.encode(src, inference=True)
+        x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(tgt.shape[-1], c.d_model), None, True)
         mask, context_mask = causal_mask(tgt.shape[-1]), padding_mask(tokens=src, pad_id=c.pad_id)[None, :]
 
         def layer(block, x, _):
             weights = block.cross_attention_weights(x, memory, mask=mask, context_mask=context_mask)
-            return block(x, memory, mask=mask, context_mask=context_mask), weights
+            return block(x, memory, mask=mask, context_mask=context_mask, inference=True), weights
 
         _, weights = self.decoder.run(layer, x)
         return self.decoder.as_array(weights)

@@ -268,13 +268,19 @@ def make_train_steps(
     @eqx.filter_jit(donate="all-except-first")
     def steps_fn(inputs, model, opt_state):
         batches, steps, lrs, n = inputs
+        # The loop carries the model's arrays only: a carried Python bool (the `inference` flags)
+        # would become a traced array, which dropout cannot branch on.
+        params, static = eqx.partition(model, eqx.is_array)
 
         def one(i, carry):
-            model, opt_state, losses = carry
+            params, opt_state, losses = carry
+            model = eqx.combine(params, static)
             model, opt_state, loss = body(model, opt_state, batches[i], steps[i], lrs[i])
-            return model, opt_state, losses.at[i].set(loss)
+            return eqx.filter(model, eqx.is_array), opt_state, losses.at[i].set(loss)
 
-        return jax.lax.fori_loop(0, n, one, (model, opt_state, jnp.zeros(steps.shape, jnp.float32)))
+        zeros = jnp.zeros(steps.shape, jnp.float32)
+        params, opt_state, losses = jax.lax.fori_loop(0, n, one, (params, opt_state, zeros))
+        return eqx.combine(params, static), opt_state, losses
 
     def train_steps(model, opt_state, batches, steps, lrs, n):
         return steps_fn((batches, steps, lrs, n), model, opt_state)

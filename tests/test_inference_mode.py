@@ -1,0 +1,205 @@
+"""Equinox's dropout contract on every module with dropout: an `inference` field that
+`eqx.nn.inference_mode` switches, a per-call `inference=` override, and no silent no-dropout."""
+
+import dataclasses
+import io
+import json
+import shutil
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt import (
+    GPT,
+    Block,
+    GPTConfig,
+    MultiHeadAttention,
+    Transformer,
+    TransformerConfig,
+    causal_mask,
+    dropout,
+    generate,
+    load_model,
+    save_checkpoint,
+    translate,
+)
+from eqx_gpt.checkpoint import VERSION, read_metadata
+from eqx_gpt.tokenizer import CharTokenizer
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CFG = GPTConfig(vocab_size=9, context_length=8, d_model=16, n_heads=2, n_layers=2, dropout=0.5)
+T_CFG = TransformerConfig(src_vocab_size=9, tgt_vocab_size=9, max_len=8, d_model=16, n_heads=2, dropout=0.5)
+K1, K2 = jax.random.key(1), jax.random.key(2)
+
+
+def _flags(tree) -> list[bool]:
+    """Every `inference` flag in `tree`: the only Python bools among a model's leaves (its other
+    settings are static fields)."""
+    return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, bool)]
+
+
+def _gpt():
+    return GPT(CFG, key=jax.random.key(0)), jnp.arange(8) % 9
+
+
+# Each module with dropout, built with rate 0.5: (module, its inputs).
+MODULES = {
+    "GPT": lambda: (GPT(CFG, key=jax.random.key(0)), (jnp.arange(8) % 9,)),
+    "Block": lambda: (Block(16, 2, 32, key=jax.random.key(0), dropout=0.5), (jnp.ones((2, 5, 16)),)),
+    "MultiHeadAttention": lambda: (
+        MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5),
+        (jax.random.normal(jax.random.key(3), (5, 16)),),
+    ),
+    "Transformer": lambda: (
+        Transformer(T_CFG, key=jax.random.key(0)),
+        (jnp.asarray([[3, 4, 5, 0]]), jnp.asarray([[1, 2, 3]])),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_inference_mode_is_deterministic_with_any_key(name):
+    module, inputs = MODULES[name]()
+    assert _flags(module) and not any(_flags(module))  # built in training mode
+    inference = eqx.nn.inference_mode(module)
+    assert all(_flags(inference))
+    out = inference(*inputs)
+    np.testing.assert_array_equal(inference(*inputs, key=K1), out)
+    np.testing.assert_array_equal(inference(*inputs, key=K2), out)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name):
+    module, inputs = MODULES[name]()
+    training = eqx.nn.inference_mode(eqx.nn.inference_mode(module), False)
+    a, b = training(*inputs, key=K1), training(*inputs, key=K2)
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(a, module(*inputs, key=K1))  # the same masks as built
+    with pytest.raises(
+        ValueError, match=f"^{name} has dropout 0.5 and is in training mode, so it needs key="
+    ):
+        training(*inputs)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_the_per_call_override_beats_the_mode(name):
+    module, inputs = MODULES[name]()
+    inference = eqx.nn.inference_mode(module)
+    np.testing.assert_array_equal(module(*inputs, key=K1, inference=True), inference(*inputs))
+    np.testing.assert_array_equal(module(*inputs, inference=True), inference(*inputs))
+    np.testing.assert_array_equal(inference(*inputs, key=K1, inference=False), module(*inputs, key=K1))
+    with pytest.raises(ValueError, match="needs key="):
+        inference(*inputs, inference=False)
+
+
+def test_a_model_without_dropout_needs_no_key():
+    model = GPT(dataclasses.replace(CFG, dropout=0.0), key=jax.random.key(0))
+    tokens = jnp.arange(8) % 9
+    np.testing.assert_array_equal(model(tokens), model(tokens, key=K1))
+    block = Block(16, 2, 32, key=jax.random.key(0))
+    x = jnp.ones((5, 16))
+    np.testing.assert_array_equal(block(x), block(x, key=K1))
+
+
+def test_the_dropout_function_keeps_the_contract():
+    x = jnp.ones((4, 6))
+    np.testing.assert_array_equal(dropout(x, 0.5, K1, inference=True), x)
+    np.testing.assert_array_equal(dropout(x, 0.0), x)
+    assert not np.array_equal(dropout(x, 0.5, K1), x)
+    with pytest.raises(ValueError, match="needs key="):
+        dropout(x, 0.5)
+
+
+def test_stacked_and_unstacked_models_switch_every_flag_and_agree():
+    model, tokens = _gpt()
+    inference = eqx.nn.inference_mode(model)
+    unstacked = inference.unstack()
+    assert len(_flags(unstacked)) == 1 + CFG.n_layers * 2  # the model, then each block and its attention
+    assert all(_flags(unstacked))
+    np.testing.assert_allclose(unstacked(tokens, key=K1), inference(tokens), atol=1e-6)
+    logits, _ = inference.decode(tokens, inference.init_cache(), 0)
+    np.testing.assert_allclose(logits, inference(tokens), atol=1e-5)
+    # Training mode, unstacked: the same masks as the stacked model.
+    np.testing.assert_allclose(model.unstack()(tokens, key=K1), model(tokens, key=K1), atol=1e-6)
+
+
+def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
+    # `jax.jit` and `jax.make_jaxpr` turn every leaf into a tracer, the flags too; the layer scan
+    # must still run (a model without dropout never branches on them).
+    model = GPT(dataclasses.replace(CFG, dropout=0.0), key=jax.random.key(0))
+    tokens = jnp.arange(8) % 9
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), model(tokens), atol=1e-6)
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
+    x = jnp.ones((5, 16))
+    np.testing.assert_allclose(
+        jax.jit(lambda m: m(x, mask=causal_mask(5)))(attn), attn(x, mask=causal_mask(5))
+    )
+
+
+def test_generation_and_translation_run_in_inference_mode():
+    model, tokens = _gpt()
+    greedy = dict(key=K1, temperature=0)
+    np.testing.assert_array_equal(
+        generate(model, tokens[:3], 6, **greedy),
+        generate(eqx.nn.inference_mode(model), tokens[:3], 6, **greedy),
+    )
+    transformer = Transformer(T_CFG, key=jax.random.key(0))
+    src = np.asarray([[3, 4, 5, 0]])
+    kw = dict(bos_id=1, eos_id=2, temperature=0)
+    np.testing.assert_array_equal(
+        translate(transformer, src, 5, **kw), translate(eqx.nn.inference_mode(transformer), src, 5, **kw)
+    )
+
+
+def test_checkpoints_hold_arrays_only_and_load_in_training_mode(tmp_path):
+    model, tokens = _gpt()
+    tokenizer = CharTokenizer("abcdefghi")
+    (tmp_path / "training").mkdir()
+    (tmp_path / "inference").mkdir()
+    paths = [
+        save_checkpoint(tmp_path / name, "latest", m, None, step=0, tokenizer=tokenizer, train_config={})
+        for name, m in (("training", model), ("inference", eqx.nn.inference_mode(model)))
+    ]
+    weights = [(p.parent / read_metadata(p)["weights"]).read_bytes() for p in paths]
+    assert weights[0] == weights[1]  # the mode is not stored
+    loaded, _, meta = load_model(paths[1])
+    assert meta["version"] == VERSION and not any(_flags(loaded))
+    np.testing.assert_array_equal(loaded(tokens, key=K1), model(tokens, key=K1))
+
+
+def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
+    folder = shutil.copytree(FIXTURES / "checkpoint-v1", tmp_path / "v1")
+    meta = json.loads((folder / "latest.json").read_text())
+    assert meta["version"] == 1 and "model" not in meta  # written before the model record
+    model, tokenizer, meta = load_model(folder)
+    assert isinstance(model, GPT) and _flags(model) and not any(_flags(model))
+    expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
+    logits = eqx.nn.inference_mode(model)(jnp.asarray(expected["tokens"]), key=K1)
+    np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_version_2_checkpoint_without_its_model_record_is_refused(tmp_path):
+    model, _ = _gpt()
+    path = save_checkpoint(tmp_path, "latest", model, None, step=0, tokenizer=CharTokenizer("abcdefghi"),
+                           train_config={})  # fmt: skip
+    meta = json.loads(path.read_text())
+    del meta["model"]
+    path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="lacks 'model'"):
+        load_model(path)
+
+
+def test_equinox_serialisation_round_trips_the_mode_exactly():
+    model, tokens = _gpt()
+    inference = eqx.nn.inference_mode(model)
+    buffer = io.BytesIO()
+    eqx.tree_serialise_leaves(buffer, inference)
+    buffer.seek(0)
+    restored = eqx.tree_deserialise_leaves(buffer, model)  # a training-mode template
+    assert all(_flags(restored))
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(inference), strict=True):
+        np.testing.assert_array_equal(a, b)
