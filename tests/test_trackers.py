@@ -19,7 +19,7 @@ from wandb.proto import wandb_internal_pb2
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training import trackers as trackers_module
 from eqx_gpt.training.run_dir import Metrics, kept_records
-from eqx_gpt.training.trackers import TAGS, open_trackers, parse_trackers
+from eqx_gpt.training.trackers import TAGS, open_trackers, parse_trackers, require_trackers
 
 CONFIG = {"d_model": 64, "lr": 0.001, "optimizer": "adamw", "data": None, "tracker": "tensorboard"}
 
@@ -246,9 +246,15 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
     resumed = wandb_history(folders[-1])
     assert [row["_step"] for row in resumed] == [30] and resumed[0]["train/loss"] == 4.0 - 0.3 + 1.0
 
-    with open_trackers(["wandb"], out, config=CONFIG, resume_step=None, is_writer=True):
-        pass
-    assert (out / "wandb-run-id").read_text() != run_id  # a fresh run is a new W&B run
+    with pytest.raises(RuntimeError):
+        with open_trackers(["wandb"], out, config=CONFIG, resume_step=None, is_writer=True):
+            raise RuntimeError("a run that fails")
+    fresh_id = (out / "wandb-run-id").read_text()
+    assert fresh_id != run_id  # a fresh run is a new W&B run
+    [folder] = (out / "wandb").glob(f"offline-run-*-{fresh_id}")
+    [log] = folder.glob("run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(log) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]  # shown as failed
 
 
 @pytest.mark.parametrize(("tracker", "package"), [("tensorboard", "tensorboardX"), ("wandb", "wandb")])
@@ -259,6 +265,10 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path, monkey
         open_trackers([tracker], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
     install = f"uv sync --extra {tracker} (or pip install 'eqx_gpt[{tracker}]')"
     assert str(refused.value) == f"--tracker {tracker} needs {package}: {install}"
+    with pytest.raises(ConfigError) as checked:  # the check a run makes before writing anything
+        require_trackers([tracker])
+    assert str(checked.value) == str(refused.value)
+    require_trackers([t for t in ("tensorboard", "wandb") if t != tracker])  # the other is installed
 
 
 def test_a_process_that_is_not_the_writer_writes_nothing(tmp_path, monkeypatch):

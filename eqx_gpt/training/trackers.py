@@ -35,6 +35,7 @@ at most every `FLUSH_SECS` otherwise, and at `flush()` and `close()`. `bench/tra
 """
 
 import html
+import importlib.util
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -98,7 +99,15 @@ class Tracker(Protocol):
 
     def flush(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, *, failed: bool = False) -> None: ...
+
+
+def require_trackers(names: Sequence[str]) -> None:
+    """Refuse, in one line, a tracker whose optional package is not installed, without importing it:
+    a run checks this with its settings, before it writes anything."""
+    for name in parse_trackers(list(names)):
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise _missing(name, ModuleNotFoundError(name=PACKAGES[name]))
 
 
 def _missing(tracker: str, error: ModuleNotFoundError) -> ConfigError:
@@ -175,7 +184,7 @@ class TensorBoardTracker:
         self.writer.flush()  # write and fsync
         self.last_flush = time.monotonic()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self.writer.close()  # flushes first
 
 
@@ -221,8 +230,8 @@ class WandbTracker:
     def flush(self) -> None:
         """Nothing to do: W&B's own process writes what it was handed, even if this one is killed."""
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, *, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # W&B shows a failed run as "failed"
 
 
 class Trackers:
@@ -247,15 +256,16 @@ class Trackers:
         for tracker in self.trackers:
             tracker.flush()
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close every tracker; `failed` marks a run that ended on an error."""
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(failed=failed)
 
     def __enter__(self) -> "Trackers":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None and not issubclass(kind, KeyboardInterrupt))
 
 
 def open_trackers(
@@ -286,6 +296,6 @@ def open_trackers(
         for name in names:
             opened.append(makers[name](out_dir, config=config, resume_step=resume_step, history=history))
     except BaseException:
-        Trackers(opened).close()
+        Trackers(opened).close(failed=True)
         raise
     return Trackers(opened)
