@@ -22,11 +22,13 @@ it and redoes the steps after it:
   the step after the last one W&B holds (`run.starting_step`), and W&B drops anything logged to an
   earlier step. This tracker skips those records itself (their losses are the killed run's bit for
   bit, as resume is bit-exact; only tokens/s and elapsed time differ), so the history holds each
-  step once, in order. Rewinding the history to the checkpoint (`resume_from="{id}?_step={n}"`)
-  would keep the resumed run's timings instead, but W&B offers it only as a private preview and
-  not on self-hosted servers, so it is not used. Offline (`WANDB_MODE=offline`) W&B cannot look the
-  run up: each session writes its own `out_dir/wandb/offline-run-*-<id>` folder under the same id,
-  and `wandb sync` joins them into one run, where the same forward-only rule applies.
+  step once, in order. The price: a record the killed run never sent, at a step W&B already holds
+  (an evaluation cut short by the kill), stays out of W&B; `metrics.jsonl` has it. Rewinding the
+  history to the checkpoint (`resume_from="{id}?_step={n}"`) would avoid both, but W&B offers it
+  only as a private preview and not on self-hosted servers, so it is not used. Offline
+  (`WANDB_MODE=offline`) W&B cannot look the run up, so nothing is skipped: each session writes its
+  own `out_dir/wandb/offline-run-*-<id>` folder under the same id, each in step order, and
+  `wandb sync` uploads them to that one run, whose history takes only increasing steps.
 
 Cost: nothing here runs at a training step; records arrive at log and evaluation intervals. The
 TensorBoard tracker writes each record's events synchronously to a buffered file (no thread, no
