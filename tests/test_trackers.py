@@ -68,7 +68,7 @@ def expected(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_parse_trackers_takes_a_comma_list_or_a_list_and_refuses_an_unknown_name():
-    assert parse_trackers(None) == ()
+    assert parse_trackers(None) == () == parse_trackers("") == parse_trackers("none")
     assert parse_trackers("tensorboard, wandb") == ("tensorboard", "wandb")
     assert parse_trackers(["wandb", "tensorboard,wandb"]) == ("wandb", "tensorboard")
     with pytest.raises(ConfigError, match="'mlflow' is not a tracker; choose from tensorboard, wandb"):

@@ -71,12 +71,13 @@ PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
 def parse_trackers(spec: str | Sequence[str] | None) -> tuple[str, ...]:
-    """The tracker names in `spec` ("tensorboard,wandb", a list of such, or None for none), each
-    once, in order; an unknown name raises `ConfigError`."""
+    """The tracker names in `spec` ("tensorboard,wandb", a list of such; None, "" or "none" for
+    none, as a resumed run may drop them), each once, in order; an unknown name raises `ConfigError`."""
     if spec is None:
         return ()
     parts = [spec] if isinstance(spec, str) else list(spec)
-    names = [n.strip().lower() for part in parts for n in part.split(",") if n.strip()]
+    names = [n.strip().lower() for part in parts for n in part.split(",")]
+    names = [n for n in names if n and n != "none"]
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"--tracker {name!r} is not a tracker; choose from {', '.join(TRACKERS)}")
