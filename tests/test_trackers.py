@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import wandb
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
@@ -187,6 +188,15 @@ def wandb_records(path: Path) -> list:
     return found
 
 
+def wandb_written(out_dir: Path, run_id: str) -> Path:
+    """The offline run folder of `run_id`, once W&B's own process has written all of it:
+    `run.finish()` returns before that process has closed the transaction log, and
+    `wandb.teardown()` waits for it to end."""
+    wandb.teardown()
+    [folder] = (out_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    return folder
+
+
 def wandb_history(run_folder: Path) -> list[dict]:
     """The history rows of an offline run, as {key: value} with "_step"; W&B's own keys dropped."""
     [log] = run_folder.glob("run-*.wandb")
@@ -226,7 +236,7 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
             t.log(record)
         t.log_text(20, "sample", "a < b\nc")
     run_id = (out / "wandb-run-id").read_text()
-    [folder] = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    folder = wandb_written(out, run_id)
     step_20 = {TAGS[k]: v for r in first[1:] for k, v in r.items() if k != "step"}
     history = wandb_history(folder)
     assert [{k: v for k, v in row.items() if not k.startswith("sample/")} for row in history] == [
@@ -241,9 +251,10 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
     with open_trackers(["wandb"], out, config=CONFIG, resume_step=20, is_writer=True) as t:
         t.log(train_record(30, shift=1.0))
     assert (out / "wandb-run-id").read_text() == run_id
-    folders = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"), key=lambda p: p.stat().st_mtime)
-    assert len(folders) == 2
-    resumed = wandb_history(folders[-1])
+    wandb.teardown()
+    folders = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))  # named by start time
+    assert len(folders) == 2 and folders[0] == folder
+    resumed = wandb_history(folders[1])
     assert [row["_step"] for row in resumed] == [30] and resumed[0]["train/loss"] == 4.0 - 0.3 + 1.0
 
     with pytest.raises(RuntimeError):
@@ -251,8 +262,7 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
             raise RuntimeError("a run that fails")
     fresh_id = (out / "wandb-run-id").read_text()
     assert fresh_id != run_id  # a fresh run is a new W&B run
-    [folder] = (out / "wandb").glob(f"offline-run-*-{fresh_id}")
-    [log] = folder.glob("run-*.wandb")
+    [log] = wandb_written(out, fresh_id).glob("run-*.wandb")
     exits = [r.exit.exit_code for r in wandb_records(log) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1]  # shown as failed
 
