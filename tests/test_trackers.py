@@ -255,7 +255,8 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
     folders = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))  # named by start time
     assert len(folders) == 2 and folders[0] == folder
     resumed = wandb_history(folders[1])
-    assert [row["_step"] for row in resumed] == [30] and resumed[0]["train/loss"] == 4.0 - 0.3 + 1.0
+    assert [row["_step"] for row in resumed] == [30]
+    assert resumed[0]["train/loss"] == train_record(30, shift=1.0)["loss"]
 
     with pytest.raises(RuntimeError):
         with open_trackers(["wandb"], out, config=CONFIG, resume_step=None, is_writer=True):
@@ -292,3 +293,16 @@ def test_a_process_that_is_not_the_writer_writes_nothing(tmp_path, monkeypatch):
     t.flush()
     t.close()
     assert t.trackers == () and os.listdir(out) == []
+
+
+def test_wandb_added_on_resume_starts_with_the_kept_records(offline_wandb):
+    out = offline_wandb
+    out.mkdir()
+    kept = [train_record(10), train_record(20), eval_record(20)]
+    with open_trackers(["wandb"], out, config=CONFIG, resume_step=20, is_writer=True, history=kept) as t:
+        t.log(train_record(30))
+    rows = wandb_history(wandb_written(out, (out / "wandb-run-id").read_text()))
+    assert [(row["_step"], row["train/loss"]) for row in rows] == [
+        (s, train_record(s)["loss"]) for s in (10, 20, 30)
+    ]
+    assert rows[1]["eval/val_loss"] == eval_record(20)["val_loss"]
