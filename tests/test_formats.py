@@ -150,6 +150,9 @@ def test_a_table_without_the_column_or_with_non_strings_is_refused_in_one_line(t
     _parquet(tmp_path / "whole.parquet", {"text": PARAGRAPHS})
     (tmp_path / "cut.parquet").write_bytes((tmp_path / "whole.parquet").read_bytes()[:-100])
     _refused(tmp_path / "cut.parquet", "is not a readable parquet file", tmp_path)
+    _arrow(tmp_path / "whole.arrow", PARAGRAPHS)
+    (tmp_path / "cut.arrow").write_bytes((tmp_path / "whole.arrow").read_bytes()[:-200])
+    _refused(tmp_path / "cut.arrow", "is not a readable arrow file", tmp_path)
 
 
 def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path, monkeypatch):
@@ -162,15 +165,20 @@ def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path, monkey
         assert f"`uv sync --extra {extra}`" in error and f"pip install 'eqx_gpt[{extra}]'" in error
 
 
+def _arrow(path, rows: list[str]) -> None:
+    """An Arrow IPC stream of a text and an id column, in batches of 5 rows (as `datasets` writes)."""
+    table = pa.table({"text": rows, "id": list(range(len(rows)))})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=5):
+            writer.write_batch(batch)
+
+
 def _save_to_disk(folder, shards: list[list[str]]) -> None:
     """A folder as `datasets.Dataset.save_to_disk` lays it out: Arrow IPC streams and metadata."""
     folder.mkdir()
     names = [f"data-{i:05d}-of-{len(shards):05d}.arrow" for i in range(len(shards))]
     for name, rows in zip(names, shards, strict=True):
-        table = pa.table({"text": rows, "id": list(range(len(rows)))})
-        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            for batch in table.to_batches(max_chunksize=5):
-                writer.write_batch(batch)
+        _arrow(folder / name, rows)
     features = {"text": {"dtype": "string", "_type": "Value"}, "id": {"dtype": "int64", "_type": "Value"}}
     (folder / "dataset_info.json").write_text(json.dumps({"features": features, "description": "x" * 5000}))
     state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "0a1b", "_split": "train"}
@@ -236,9 +244,8 @@ def test_a_folder_whose_bulk_is_skipped_is_refused_naming_what_was_skipped(tmp_p
     (folder / "README.md").write_text(TEXT[:2000])
     (folder / "weights.bin").write_bytes(b"\0" * 3000)
     (folder / "tokens.bin").write_bytes(b"\0" * 100)
-    error = _refused(
-        folder, "is mostly binary files, skipped: 2 of 0.0 MB \\(tokens.bin, weights.bin\\)", tmp_path
-    )
+    message = "is mostly binary files, which are skipped: 2 of 3,100 bytes \\(tokens.bin, weights.bin\\)"
+    error = _refused(folder, message, tmp_path)
     assert "read 1 file (1 .md); skipped 2 (2 binary)" in error
     (folder / "weights.bin").unlink()  # less skipped than read: read, and the rest said
     assert _prepare(folder, tmp_path).summary == "read 1 file (1 .md); skipped 1 (1 binary)"

@@ -111,7 +111,9 @@ def _table_errors(path: Path, how: str):
     pa = optional("pyarrow", path)
     try:
         yield pa
-    except pa.ArrowException as e:
+    except (pa.ArrowException, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:  # the system's error reading it, not Arrow's
+            raise
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DataError(f"data file {path} is not a readable {how} file ({reason}); copy it again") from None
 

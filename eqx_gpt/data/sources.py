@@ -258,10 +258,14 @@ def _check_bulk(folder: Path, listing: Listing) -> None:
     if skipped > read:
         names = ", ".join(s.name for s in binary[:3]) + (", ..." if len(binary) > 3 else "")
         raise DataError(
-            f"data folder {folder} is mostly binary files, skipped: {len(binary):,} of {skipped / 1e6:,.1f} "
-            f"MB ({names}) against {read / 1e6:,.1f} MB read ({listing.summary}); pass --data the text "
-            f"alone, or move them out"
+            f"data folder {folder} is mostly binary files, which are skipped: {len(binary):,} of "
+            f"{_size(skipped)} ({names}) against {_size(read)} read ({listing.summary}); pass --data the "
+            f"text alone, or move them out"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 100_000 else f"{n:,} bytes"
 
 
 def _folder_id(folder: Path, shown: Path) -> tuple[int, int]:
