@@ -16,7 +16,7 @@ import gzip
 import importlib
 import lzma
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,12 +31,12 @@ ROWS = 256  # table rows read at a time
 
 
 def compression(path: Path) -> str | None:
-    """ "gzip", "xz" or "zstd" for a compressed file (by its last suffix), else None."""
+    """The compression of a file, by its last suffix: "gzip", "xz", "zstd", or None."""
     return COMPRESSIONS.get(path.suffix.lower())
 
 
 def kind(path: Path) -> str:
-    """ "jsonl", "parquet", "arrow" or "text": the format of the file, once decompressed."""
+    """The format of a file, once decompressed: "jsonl", "parquet", "arrow" or "text"."""
     inner = path.with_suffix("") if compression(path) else path
     suffix = inner.suffix.lower()
     if suffix == ".jsonl":
@@ -70,7 +70,7 @@ def _damaged(path: Path, how: str, e: BaseException) -> DataError:
     return DataError(f"data file {path} is not valid {how} data ({e}); copy it again or remove it")
 
 
-def decompressed(path: Path, how: str) -> Iterator[tuple[bytes, int]]:
+def decompressed(path: Path, how: str) -> Generator[tuple[bytes, int], None, None]:
     """`(block, compressed bytes read so far)` of the compressed file, in order; `DataError` if it
     is damaged (an `OSError` reading it is left to the caller, `sources.reading`)."""
     if how == "zstd":

@@ -53,12 +53,12 @@ class Source:
 
     @property
     def compression(self) -> str | None:
-        """ "gzip", "xz" or "zstd" (read as it decompresses), or None."""
+        """The compression it is read through: "gzip", "xz", "zstd", or None."""
         return formats.compression(self.path)
 
     @property
     def kind(self) -> str:
-        """ "text", "jsonl", "parquet" or "arrow" (see `formats.kind`)."""
+        """Its format: "text", "jsonl", "parquet" or "arrow" (see `formats.kind`)."""
         return formats.kind(self.path)
 
     @property
@@ -109,7 +109,7 @@ class Listing:
 
 
 def _counts(kinds: Iterable[str]) -> str:
-    """ "10 .txt, 2 .parquet": the most common first."""
+    """The kinds counted, the most common first: "10 .txt, 2 .parquet"."""
     counted = sorted(Counter(kinds).items(), key=lambda kv: (-kv[1], kv[0]))
     return ", ".join(f"{n:,} {kind}" for kind, n in counted)
 
@@ -158,15 +158,16 @@ def _head(source: Source) -> bytes | None:
             with open(source.path, "rb") as f:
                 return f.read(BINARY_PROBE)
         head = b""
-        for block, _ in formats.decompressed(source.path, source.compression):
-            head += block
-            if len(head) >= BINARY_PROBE:
-                break
+        with contextlib.closing(formats.decompressed(source.path, source.compression)) as blocks:
+            for block, _ in blocks:
+                head += block
+                if len(head) >= BINARY_PROBE:
+                    break
         return head[:BINARY_PROBE]
 
 
 def _skip_reason(source: Source) -> str | None:
-    """ "empty" or "binary" if a folder skips the file, else None."""
+    """Why a folder skips the file, "empty" or "binary" (None: it is read)."""
     if source.size == 0:
         return "empty"
     head = _head(source)
