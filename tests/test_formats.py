@@ -193,6 +193,13 @@ def test_a_hugging_face_datasets_folder_reads_its_arrow_files_and_not_its_metada
         corpus = _prepare(tmp_path / "ds", tmp_path, in_memory_bytes=in_memory_bytes)
         assert _text(corpus) == TEXT
         assert corpus.summary == "read 2 files (2 .arrow); skipped 3 (3 metadata)"
+    splits = tmp_path / "dict"  # `DatasetDict.save_to_disk`: a folder per split, beside its metadata
+    splits.mkdir()
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    (splits / "README.md").write_text("# The dataset card\n")
+    _save_to_disk(splits / "train", [PARAGRAPHS])
+    corpus = _prepare(splits, tmp_path)
+    assert _text(corpus) == TEXT and corpus.summary == "read 1 file (1 .arrow); skipped 5 (5 metadata)"
     feather.write_feather(
         pa.table({"text": PARAGRAPHS}), str(tmp_path / "feather.arrow")
     )  # Arrow's file format
