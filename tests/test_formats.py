@@ -15,7 +15,7 @@ import zstandard
 
 import eqx_gpt.data.chunks
 import eqx_gpt.data.formats
-from eqx_gpt.data.chunks import plan_chunks
+from eqx_gpt.data.chunks import chunk_weight, plan_chunks
 from eqx_gpt.data.prepare import prepare
 from eqx_gpt.data.sources import find_sources, sha256_of
 from eqx_gpt.errors import DataError
@@ -109,6 +109,18 @@ def test_a_compressed_file_is_planned_as_it_decompresses_not_read_whole(tmp_path
     assert sum(map(len, read)) < 5 * 777  # the next piece's blocks too, of 50 blocks
     assert "".join(p.text() for c in [first, *chunks] for p in c) == TEXT
     assert sum(map(len, read)) == len(TEXT.encode())
+
+
+def test_the_progress_of_a_compressed_file_or_a_table_counts_its_bytes_as_stored(tmp_path):
+    raw = TEXT.encode()
+    (tmp_path / "a.txt.xz").write_bytes(lzma.compress(raw))
+    (tmp_path / "a.txt.zst").write_bytes(_zstd(raw))
+    _parquet(tmp_path / "a.parquet", {"text": PARAGRAPHS})
+    _arrow(tmp_path / "a.arrow", PARAGRAPHS)
+    for name in ("a.txt.xz", "a.txt.zst", "a.parquet", "a.arrow"):
+        chunks = list(plan_chunks(find_sources(tmp_path / name).sources))
+        weights = [chunk_weight(c) for c in chunks]
+        assert len(chunks) > 20 and sum(weights) == (tmp_path / name).stat().st_size, name
 
 
 def test_damaged_compressed_files_are_one_line_and_leave_nothing_in_the_cache(tmp_path):
