@@ -89,20 +89,21 @@ def _zstd(path: Path) -> Iterator[tuple[bytes, int]]:
     """zstd frames one after another (what `zstd` and `pzstd` write); a file that ends inside a
     frame is truncated (`zstandard`'s stream reader would end there without a word)."""
     zstandard = optional("zstandard", path)
-    decoder, done = zstandard.ZstdDecompressor(), True
+    decoder, frame = zstandard.ZstdDecompressor(), None  # the frame being read (None: between frames)
     with open(path, "rb") as raw:
         try:
-            frame = None
             while data := raw.read(ZSTD_BLOCK):
                 while data:
-                    frame = frame or decoder.decompressobj()
+                    if frame is None:
+                        frame = decoder.decompressobj()
                     if block := frame.decompress(data):
                         yield block, raw.tell()
-                    data, done = (frame.unused_data, True) if frame.eof else (b"", False)
-                    frame = None if frame.eof else frame
+                    data = frame.unused_data if frame.eof else b""  # the next frame's first bytes
+                    if frame.eof:
+                        frame = None
         except zstandard.ZstdError as e:
-            raise _damaged(path, how="zstd", e=e) from None
-    if not done:
+            raise _damaged(path, "zstd", e) from None
+    if frame is not None:
         raise _damaged(path, "zstd", EOFError())
 
 
