@@ -21,6 +21,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eqx_gpt.data import formats
 from eqx_gpt.data.sources import Source
 
 FORMAT = 2
@@ -65,6 +66,7 @@ class Manifest:
     dtype: str  # "uint16" when the vocabulary fits, else "uint32"
     shards: tuple[Shard, ...]
     format: int = FORMAT
+    text_field: str = "text"  # the text of .jsonl records and tables' column (a manifest without: "text")
 
     @property
     def n_tokens(self) -> int:
@@ -79,8 +81,9 @@ class Manifest:
     def identity(self) -> str:
         """What a checkpoint records as its corpus (`data_sha256`): for a single file its sha256
         (the sha256 of the text, as checkpoints always recorded), for a folder the sha256 of its
-        files' names and sha256s."""
-        return identity(self.sources)
+        files' names and sha256s; and of the text field, when it is not "text" and the corpus has
+        records (.jsonl, tables), since it picks their text."""
+        return identity(self.sources, self.text_field)
 
     def matches(self, sources: list[Source]) -> bool:
         """Whether `sources` are the files prepared, by name, size, times and inode (see the
@@ -115,7 +118,11 @@ class Manifest:
             return None
 
 
-def identity(sources: tuple[SourceRecord, ...]) -> str:
+def identity(sources: tuple[SourceRecord, ...], text_field: str = "text") -> str:
+    """See `Manifest.identity`."""
+    if text_field != "text" and any(formats.kind(Path(s.name)) != "text" for s in sources):
+        listing = json.dumps({"text_field": text_field, "sources": [[s.name, s.sha256] for s in sources]})
+        return hashlib.sha256(listing.encode()).hexdigest()
     if len(sources) == 1:
         return sources[0].sha256
     listing = json.dumps([[s.name, s.sha256] for s in sources]).encode()

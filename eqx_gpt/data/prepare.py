@@ -18,20 +18,28 @@
   a first pass over it. A source whose `stat` changed during this is refused: the sha256
   recorded is always that of the bytes tokenized.
 - A corpus of at most `IN_MEMORY_BYTES` (Tiny Shakespeare) is hashed and tokenized at each start
-  instead, in memory (well under a second for characters): nothing is written.
+  instead, in memory (well under a second for characters): nothing is written. Compressed files
+  and Parquet count `EXPANSION` times their size, what their text might be.
+
+Compressed files and tables (`formats.py`) go the same way: their identity is the sha256 of their
+bytes as stored, the progress bar counts those bytes, and they are read as they decompress (see
+`chunks.py`). `text_field` names the text of .jsonl records and tables' column: it is part of the
+entry's name and manifest, and of the corpus's identity when the corpus has records, so another
+field never reuses the tokens of the first.
 
 `check_identity(sha)` is called with the corpus's identity (`Manifest.identity`) before any
 tokenizing, so a resumed run refuses changed data without tokenizing it first. The corpus keeps
 the version of the entry it opened until it is closed (`Corpus.close`) or collected.
 """
 
+import collections
 import concurrent.futures
 import errno
 import os
 import shutil
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
@@ -50,15 +58,24 @@ from eqx_gpt.data.cache import (
     remove_leftovers,
     resolve_cache,
 )
-from eqx_gpt.data.chunks import Chunk, characters, chunk_bytes, plan_chunks, tokens, write_shard
+from eqx_gpt.data.chunks import Chunk, characters, chunk_weight, plan_chunks, tokens, write_shard
 from eqx_gpt.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceRecord, identity, token_dtype
 from eqx_gpt.data.shards import Damaged, ShardFile, TokenSpan, verify
-from eqx_gpt.data.sources import Source, check_unchanged, find_sources, resolve, sha256_of
+from eqx_gpt.data.sources import (
+    Listing,
+    Source,
+    check_tables,
+    check_unchanged,
+    find_sources,
+    resolve,
+    sha256_of,
+)
 from eqx_gpt.errors import DataError, EqxGptError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 
 IN_MEMORY_BYTES = 16 << 20  # corpora up to this size are tokenized at each start, not cached
+EXPANSION = 4  # a compressed file's or a Parquet file's text, about, per byte it holds (in-memory test)
 PROGRESS_AFTER = 1.0  # seconds of work before a progress bar shows
 
 
@@ -72,6 +89,7 @@ class Corpus:
     folder: Path | None  # the cache entry the shards are read from (None: tokenized in memory)
     prepared: bool  # tokenized by this call (False: read from the cache as it was)
     snapshot: Snapshot | None = None  # the version of the entry held open (see `cache.py`)
+    listing: Listing | None = None  # the files read and skipped at this start (`summary`)
 
     @property
     def train(self) -> TokenSpan:
@@ -84,6 +102,12 @@ class Corpus:
     @property
     def identity(self) -> str:
         return self.manifest.identity
+
+    @property
+    def summary(self) -> str:
+        """What was read and skipped at this start: "read 12 files (10 .txt, 2 .parquet); skipped
+        3 (2 binary, 1 empty)" (`Listing.summary`)."""
+        return self.listing.summary if self.listing is not None else ""
 
     def close(self) -> None:
         """Release the cache version it reads (its tokens can be read no more)."""
@@ -114,38 +138,52 @@ class _Work:
     log: Callable[[str], None]
     progress: Progress
     listed_ns: int = 0  # when the sources were listed (`SourceRecord.of`)
+    text_field: str = "text"  # the text of .jsonl records and tables (`prepare`)
 
-    def map(self, fn, items: list, label: str, sizes: list[int]) -> list:
-        """`[fn(x) for x in items]` by one thread per core (numpy, file I/O and tiktoken release the
-        GIL), in order, with a progress bar over `sizes` bytes; a failure or Ctrl-C cancels the rest."""
-        n_threads = min(len(os.sched_getaffinity(0)), len(items)) or 1
-        total, done, t0, results = sum(sizes), 0, time.monotonic(), []
+    def map(self, fn, items: Iterable, label: str, total: int, weight: Callable[..., int]) -> list:
+        """`[fn(x) for x in items]` by one thread per core (numpy, file I/O, decompression and
+        tiktoken release the GIL), in order, with a progress bar over `total` bytes, `weight(x)` of
+        them per item; `items` are taken as the threads need them (a few in memory at a time: a
+        generator of chunks is read as it goes). A failure or Ctrl-C cancels the rest."""
+        n_threads = len(os.sched_getaffinity(0)) or 1
+        if isinstance(items, list):
+            n_threads = min(n_threads, len(items)) or 1
+        done, t0, results, pending = 0, time.monotonic(), [], collections.deque()
         with concurrent.futures.ThreadPoolExecutor(n_threads) as pool:
-            futures = [pool.submit(fn, x) for x in items]
             try:
-                for future, size in zip(futures, sizes, strict=True):
-                    results.append(future.result())
-                    done += size
-                    elapsed = time.monotonic() - t0
-                    if elapsed < PROGRESS_AFTER:  # no bar for a moment's work (a log off a terminal)
-                        continue
-                    rate, share = done / 1e6 / elapsed, 100 * done / max(total, 1)
-                    self.progress.update(
-                        f"{label}: {done / 1e6:,.0f} of {total / 1e6:,.0f} MB ({share:.0f}%), {rate:.0f} MB/s"
-                    )
+                for item in items:
+                    pending.append((pool.submit(fn, item), weight(item)))
+                    if len(pending) > 2 * n_threads:
+                        done = self._collect(pending.popleft(), results, done, total, t0, label)
+                while pending:
+                    done = self._collect(pending.popleft(), results, done, total, t0, label)
             except BaseException:
-                for future in futures:
+                for future, _ in pending:
                     future.cancel()
                 raise
             finally:
                 self.progress.clear()
         return results
 
+    def _collect(self, job, results: list, done: int, total: int, t0: float, label: str) -> int:
+        """Wait for one item's result, keep it, and show the progress; the bytes now done."""
+        future, size = job
+        results.append(future.result())
+        done += size
+        elapsed = time.monotonic() - t0
+        if elapsed >= PROGRESS_AFTER:  # no bar for a moment's work (a log off a terminal)
+            rate, share = done / 1e6 / elapsed, 100 * done / max(total, 1)
+            self.progress.update(
+                f"{label}: {done / 1e6:,.0f} of {total / 1e6:,.0f} MB ({share:.0f}%), {rate:.0f} MB/s"
+            )
+        return done
+
 
 def prepare(
     data: str | Path,
     tokenizer: dict,
     *,
+    text_field: str = "text",
     check_identity: Callable[[str], None] = lambda sha: None,
     cache: str | Path | None = None,
     in_memory_bytes: int | None = None,
@@ -153,17 +191,23 @@ def prepare(
     progress=None,
 ) -> Corpus:
     """The corpus at `data` (a file or folder, `sources.py`) tokenized by `tokenizer`, a
-    `Tokenizer.to_dict()` or `{"kind": "char"}` (a vocabulary of the corpus's characters); shards
-    in `cache` (default `cache_root()`); a corpus of at most `in_memory_bytes` (default
-    `IN_MEMORY_BYTES`) stays in memory. See the module docstring. Raises `DataError`."""
+    `Tokenizer.to_dict()` or `{"kind": "char"}` (a vocabulary of the corpus's characters); the
+    documents of .jsonl records and of tables are their `text_field`; shards in `cache` (default
+    `cache_root()`); a corpus of at most `in_memory_bytes` (default `IN_MEMORY_BYTES`) stays in
+    memory. See the module docstring. Raises `DataError`."""
     data = resolve(data)
     listed_ns = time.time_ns()
-    sources, skipped = find_sources(data)
-    work = _Work(log, progress or _NoProgress(), listed_ns)
-    if sum(s.size for s in sources) <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
-        return _in_memory(data, sources, skipped, tokenizer, check_identity, work)
+    listing = find_sources(data)
+    sources = listing.sources
+    check_tables(sources, text_field)
+    work = _Work(log, progress or _NoProgress(), listed_ns, text_field)
+    size = sum(s.size * (EXPANSION if s.compression or s.kind == "parquet" else 1) for s in sources)
+    if size <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
+        corpus = _in_memory(data, listing, tokenizer, check_identity, work)
+        corpus.listing = listing
+        return corpus
     root = cache_root() if cache is None else resolve_cache(cache)
-    entry = root / entry_name(data, tokenizer)
+    entry = root / entry_name(data, tokenizer, text_field)
     collect(root, entry.name)
     found = _cached(entry, sources, tokenizer, work)
     if not isinstance(found, Corpus):
@@ -175,8 +219,11 @@ def prepare(
             found = _cached(entry, sources, tokenizer, work, damaged)  # prepared by that process meanwhile?
             if not isinstance(found, Corpus):
                 damaged = found.inode if isinstance(found, _Damage) else damaged
-                return _prepare_entry(data, sources, skipped, tokenizer, entry, check_identity, work, damaged)
+                found = _prepare_entry(data, listing, tokenizer, entry, check_identity, work, damaged)
+                found.listing = listing
+                return found
     check_identity(found.identity)
+    found.listing = listing
     return found
 
 
@@ -193,7 +240,12 @@ def _cached(entry: Path, sources: list[Source], tokenizer: dict, work: "_Work", 
     if snapshot is None:
         return None
     manifest = _manifest(snapshot)
-    if manifest is None or not manifest.matches(sources) or not _same_kind(manifest.tokenizer, tokenizer):
+    if (
+        manifest is None
+        or not manifest.matches(sources)
+        or manifest.text_field != work.text_field
+        or not _same_kind(manifest.tokenizer, tokenizer)
+    ):
         snapshot.close()
         return None
     if snapshot.inode == damaged:
@@ -224,9 +276,9 @@ def _verified(snapshot: Snapshot, manifest: Manifest, work: "_Work") -> "_Damage
         np.dtype(manifest.dtype)
         check = lambda shard: verify(snapshot, shard, manifest.dtype, vocab_size)
         width = np.dtype(manifest.dtype).itemsize
-        work.map(
-            check, list(manifest.shards), "verifying the cache", [s.n_tokens * width for s in manifest.shards]
-        )
+        shards = list(manifest.shards)
+        total = sum(s.n_tokens for s in shards) * width
+        work.map(check, shards, "verifying the cache", total, lambda s: s.n_tokens * width)
         return None
     except Damaged as e:
         problem = str(e)
@@ -242,18 +294,19 @@ def _open(snapshot: Snapshot, manifest: Manifest, *, prepared: bool) -> Corpus:
 
 
 def _hashed(sources: list[Source], work: "_Work") -> tuple[SourceRecord, ...]:
-    hashes = work.map(lambda s: sha256_of(s.path), sources, "hashing", [s.size for s in sources])
+    total = sum(s.size for s in sources)
+    hashes = work.map(lambda s: sha256_of(s.path), sources, "hashing", total, lambda s: s.size)
     return tuple(SourceRecord.of(s, h, work.listed_ns) for s, h in zip(sources, hashes, strict=True))
 
 
 def _prepare_entry(
-    data, sources, skipped, tokenizer, entry: Path, check_identity, work: "_Work", damaged: int | None
+    data, listing: Listing, tokenizer, entry: Path, check_identity, work: "_Work", damaged: int | None
 ) -> Corpus:
     """Under the entry's lock: keep the entry if its sources were only touched, else tokenize anew."""
-    t0 = time.monotonic()
+    t0, sources = time.monotonic(), listing.sources
     records = _hashed(sources, work)
     check_unchanged(sources)  # the bytes hashed are the bytes listed
-    check_identity(identity(records))
+    check_identity(identity(records, work.text_field))
     kept = _touched(entry, records, tokenizer, work, damaged)
     if kept is not None:
         return kept
@@ -263,7 +316,7 @@ def _prepare_entry(
     except OSError as e:
         raise _cache_error(e, entry, data) from None
     try:
-        manifest = _tokenize_into(folder, data, sources, records, skipped, tokenizer, work)
+        manifest = _tokenize_into(folder, data, listing, records, tokenizer, work)
         check_unchanged(sources)  # and the bytes tokenized
         publish(folder, entry)
     except OSError as e:
@@ -274,11 +327,8 @@ def _prepare_entry(
         raise
     size, seconds = sum(s.size for s in sources), time.monotonic() - t0
     work.log(
-        f"prepared {data} ({len(sources):,} file{'s' if len(sources) > 1 else ''}, {size / 1e6:,.1f} MB"
-        f"{f'; {skipped:,} binary files skipped' if skipped else ''}) "
-        f"into "
-        f"{manifest.n_tokens:,} tokens in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s); "
-        f"cached in {entry}/"
+        f"prepared {data} ({listing.summary}; {size / 1e6:,.1f} MB) into {manifest.n_tokens:,} tokens "
+        f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s); cached in {entry}/"
     )
     snapshot = Snapshot.open(entry)  # the version just published: the lock keeps any other out
     if snapshot is None:
@@ -304,7 +354,10 @@ def _touched(entry: Path, records, tokenizer: dict, work: "_Work", damaged: int 
     old = _manifest(snapshot)
     same = lambda rs: [(r.name, r.size, r.sha256) for r in rs]
     same_text = (
-        old is not None and _same_kind(old.tokenizer, tokenizer) and same(old.sources) == same(records)
+        old is not None
+        and _same_kind(old.tokenizer, tokenizer)
+        and old.text_field == work.text_field
+        and same(old.sources) == same(records)
     )
     if old is None or not same_text or snapshot.inode == damaged:
         snapshot.close()
@@ -323,18 +376,21 @@ def _touched(entry: Path, records, tokenizer: dict, work: "_Work", damaged: int 
     return _open(snapshot, manifest, prepared=False)
 
 
-def _tokenize_into(folder: Path, data, sources, records, skipped, tokenizer: dict, work: _Work) -> Manifest:
+def _tokenize_into(folder: Path, data, listing: Listing, records, tokenizer: dict, work: _Work) -> Manifest:
     """Tokenize the corpus into shards in `folder`, fsynced, then its manifest (last)."""
-    chunks = plan_chunks(sources)
-    tok = _tokenizer(tokenizer, chunks, work, data)
+    sources, field = listing.sources, work.text_field
+    total = sum(s.size for s in sources)
+    tok = _tokenizer(tokenizer, lambda: plan_chunks(sources, None, field), total, work, data)
     dtype = token_dtype(tok.vocab_size)
-    names = [f"shard-{i:05d}.bin" for i in range(len(chunks))]
     written = work.map(
-        lambda i: write_shard(chunks[i], tok, dtype, folder / names[i]),
-        list(range(len(chunks))), f"tokenizing ({tok.name})", [chunk_bytes(c) for c in chunks],
+        lambda job: write_shard(job[1], tok, dtype, folder / f"shard-{job[0]:05d}.bin"),
+        enumerate(plan_chunks(sources, None, field)), f"tokenizing ({tok.name})", total,
+        lambda job: chunk_weight(job[1]),
     )  # fmt: skip
-    shards = tuple(Shard(name, n, crc) for name, (n, crc) in zip(names, written, strict=True) if n)
-    manifest = Manifest(str(data), records, skipped, tok.to_dict(), dtype, shards)
+    shards = tuple(Shard(f"shard-{i:05d}.bin", n, crc) for i, (n, crc) in enumerate(written) if n)
+    manifest = Manifest(
+        str(data), records, listing.skipped_binary, tok.to_dict(), dtype, shards, text_field=field
+    )
     with open(folder / MANIFEST_NAME, "wb") as f:
         f.write(manifest.to_json())
         f.flush()
@@ -343,29 +399,34 @@ def _tokenize_into(folder: Path, data, sources, records, skipped, tokenizer: dic
     return manifest
 
 
-def _tokenizer(tokenizer: dict, chunks: list[Chunk], work: _Work, data: Path) -> Tokenizer:
+def _tokenizer(
+    tokenizer: dict, plan: Callable[[], Iterable[Chunk]], total: int, work: _Work, data: Path
+) -> Tokenizer:
     """The tokenizer asked for; a char vocabulary is the corpus's characters (a pass over it)."""
     if tokenizer["kind"] != CharTokenizer.name:
         return tokenizer_from_dict(tokenizer)
-    found = work.map(characters, chunks, "reading characters", [chunk_bytes(c) for c in chunks])
+    found = work.map(characters, plan(), "reading characters", total, chunk_weight)
     codepoints = sorted(set().union(*(c.tolist() for c in found)))
     if not codepoints:
-        raise DataError(f"{data} holds no text (its .jsonl records are all empty); pass a corpus with some")
+        raise DataError(f"{data} holds no text (its records are all empty); pass a corpus with some")
     return CharTokenizer("".join(map(chr, codepoints)))
 
 
-def _in_memory(data, sources, skipped, tokenizer: dict, check_identity, work: _Work) -> Corpus:
+def _in_memory(data, listing: Listing, tokenizer: dict, check_identity, work: _Work) -> Corpus:
     """A small corpus, tokenized in memory (nothing written; too quick for a progress bar)."""
-    work = replace(work, progress=_NoProgress())
+    work, sources, field = replace(work, progress=_NoProgress()), listing.sources, work.text_field
     records = tuple(SourceRecord.of(s, sha256_of(s.path), work.listed_ns) for s in sources)
     check_unchanged(sources)
-    check_identity(identity(records))
-    chunks = plan_chunks(sources)
-    tok = _tokenizer(tokenizer, chunks, work, data)
+    check_identity(identity(records, field))
+    tok = _tokenizer(tokenizer, lambda: plan_chunks(sources, None, field), 0, work, data)
     dtype = token_dtype(tok.vocab_size)
-    arrays = work.map(lambda c: tokens(c, tok, dtype), chunks, "tokenizing", [0] * len(chunks))
+    arrays = work.map(
+        lambda c: tokens(c, tok, dtype), plan_chunks(sources, None, field), "tokenizing", 0, len
+    )
     check_unchanged(sources)  # the bytes tokenized are the bytes hashed
     arrays = [a for a in arrays if len(a)]
     shards = tuple(Shard(f"(in memory {i})", len(a), zlib.crc32(a.data)) for i, a in enumerate(arrays))
-    manifest = Manifest(str(data), records, skipped, tok.to_dict(), dtype, shards)
+    manifest = Manifest(
+        str(data), records, listing.skipped_binary, tok.to_dict(), dtype, shards, text_field=field
+    )
     return Corpus(TokenSpan(arrays), tok, manifest, None, prepared=True)
