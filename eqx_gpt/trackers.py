@@ -27,7 +27,7 @@ it and redoes the steps after it:
   history to the checkpoint (`resume_from="{id}?_step={n}"`) would avoid both, but W&B offers it
   only as a private preview and not on self-hosted servers, so it is not used. Offline
   (`WANDB_MODE=offline`) W&B cannot look the run up, so nothing is skipped: each session writes its
-  own `out_dir/wandb/offline-run-*-<id>` folder under the same id, each in step order, and
+  own `out_dir/wandb/offline-run-<time>-<id>[-n]` folder under the same id, each in step order, and
   `wandb sync` uploads them to that one run, whose history takes only increasing steps.
 
 Cost: nothing here runs at a training step; records arrive at log and evaluation intervals. The
