@@ -23,7 +23,9 @@ from test_trackers import (
 from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _start_and_stop, corpus, train_cli
 
 import eqx_gpt.visualize as visualize
+from eqx_gpt.errors import ConfigError
 from eqx_gpt.trackers import TAGS
+from eqx_gpt.training.config import TrainConfig
 
 __all__ = ["corpus", "offline_wandb"]  # fixtures, used by name
 
@@ -93,14 +95,27 @@ def test_a_missing_extra_or_an_unknown_tracker_is_one_line_and_writes_nothing(
 
 def test_a_tracker_added_on_resume_starts_with_the_kept_records(tmp_path, corpus):
     out = tmp_path / "run"
-    argv = [*TINY, "--data", str(corpus), "--out-dir", str(out)]
+    argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--log-interval", "4"]
     assert train_cli.main([*argv, "--max-steps", "6", "--eval-interval", "6"]) == 0
     assert not (out / "tensorboard").exists()
     resumed = [*argv, "--resume", "--max-steps", "10", "--eval-interval", "6", "--tracker", "tensorboard"]
     assert train_cli.main(resumed) == 0
     records = _records(out)
+    # Only the logged steps (every 4th, and each run's last) reach the tracker, as metrics.jsonl.
+    assert [r["step"] for r in records if "loss" in r] == [4, 6, 8, 10]
     assert read_scalars(out) == expected(records)
-    assert [r["step"] for r in records if "loss" in r] == list(range(1, 11))
+    # Dropped again on the next resume with "none": nothing more is written to it.
+    before = _snapshot(out / "tensorboard")
+    assert train_cli.main([*argv, "--resume", "--max-steps", "12", "--tracker", "none"]) == 0
+    assert _snapshot(out / "tensorboard") == before and max(r["step"] for r in _records(out)) == 12
+
+
+def test_the_tracker_setting_is_checked_where_it_enters():
+    assert TrainConfig(tracker="tensorboard, wandb").tracker == "tensorboard, wandb"
+    with pytest.raises(ConfigError, match="'mlflow' is not a tracker; choose from tensorboard, wandb"):
+        TrainConfig(tracker="mlflow")
+    with pytest.raises(ConfigError, match=r"tracker must be a comma list of names .* got \['wandb'\]"):
+        TrainConfig(tracker=["wandb"])  # pyright: ignore[reportArgumentType]
 
 
 def test_only_the_first_process_writes_to_the_trackers(tmp_path, corpus, monkeypatch):

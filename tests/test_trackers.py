@@ -307,3 +307,16 @@ def test_wandb_added_on_resume_starts_with_the_kept_records(offline_wandb):
         (s, train_record(s)["loss"]) for s in (10, 20, 30)
     ]
     assert rows[1]["eval/val_loss"] == eval_record(20)["val_loss"]
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as refused:
+        open_trackers(["tensorboard", "wandb"], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
+    assert str(refused.value) == (
+        "--tracker wandb could not start a W&B run: No API key configured. Use `wandb login` to log in. "
+        "(or set WANDB_MODE=offline)"
+    )
