@@ -27,7 +27,7 @@ it and redoes the steps after it:
   history to the checkpoint (`resume_from="{id}?_step={n}"`) would avoid both, but W&B offers it
   only as a private preview and not on self-hosted servers, so it is not used. Offline
   (`WANDB_MODE=offline`) W&B cannot look the run up, so nothing is skipped: each session writes its
-  own `out_dir/wandb/offline-run-*-<id>` folder under the same id, each in step order, and
+  own `out_dir/wandb/offline-run-<time>-<id>[-n]` folder under the same id, each in step order, and
   `wandb sync` uploads them to that one run, whose history takes only increasing steps.
 
 Cost: nothing here runs at a training step; records arrive at log and evaluation intervals. The
@@ -207,15 +207,22 @@ class WandbTracker:
     def __init__(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]):
         try:
             import wandb
+            from wandb.errors import Error as WandbError
         except ModuleNotFoundError as e:
             raise _missing("wandb", e) from None
         self.wandb = wandb
         # A fresh run is a new W&B run (W&B makes its id); a resumed one continues the stored id.
         run_id = _stored_run_id(out_dir) if resume_step is not None else None
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT), name=out_dir.resolve().name,
-            dir=out_dir, id=run_id, resume="allow" if run_id else None, config=config,
-        )  # fmt: skip
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT), name=out_dir.resolve().name,
+                dir=out_dir, id=run_id, resume="allow" if run_id else None, config=config,
+            )  # fmt: skip
+        except WandbError as e:  # not logged in, a server refusing: the user's to fix, in one line
+            said = " ".join(str(e).split())
+            raise ConfigError(
+                f"--tracker wandb could not start a W&B run: {said} (or set WANDB_MODE=offline)"
+            ) from None
         if run_id is None:
             atomic_write_bytes(out_dir / WANDB_ID_NAME, self.run.id.encode())
             if resume_step is not None:  # a tracker added on resume: the records kept

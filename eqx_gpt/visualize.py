@@ -49,8 +49,13 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
 
 
 def plot_losses(records: list[dict], path: str | Path) -> Path:
+    """Write `loss_figure(records)` to `path` (the run redraws `loss.png` at each evaluation)."""
+    return save_figure(loss_figure(records), path)
+
+
+def loss_figure(records: list[dict]) -> Figure:
     """Train (per logged step, and at evaluations) and validation loss against step, from the
-    records of `metrics.jsonl`."""
+    records of `metrics.jsonl`, and the final validation's point (`final_label` says which it is)."""
     fig = Figure(figsize=(7, 4.2), dpi=110)
     ax = fig.add_subplot()
     steps = [r["step"] for r in records if "loss" in r]
@@ -58,15 +63,31 @@ def plot_losses(records: list[dict], path: str | Path) -> Path:
     evals = [r for r in records if "val_loss" in r]
     ax.plot([r["step"] for r in evals], [r["train_loss"] for r in evals], "o-", ms=3, label="train (eval)")
     ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, label="validation")
+    finals = [r for r in records if "final_val_loss" in r]
+    if finals:  # a resumed run drops an earlier final record: the last is this run's
+        final = finals[-1]
+        ax.plot(
+            [final["step"]], [final["final_val_loss"]], "*", ms=11, color="black", label=final_label(final)
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     if evals:
-        low = min(min(r["val_loss"], r["train_loss"]) for r in evals)
-        ax.set_ylim(max(0.0, low - 0.2), min(5.0, max(r["val_loss"] for r in evals) + 0.2))
+        shown = [v for r in evals for v in (r["val_loss"], r["train_loss"])]
+        shown += [r["final_val_loss"] for r in finals[-1:]]
+        ax.set_ylim(max(0.0, min(shown) - 0.2), min(5.0, max(r["val_loss"] for r in evals) + 0.2))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    return save_figure(fig, path)
+    return fig
+
+
+def final_label(final: dict) -> str:
+    """The legend entry of a final validation record: its loss, and whether it covers the whole
+    split or estimates it from a sample of it (`whole_split`; a record without it says neither)."""
+    n = f"{final['val_tokens']:,} tokens" if "val_tokens" in final else "tokens"
+    whole = final.get("whole_split")
+    covers = f", whole split ({n})" if whole is True else f", estimated from {n}" if whole is False else ""
+    return f"final validation{covers}: {final['final_val_loss']:.4f}"
 
 
 # Characters that would be invisible or break a tick label get a visible stand-in.

@@ -252,7 +252,8 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
         t.log(train_record(30, shift=1.0))
     assert (out / "wandb-run-id").read_text() == run_id
     wandb.teardown()
-    folders = sorted((out / "wandb").glob(f"offline-run-*-{run_id}"))  # named by start time
+    # Named by start time in seconds, and "-1" added to a second session's within the same second.
+    folders = sorted((out / "wandb").glob(f"offline-run-*-{run_id}*"))
     assert len(folders) == 2 and folders[0] == folder
     resumed = wandb_history(folders[1])
     assert [row["_step"] for row in resumed] == [30]
@@ -306,3 +307,16 @@ def test_wandb_added_on_resume_starts_with_the_kept_records(offline_wandb):
         (s, train_record(s)["loss"]) for s in (10, 20, 30)
     ]
     assert rows[1]["eval/val_loss"] == eval_record(20)["val_loss"]
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    def refuse(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as refused:
+        open_trackers(["tensorboard", "wandb"], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
+    assert str(refused.value) == (
+        "--tracker wandb could not start a W&B run: No API key configured. Use `wandb login` to log in. "
+        "(or set WANDB_MODE=offline)"
+    )

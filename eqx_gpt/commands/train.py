@@ -47,6 +47,18 @@ def _flag_type(annotation):
     return finite_float if annotation is float else annotation
 
 
+class _CommaList(argparse.Action):
+    """A repeatable flag whose values join into one comma list (`--tracker a --tracker b` is "a,b"),
+    the form its `TrainConfig` field takes."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, values if previous is None else f"{previous},{values}")
+
+
+REPEATABLE = ("tracker",)  # TrainConfig fields whose flag may be given more than once
+
+
 def build_parser(preset: str = DEFAULT_PRESET, prog: str = "train.py") -> OneLineParser:
     """The parser. Parsed options hold only what was given explicitly (absent ones are left out);
     `--help` shows the values of `preset` as defaults (`--help --preset NAME` shows NAME's)."""
@@ -81,6 +93,8 @@ def build_parser(preset: str = DEFAULT_PRESET, prog: str = "train.py") -> OneLin
                 continue
             kind = _flag_type(f.type)
             action = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+            if f.name in REPEATABLE:
+                action = {"action": _CommaList, "metavar": "NAME[,NAME]"}
             choices = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
             group.add_argument(
                 "--" + f.name.replace("_", "-"),

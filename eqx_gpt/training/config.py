@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described
 from eqx_gpt.errors import ConfigError
+from eqx_gpt.trackers import parse_trackers
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -94,6 +95,12 @@ class TrainConfig(DictConfig):
         "split parameters and optimiser state over the devices too (FSDP), not only the batch",
         default=False,
     )
+    tracker: str | None = described(
+        "also send metrics.jsonl's records to 'tensorboard' (event files in out_dir/tensorboard/) or "
+        "'wandb' (Weights & Biases; offline with WANDB_MODE=offline): repeat the flag or give a comma "
+        "list; each is an optional extra (uv sync --extra NAME); on resume, 'none' drops them",
+        default=None,
+    )
 
     def __post_init__(self):
         check_fields(
@@ -131,6 +138,12 @@ class TrainConfig(DictConfig):
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
+        if self.tracker is not None and not isinstance(self.tracker, str):
+            raise ConfigError(
+                f"tracker must be a comma list of names such as 'tensorboard,wandb', or None, "
+                f"got {self.tracker!r}"
+            )
+        parse_trackers(self.tracker)  # an unknown name is refused here, before the run starts
         for name in ("fsdp", "muon_split_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

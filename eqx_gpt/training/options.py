@@ -27,8 +27,10 @@ from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
-# What a resumed run may change: how long it runs, how often it reports, where the same data is.
-RESUMABLE_CHANGES = ("max_steps", "max_minutes", "eval_interval", "eval_tokens", "log_interval", "data")
+# What a resumed run may change: how long it runs, how often and where it reports, where the same data is.
+RESUMABLE_CHANGES = (
+    "max_steps", "max_minutes", "eval_interval", "eval_tokens", "log_interval", "data", "tracker",
+)  # fmt: skip
 # The model settings that `init_from` (a Hugging Face GPT-2) takes; the rest are the directory's.
 INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
 

@@ -1,5 +1,5 @@
-"""What a run tells: its log lines, `metrics.jsonl`, the loss plot, the progress bar, tokens/s,
-and the sample at its end.
+"""What a run tells: its log lines, `metrics.jsonl` (and the same records to its trackers, if
+any), the loss plot, the progress bar, tokens/s, and the sample at its end.
 
 The loop never waits for the accelerator at a step: it hands each call's losses to the `Report`
 (`dispatched`), which reads them a few steps later (`read_losses`), every `log_interval` steps and
@@ -19,14 +19,16 @@ from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError
+from eqx_gpt.trackers import Trackers
 from eqx_gpt.training.run_dir import Metrics
 from eqx_gpt.training.time_plan import TimePlan
 
 
 class Report:
     """A run's reporting: `log` prints a line, `metrics` is `metrics.jsonl`, `bar` the progress
-    line; `now` is the run's clock and `t_start` when the run started. It owns the losses not yet
-    read and the tokens/s measured from them."""
+    line; `now` is the run's clock and `t_start` when the run started; `trackers` get every record
+    `metrics` gets (`write`, the one place records go). It owns the losses not yet read and the
+    tokens/s measured from them."""
 
     def __init__(
         self,
@@ -39,8 +41,10 @@ class Report:
         tokens_per_step: int,
         log_interval: int,
         plot: Path,
+        trackers: Trackers | None = None,
     ):
         self.log, self.metrics, self.bar, self.now, self.t_start = log, metrics, bar, now, t_start
+        self.trackers = Trackers() if trackers is None else trackers
         self.tokens_per_step, self.log_interval, self.plot = tokens_per_step, log_interval, plot
         self.tokens_per_s = 0.0
         self.last_read: dict | None = None  # the metrics record of the latest step whose loss was read
@@ -98,7 +102,7 @@ class Report:
                 "tokens_per_s": round(self.tokens_per_s, 1),
             }
             if s % self.log_interval == 0 or s == schedule_steps:
-                self.metrics.write(self.last_read)
+                self.write(self.last_read)
                 self.last_logged = s
         s, lr = ready[-1]
         rate = plan.steps_per_second(s, now)
@@ -109,24 +113,42 @@ class Report:
         )
         return None
 
+    def write(self, record: dict) -> None:
+        """Append `record` to `metrics.jsonl` and send it to the trackers: every record goes here."""
+        self.metrics.write(record)
+        self.trackers.log(record)
+
+    def flush(self) -> None:
+        """Make the records so far survive a kill (before a checkpoint is written)."""
+        self.trackers.flush()
+
     def record_last_read(self) -> None:
         """Log the latest step read if it is not yet (the step a run stopped at is always logged)."""
         if self.last_read is not None and self.last_logged != self.last_read["step"]:
-            self.metrics.write(self.last_read)
+            self.write(self.last_read)
 
-    def record(self, record: dict) -> None:
-        """Append `record` to `metrics.jsonl` (the final validation's)."""
-        self.metrics.write(record)
+    def record_final(self, record: dict) -> None:
+        """The final validation's record, and the loss plot redrawn with its point."""
+        self.write(record)
+        self.draw_plot()
 
     def record_evaluation(self, step: int, figures: dict[str, float]) -> None:
         """An evaluation's record in `metrics.jsonl` (written before its checkpoints)."""
-        self.metrics.write({"step": step, **figures, "elapsed_s": round(self.elapsed(), 2)})
+        self.write({"step": step, **figures, "elapsed_s": round(self.elapsed(), 2)})
 
-    def evaluated(self, step: int, figures: dict[str, float], is_best: bool) -> None:
-        """After an evaluation's checkpoints: the loss plot redrawn, and its log line."""
+    def record_sample(self, step: int, text: str) -> None:
+        """The sample at the end of a run, to the trackers (the log shows it too)."""
+        self.trackers.log_text(step, "sample", text)
+
+    def draw_plot(self) -> None:
+        """Redraw the loss plot from the records so far (one small figure: cheap at each evaluation)."""
         from eqx_gpt.visualize import plot_losses  # here: `import eqx_gpt` need not load matplotlib
 
         plot_losses(self.metrics.records, self.plot)
+
+    def evaluated(self, step: int, figures: dict[str, float], is_best: bool) -> None:
+        """After an evaluation's checkpoints: the loss plot redrawn, and its log line."""
+        self.draw_plot()
         self.start_rate(step, self.now())  # keep evaluation time out of tokens/s
         self.bar.clear()
         said = ", ".join(f"{name.replace('_', ' ')} {value:.4f}" for name, value in figures.items())
@@ -135,6 +157,12 @@ class Report:
     def close(self) -> None:
         self.bar.clear()
         self.metrics.close()
+
+    def __enter__(self) -> "Report":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Progress:

@@ -3,7 +3,10 @@
     out_dir/metrics.jsonl    one JSON object per line: {"step", "loss", "lr", "tokens_per_s"} for
                              logged steps, {"step", "train_loss", "val_loss", "elapsed_s"} at
                              evaluations, and the final validation last
-    out_dir/loss.png         train and validation curves, redrawn at each evaluation
+    out_dir/loss.png         train and validation curves, redrawn at each evaluation, and the
+                             final validation's point
+    out_dir/tensorboard/     with `tracker="tensorboard"`: the records of metrics.jsonl as event
+                             files (`eqx_gpt.trackers`); `tracker="wandb"` writes out_dir/wandb/
     out_dir/<LATEST> ...     the checkpoint of the last evaluation (or interruption)
     out_dir/<BEST> ...       the checkpoint with the lowest validation loss so far
                              (files named by `checkpoint.py`)
@@ -44,6 +47,7 @@ from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.streams import TRAIN_BATCHES
 from eqx_gpt.tokenizer import Tokenizer
+from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, parse_trackers, require_trackers
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import batch_reader, window_starts
 from eqx_gpt.training.evaluate import evaluate_run, final_evaluations, final_validation
@@ -160,6 +164,8 @@ def _train(
     if resume and overwrite:
         raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
+    if options is not None:  # a missing extra is refused before anything is written
+        require_trackers(parse_trackers(options.train.tracker))
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
@@ -167,6 +173,7 @@ def _train(
         if resume:  # the checkpoint's metadata, and the settings laid over it
             meta = read_metadata(checkpoint_file(out_dir, LATEST))
             options = resolve_options(settings, meta)
+            require_trackers(parse_trackers(options.train.tracker))
             records = kept_records(out_dir / METRICS_NAME, meta["step"])
         assert options is not None
         setup, state = set_up(options, out_dir, log=log)
@@ -180,17 +187,32 @@ def _train(
         plan = TimePlan(
             setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup)
         )
-        report = Report(
-            log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start,
-            tokens_per_step=setup.tokens_per_step, log_interval=setup.config.log_interval,
-            plot=out_dir / "loss.png",
-        )  # fmt: skip
-        try:
+        # Closed in reverse: the trackers last, marked failed if the run raised (not on Ctrl-C).
+        with (
+            _open_trackers(setup, records) as trackers,
+            Report(
+                log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start,
+                tokens_per_step=setup.tokens_per_step, log_interval=setup.config.log_interval,
+                plot=out_dir / "loss.png", trackers=trackers,
+            ) as report,
+        ):  # fmt: skip
             _describe_start(report, setup, state)
             with _StopFlag() as stop:
                 return train_loop(Run(setup, state, report, plan, stopping=lambda: stop.set), sample_tokens)
-        finally:
-            report.close()
+
+
+def _open_trackers(setup: RunSetup, records: list[dict]) -> Trackers:
+    """The run's `--tracker`s, given its resolved settings; only the first JAX process writes. A
+    resumed run continues the tracker run from its checkpoint's step, after the `records` it kept."""
+    config = {
+        **setup.model_config.to_dict(), **setup.config.to_dict(),
+        "preset": setup.checkpoint_meta.get("preset"), "n_params": setup.checkpoint_meta["n_params"],
+    }  # fmt: skip
+    return open_trackers(
+        parse_trackers(setup.config.tracker), setup.out_dir, config=config,
+        resume_step=setup.start if setup.resumed_from is not None else None,
+        is_writer=jax.process_index() == 0, history=records,
+    )  # fmt: skip
 
 
 class _StopFlag:
@@ -242,6 +264,10 @@ def _describe_start(report: Report, setup: RunSetup, state: TrainState) -> None:
         report.log(f"time limit: {c.max_minutes:g} min; the schedule is refitted to the steps that fit")
     if setup.resumed_from is not None:
         report.log(f"resuming {setup.resumed_from} at step {setup.start}")
+    if parse_trackers(c.tracker):  # where to look (only the first process writes them)
+        where = {"tensorboard": f"tensorboard --logdir {setup.out_dir / TENSORBOARD_DIR}",
+                 "wandb": f"W&B run in {setup.out_dir / 'wandb'}"}  # fmt: skip
+        report.log("trackers: " + "; ".join(where[name] for name in parse_trackers(c.tracker)))
 
 
 def _last_good(run: "Run") -> str:
@@ -287,6 +313,7 @@ def save(run: Run, name: str) -> None:
     """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step."""
     setup, state = run.setup, run.state
     val_step, val_loss = state.last_eval if state.last_eval is not None else (None, None)
+    run.report.flush()  # the trackers hold every record up to the checkpoint, whatever kills the run
     save_checkpoint(
         setup.out_dir, name, state.model, state.opt_state, step=state.step, tokenizer=setup.tokenizer,
         train_config=setup.config.to_dict(), val_loss=val_loss, val_loss_step=val_step,
@@ -441,7 +468,7 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
         )
         return _result(run, val_loss=val, interrupted=True, sample=None)
     record = {"step": state.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted}
-    report.record({**record, "whole_split": final.whole})
+    report.record_final({**record, "whole_split": final.whole})
     report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
@@ -455,4 +482,5 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     )
     if sample is not None:
         report.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
+        report.record_sample(state.step, sample)
     return _result(run, val_loss=final.loss, interrupted=False, sample=sample)
