@@ -17,9 +17,14 @@ class TrainConfig(DictConfig):
     """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
 
     data: str | None = described(
-        'a UTF-8 text file, a .jsonl file of {"text": ...} lines, or a folder of them, to train on; '
-        "tokenized once into the token cache (default: the bundled Tiny Shakespeare)",
+        "a UTF-8 text file, a .jsonl file of records, a .parquet or .arrow table, any of the texts "
+        "compressed (.gz, .xz, .zst), or a folder of them, to train on; tokenized once into the token "
+        "cache (default: the bundled Tiny Shakespeare)",
         default=None,
+    )
+    text_field: str = described(
+        "the field of .jsonl records, and the column of .parquet and .arrow tables, that holds the text",
+        default="text",
     )
     tokenizer: str = described(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
@@ -138,6 +143,10 @@ class TrainConfig(DictConfig):
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(
+                f"text_field must be a field name (a non-empty string), got {self.text_field!r}"
+            )
         if self.tracker is not None and not isinstance(self.tracker, str):
             raise ConfigError(
                 f"tracker must be a comma list of names such as 'tensorboard,wandb', or None, "

@@ -42,12 +42,14 @@ def load_corpus(
     data: str | None,
     tokenizer: dict,
     *,
+    text_field: str = "text",
     resumes: dict | None = None,
     log: Callable[[str], None] = lambda line: None,
     progress=None,
 ) -> Corpus:
     """The corpus at `data` (None: the bundled Tiny Shakespeare, checked against its known sha256)
-    tokenized by `tokenizer` (see `prepare`). `resumes` is the metadata of the checkpoint a run
+    tokenized by `tokenizer` (see `prepare`; `text_field` names the records' text field and tables'
+    text column). `resumes` is the metadata of the checkpoint a run
     resumes: a corpus other than its `data_sha256` is refused before anything is tokenized."""
     bundled = data is None
     source = BUNDLED if bundled else data
@@ -64,7 +66,12 @@ def load_corpus(
             )
 
     return prepare(
-        shakespeare_path() if bundled else data, tokenizer, check_identity=check, log=log, progress=progress
+        shakespeare_path() if bundled else data,
+        tokenizer,
+        text_field=text_field,
+        check_identity=check,
+        log=log,
+        progress=progress,
     )
 
 

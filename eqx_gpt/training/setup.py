@@ -82,7 +82,8 @@ class TrainState:
 # step's identity, so an option added later can never be dropped from it by omission.
 _NOT_READ_BY_THE_STEP = (
     "data", "tokenizer", "init_from", "max_steps", "max_minutes", "warmup_steps", "schedule",
-    "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval",
+    "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval", "text_field",
+    "tracker",
 )  # fmt: skip
 _UNSCALED_BY_ADAMW = ("lr", "min_lr", "adam_lr")  # AdamW alone runs at unit rate times the schedule
 
@@ -135,7 +136,8 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
         "data_sha256": corpus.identity,
         "n_params": count_params(state.model),
     }
-    log(f"data: {source}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
+    read = f" ({corpus.summary})" if corpus.listing is not None else ""
+    log(f"data: {source}{read}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
         f"tokenizer {tokenizer.name} ({tokenizer.vocab_size} ids)")  # fmt: skip
     setup = RunSetup(
         config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer,
@@ -187,7 +189,9 @@ def _load_corpus(
     """`(corpus, source name, config)`: the corpus tokenized (once; later runs open its shards),
     checked against the checkpoint's on resume, and the config with the data path made absolute
     (so a run resumes from anywhere)."""
-    corpus = load_corpus(config.data, tokenizer, resumes=meta, log=log, progress=Progress())
+    corpus = load_corpus(
+        config.data, tokenizer, text_field=config.text_field, resumes=meta, log=log, progress=Progress()
+    )
     if config.data is not None:
         config = replace(config, data=str(Path(config.data).resolve()))
     return corpus, config.data or BUNDLED, config
