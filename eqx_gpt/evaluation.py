@@ -18,9 +18,9 @@ The model is evaluated in inference mode (`eqx.nn.inference_mode`): no dropout, 
 built with.
 """
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic
 from typing import Protocol
 
 import equinox as eqx
@@ -165,7 +165,7 @@ class _Ticker:
     `SHOW_AFTER_LOG` seconds (a log), so a quick evaluation leaves no trace."""
 
     def __init__(self, shown: Shown | None, n_rows: int):
-        self.shown, self.n_rows, self.t0 = shown, n_rows, time.monotonic()
+        self.shown, self.n_rows, self.t0 = shown, n_rows, monotonic()
         self.after = SHOW_AFTER_TTY if shown is not None and shown.bar.tty else SHOW_AFTER_LOG
         self.first: tuple[int, float] | None = None  # (rows, time) when the first call had finished
         if shown is not None and shown.bar.tty:  # in place, so it costs no line: the phase, at once
@@ -175,7 +175,7 @@ class _Ticker:
         """`done` windows are evaluated."""
         if self.shown is None or done == 0:
             return
-        now = time.monotonic()
+        now = monotonic()
         if self.first is None:
             self.first = (done, now)
         if now - self.t0 < self.after:

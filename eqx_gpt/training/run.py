@@ -48,7 +48,7 @@ from eqx_gpt.tokenizer import Tokenizer
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import batch_reader, window_starts
 from eqx_gpt.training.evaluate import evaluate_run, final_evaluations, final_validation
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, resolve_options
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, check_printable, resolve_options
 from eqx_gpt.training.parallel import shard_rows
 from eqx_gpt.training.report import Progress, Report, sample_text
 from eqx_gpt.training.run_dir import (
@@ -160,6 +160,8 @@ def _train(
         raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
     if resume and overwrite:
         raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
+    if log is print:  # a path its lines cannot print: refused now, not at the line that names it
+        check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
