@@ -15,7 +15,8 @@ at every evaluation, each counting all its targets. The periodic evaluations of 
 `periodic_plan`, the final one `final_plan`: a bounded cost whatever the corpus size.
 
 The model is evaluated in inference mode (`eqx.nn.inference_mode`): no dropout, whatever it was
-built with.
+built with. Given a `Shown` (a progress bar and a label), an evaluation that takes more than a
+moment shows its windows done and an ETA there; a quick one adds no line to a log.
 """
 
 from collections.abc import Callable
@@ -159,6 +160,9 @@ def _summed_loss(
     return jnp.sum(losses * weight)
 
 
+_COMPILED: set[tuple] = set()  # (config, shapes) of the calls compiled in this process: the phase shown
+
+
 class _Ticker:
     """An evaluation's progress on a `Shown`: windows done of all, and an ETA from the calls after
     the first (which compiles). Nothing shows before `SHOW_AFTER_TTY` (a terminal) or
@@ -168,8 +172,13 @@ class _Ticker:
         self.shown, self.n_rows, self.t0 = shown, n_rows, monotonic()
         self.after = SHOW_AFTER_TTY if shown is not None and shown.bar.tty else SHOW_AFTER_LOG
         self.first: tuple[int, float] | None = None  # (rows, time) when the first call had finished
-        if shown is not None and shown.bar.tty:  # in place, so it costs no line: the phase, at once
-            shown.bar.update(f"{shown.label}: {n_rows:,} windows, starting (a first evaluation compiles)")
+
+    def start(self, compiles: bool) -> None:
+        """On a terminal, say at once (in place: no line) that the evaluation starts, and whether it
+        compiles first, which for a large model or vocabulary takes a while."""
+        if self.shown is not None and self.shown.bar.tty:
+            phase = "compiling the evaluation" if compiles else "starting"
+            self.shown.bar.update(f"{self.shown.label}: {self.n_rows:,} windows, {phase}")
 
     def tick(self, done: int) -> None:
         """`done` windows are evaluated."""
@@ -218,6 +227,10 @@ def _summed(
             padded_rows[: len(rows)] = rows
             padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
             padded_weight[: len(weight)] = weight
+            if i == 0:
+                shapes = (model.config, padded_rows.shape, padded_weight.shape)
+                ticker.start(compiles=shapes not in _COMPILED)
+                _COMPILED.add(shapes)
             result = _summed_loss(model, place(padded_rows), place(padded_weight))
             total += 0.0 if in_flight is None else float(in_flight)  # waits for the previous call
             ticker.tick(i)

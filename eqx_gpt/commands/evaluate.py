@@ -32,8 +32,9 @@ def parse_args(argv=None, prog: str = "evaluate.py") -> argparse.Namespace:
     add_checkpoint_argument(p)
     p.add_argument(
         "--whole-split", action="store_true", help="predict every token of the validation split once "
-        "(default: the windows the run's final validation read, so the figure is the run's: all of a split "
-        "up to 4x the run's --eval-tokens, else an even sample of that many tokens)"
+        "(default: the windows the run's final validation read, so the run's latest checkpoint scores its "
+        "final val loss: all of a split up to 4x the run's --eval-tokens, else an even sample of that many "
+        "tokens)"
     )  # fmt: skip
     p.add_argument(
         "--data", metavar="PATH", help="where the run's corpus is now, if moved or copied (the same bytes: "
