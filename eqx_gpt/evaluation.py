@@ -309,11 +309,14 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
     return flat.astype(np.int32)
 
 
-def evaluate(model: GPT, tokens, *, stride: int | None = None, batch: int | None = None) -> Evaluation:
+def evaluate(
+    model: GPT, tokens, *, stride: int | None = None, batch: int | None = None, shown: Shown | None = None
+) -> Evaluation:
     """Mean next-token loss of `model` over all of `tokens` `(n,)` (integer ids in `[0, vocab_size)`,
     or a `TokenSpan`; no dropout), in windows of `context_length` started every `stride` tokens
     (default `context_length // 2`; see the module docstring), `batch` windows per jitted call
-    (default `rows_per_call`). Bad arguments raise a one-line `TypeError` or `ValueError`."""
+    (default `rows_per_call`); progress on `shown` if it takes a while. Bad arguments raise a
+    one-line `TypeError` or `ValueError`."""
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a GPT, got {type(model).__name__}")
     context = model.config.context_length
@@ -324,13 +327,15 @@ def evaluate(model: GPT, tokens, *, stride: int | None = None, batch: int | None
         raise ValueError(f"batch must be an integer in [1, {INT32_MAX}], got {batch!r}")
     if not isinstance(tokens, TokenSpan):
         tokens = TokenSpan([check_tokens(tokens, model.config.vocab_size)])
-    result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch)
+    result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch, shown=shown)
     assert result is not None  # only a `stop` (none here) ends an evaluation early
     return result
 
 
-def evaluate_text(model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None) -> Evaluation:
+def evaluate_text(
+    model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None, shown: Shown | None = None
+) -> Evaluation:
     """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return evaluate(model, tokenizer.encode(text), stride=stride)
+    return evaluate(model, tokenizer.encode(text), stride=stride, shown=shown)

@@ -85,7 +85,8 @@ def _evaluate(args) -> int:
             f"--stride {args.stride} is over the model's context_length {context}; pass at most that"
         )
     if args.text is not None:
-        result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride)
+        shown = Shown(Progress(), f"evaluating {args.text}")
+        result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride, shown=shown)
         said = f"all of {args.text}: loss {result.loss:.4f} nats/token over {result.n_predicted:,} predicted "
         print(f"{said}tokens (windows of {context}, every {result.stride})")
         return 0
