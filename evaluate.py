@@ -1,5 +1,6 @@
-"""Score a checkpoint: its mean loss over a whole text, every token predicted once:
-`uv run evaluate.py --help`.
+"""Score a checkpoint: its mean loss over its run's validation split (by default the windows the
+run's final validation read, so the figure is the run's; `--whole-split` for all of it), or over a
+text of your own: `uv run evaluate.py --help`.
 
 The command is `eqx_gpt.commands.evaluate` (also `python -m eqx_gpt evaluate`); from Python, call
 `eqx_gpt.evaluate` or `eqx_gpt.evaluate_text`.

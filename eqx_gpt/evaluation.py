@@ -15,11 +15,14 @@ at every evaluation, each counting all its targets. The periodic evaluations of 
 `periodic_plan`, the final one `final_plan`: a bounded cost whatever the corpus size.
 
 The model is evaluated in inference mode (`eqx.nn.inference_mode`): no dropout, whatever it was
-built with.
+built with. Given a `Shown` (a progress bar and a label), an evaluation that takes more than a
+moment shows its windows done and an ETA there; a quick one adds no line to a log.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import monotonic
+from typing import Protocol
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -36,6 +39,29 @@ from eqx_gpt.tokenizer import Tokenizer
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
 LOGITS_PER_CALL = 1 << 24  # and at most this many logits (64 MiB of float32), for large vocabularies
 FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
+# Seconds of evaluating before its progress shows: on a terminal a moment, in a log (off a terminal,
+# where each update is a line) long enough that a quick evaluation adds none.
+SHOW_AFTER_TTY = 1.0
+SHOW_AFTER_LOG = 10.0
+
+
+class Bar(Protocol):
+    """A progress line (`eqx_gpt.training.report.Progress`): `update(text)` shows `text` in place
+    (on a terminal) or as a line now and then (off one, `tty` False); `clear()` removes it."""
+
+    tty: bool
+
+    def update(self, text: str) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Shown:
+    """Where an evaluation shows its progress: on `bar`, each line starting with `label`."""
+
+    bar: Bar
+    label: str = "evaluating"
 
 
 def rows_per_call(context: int, vocab_size: int = 0) -> int:
@@ -127,30 +153,91 @@ def final_plan(n_tokens: int, context: int, budget: int) -> EvalPlan:
 def _summed_loss(
     model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
 ) -> Float[Array, ""]:
+    """`sum(weight * loss)` of one call's windows: the loss of each of `batch[:, 1:]` given the
+    tokens before it."""
     logits = model(batch[:, :-1])
     losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
     return jnp.sum(losses * weight)
 
 
-def _summed(model: GPT, n_rows: int, read, *, batch: int, place, stop) -> float | None:
+_COMPILED: set[tuple] = set()  # (config, shapes) of the calls compiled in this process: the phase shown
+
+
+class _Ticker:
+    """An evaluation's progress on a `Shown`: windows done of all, and an ETA from the calls after
+    the first (which compiles). Nothing shows before `SHOW_AFTER_TTY` (a terminal) or
+    `SHOW_AFTER_LOG` seconds (a log), so a quick evaluation leaves no trace."""
+
+    def __init__(self, shown: Shown | None, n_rows: int):
+        self.shown, self.n_rows, self.t0 = shown, n_rows, monotonic()
+        self.after = SHOW_AFTER_TTY if shown is not None and shown.bar.tty else SHOW_AFTER_LOG
+        self.first: tuple[int, float] | None = None  # (rows, time) when the first call had finished
+
+    def start(self, compiles: bool) -> None:
+        """On a terminal, say at once (in place: no line) that the evaluation starts, and whether it
+        compiles first, which for a large model or vocabulary takes a while."""
+        if self.shown is not None and self.shown.bar.tty:
+            phase = "compiling the evaluation" if compiles else "starting"
+            self.shown.bar.update(f"{self.shown.label}: {self.n_rows:,} windows, {phase}")
+
+    def tick(self, done: int) -> None:
+        """`done` windows are evaluated."""
+        if self.shown is None or done == 0:
+            return
+        now = monotonic()
+        if self.first is None:
+            self.first = (done, now)
+        if now - self.t0 < self.after:
+            return
+        rows, t = self.first
+        rate = (done - rows) / (now - t) if done > rows and now > t else 0.0
+        eta = f"ETA {_clock((self.n_rows - done) / rate)}" if rate else "timing the first calls"
+        share = 100 * done / max(self.n_rows, 1)
+        self.shown.bar.update(
+            f"{self.shown.label}: {done:,}/{self.n_rows:,} windows ({share:.0f}%), "
+            f"{_clock(now - self.t0)} elapsed, {eta}"
+        )
+
+    def close(self) -> None:
+        if self.shown is not None:
+            self.shown.bar.clear()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _summed(
+    model: GPT, n_rows: int, read, *, batch: int, place, stop, shown: Shown | None = None
+) -> float | None:
     """`sum(weight * loss)` over `n_rows` windows, `batch` per jitted call; `read(i, j)` gives the
     `(rows, weight)` of windows `i..j`. The last call is padded with zero weight, so every call has
     one shape. None as soon as `stop()` is true between calls. One call is kept in flight while the
-    next is dispatched. The model runs in inference mode (no dropout)."""
+    next is dispatched; its progress shows on `shown` once it takes more than a moment. The model
+    runs in inference mode (no dropout)."""
     model = eqx.nn.inference_mode(model)
-    total, in_flight = 0.0, None
-    for i in range(0, n_rows, batch):
-        if stop():
-            return None
-        rows, weight = read(i, min(i + batch, n_rows))
-        padded_rows = np.zeros((batch, rows.shape[1]), np.int32)
-        padded_rows[: len(rows)] = rows
-        padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
-        padded_weight[: len(weight)] = weight
-        result = _summed_loss(model, place(padded_rows), place(padded_weight))
-        total += 0.0 if in_flight is None else float(in_flight)
-        in_flight = result
-    return total + (0.0 if in_flight is None else float(in_flight))
+    total, in_flight, ticker = 0.0, None, _Ticker(shown, n_rows)
+    try:
+        for i in range(0, n_rows, batch):
+            if stop():
+                return None
+            rows, weight = read(i, min(i + batch, n_rows))
+            padded_rows = np.zeros((batch, rows.shape[1]), np.int32)
+            padded_rows[: len(rows)] = rows
+            padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
+            padded_weight[: len(weight)] = weight
+            if i == 0:
+                shapes = (model.config, padded_rows.shape, padded_weight.shape)
+                ticker.start(compiles=shapes not in _COMPILED)
+                _COMPILED.add(shapes)
+            result = _summed_loss(model, place(padded_rows), place(padded_weight))
+            total += 0.0 if in_flight is None else float(in_flight)  # waits for the previous call
+            ticker.tick(i)
+            in_flight = result
+        return total + (0.0 if in_flight is None else float(in_flight))
+    finally:
+        ticker.close()
 
 
 def summed_loss(
@@ -161,11 +248,12 @@ def summed_loss(
     batch: int,
     place=lambda x: x,
     stop: Callable[[], bool] = lambda: False,
+    shown: Shown | None = None,
 ) -> float | None:
     """`sum(weight * loss)` over the windows `rows` (no dropout), `batch` rows per jitted call;
-    None if `stop()` turns true between calls."""
+    None if `stop()` turns true between calls. Its progress shows on `shown` if it takes a while."""
     read = lambda i, j: (rows[i:j], weight[i:j])
-    return _summed(model, len(rows), read, batch=batch, place=place, stop=stop)
+    return _summed(model, len(rows), read, batch=batch, place=place, stop=stop, shown=shown)
 
 
 def evaluate_plan(
@@ -176,9 +264,12 @@ def evaluate_plan(
     place=lambda x: x,
     batch: int | None = None,
     stop: Callable[[], bool] = lambda: False,
+    shown: Shown | None = None,
 ) -> Evaluation | None:
     """Mean next-token loss of `model` (no dropout) over the windows of `plan` in `tokens`, read from
-    them a call at a time (a split is never copied whole). See `evaluate` for the arguments."""
+    them a call at a time (a split is never copied whole); None if `stop()` turns true between
+    calls. Its progress shows on `shown` once it takes more than a moment (`SHOW_AFTER_TTY`). See
+    `evaluate` for the other arguments."""
     context, j = plan.context, np.arange(plan.context)
 
     def read(i: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +282,7 @@ def evaluate_plan(
         return rows, weight.astype(np.float32)
 
     batch = rows_per_call(context, model.config.vocab_size) if batch is None else batch
-    total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop)
+    total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop, shown=shown)
     if total is None:
         return None
     return Evaluation(total / plan.n_predicted, plan.n_predicted, plan.stride, plan.whole)
@@ -218,11 +309,14 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
     return flat.astype(np.int32)
 
 
-def evaluate(model: GPT, tokens, *, stride: int | None = None, batch: int | None = None) -> Evaluation:
+def evaluate(
+    model: GPT, tokens, *, stride: int | None = None, batch: int | None = None, shown: Shown | None = None
+) -> Evaluation:
     """Mean next-token loss of `model` over all of `tokens` `(n,)` (integer ids in `[0, vocab_size)`,
     or a `TokenSpan`; no dropout), in windows of `context_length` started every `stride` tokens
     (default `context_length // 2`; see the module docstring), `batch` windows per jitted call
-    (default `rows_per_call`). Bad arguments raise a one-line `TypeError` or `ValueError`."""
+    (default `rows_per_call`); progress on `shown` if it takes a while. Bad arguments raise a
+    one-line `TypeError` or `ValueError`."""
     if not isinstance(model, GPT):
         raise TypeError(f"model must be a GPT, got {type(model).__name__}")
     context = model.config.context_length
@@ -233,13 +327,15 @@ def evaluate(model: GPT, tokens, *, stride: int | None = None, batch: int | None
         raise ValueError(f"batch must be an integer in [1, {INT32_MAX}], got {batch!r}")
     if not isinstance(tokens, TokenSpan):
         tokens = TokenSpan([check_tokens(tokens, model.config.vocab_size)])
-    result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch)
+    result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch, shown=shown)
     assert result is not None  # only a `stop` (none here) ends an evaluation early
     return result
 
 
-def evaluate_text(model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None) -> Evaluation:
+def evaluate_text(
+    model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None, shown: Shown | None = None
+) -> Evaluation:
     """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
-    return evaluate(model, tokenizer.encode(text), stride=stride)
+    return evaluate(model, tokenizer.encode(text), stride=stride, shown=shown)

@@ -315,3 +315,69 @@ def test_padding_mask_refuses_lengths_that_are_not_whole_numbers_within_the_keys
         with pytest.raises(ValueError, match="padding_mask"):
             padding_mask(jnp.asarray(lengths), kv_seq=kv_seq)
     np.testing.assert_array_equal(padding_mask(jnp.asarray([0, 4]), kv_seq=4)[:, -1], [False, True])
+
+
+# -- training refusals: one line, exit 2, before any work ---------------------------------------
+
+
+def test_a_symlink_loop_given_as_init_from_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    Path("loop").symlink_to("loop")
+    with pytest.raises(ConfigError, match="--init-from loop: a loop of symbolic links"):
+        resolve_options({"init_from": "loop"})
+    with pytest.raises(ConfigError, match="--init-from loop: a loop of symbolic links"):
+        resolve_options({"init_from": "loop"}, CHECKPOINT)  # on resume, compared resolved
+    assert train_cli.main(["--init-from", "loop", "--out-dir", "run"]) == 2
+    _one_line(capsys, "--init-from loop: a loop of symbolic links; pass a path that resolves")
+    assert not Path("run").exists()
+
+
+def test_init_from_under_another_preset_takes_gpt2s_tokenizer_and_blames_only_a_given_one():
+    options = resolve_options({"init_from": str(TINY_GPT2), "preset": "cpu"})
+    assert options.train.tokenizer == "gpt2"
+    with pytest.raises(ConfigError, match="not 'char'; leave out --tokenizer"):
+        resolve_options({"init_from": str(TINY_GPT2), "preset": "cpu", "tokenizer": "char"})
+
+
+def test_a_resume_on_another_corpus_is_refused_in_one_line_with_no_progress_line(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    from eqx_gpt.data import prepare as prepare_module
+
+    monkeypatch.setenv("EQX_GPT_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepare_module, "IN_MEMORY_BYTES", 0)  # through the cache: hashed, with a bar
+    out, other = tmp_path / "run", tmp_path / "other.txt"
+    other.write_text(corpus.read_text(encoding="utf-8").upper(), encoding="utf-8")
+    tokenizer = CharTokenizer.from_text(corpus.read_text(encoding="utf-8"))
+    config = GPTConfig(
+        vocab_size=tokenizer.vocab_size,
+        **{k: TINY[k] for k in ("d_model", "n_heads", "n_layers", "context_length")},
+    )
+    train_config = TrainConfig(data=str(corpus), batch_size=4, eval_batches=1).to_dict()
+    out.mkdir()
+    save_checkpoint(out, LATEST, GPT(config, key=jax.random.key(0)), None, step=1, tokenizer=tokenizer,
+                    train_config=train_config, data=str(corpus), data_sha256="0" * 64)  # fmt: skip
+    assert train_cli.main(["--resume", "--out-dir", str(out), "--data", str(other)]) == 2
+    _one_line(capsys, f"{other} is not the corpus the checkpoint in {out}/ was trained on")
+
+
+def test_a_path_the_log_cannot_print_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
+    import io
+    import subprocess
+    import sys
+
+    strict = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(sys, "stdout", strict)  # as a UTF-8 locale's output is
+    out = tmp_path / "run\udcff"  # the bytes b"run\xff", as Python holds a name that is not UTF-8
+    assert train_cli.main(["--out-dir", str(out)]) == 2
+    _one_line(capsys, "run\\udcff': its name is not valid utf-8, so the run's log cannot print it; rename it")
+    assert not out.exists()
+    # The same from the command line, with the locale's strict output rather than a replaced stream.
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONIOENCODING": "utf-8", "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-X", "utf8=0", str(ROOT / "train.py"), "--out-dir", b"run\xff"],
+        cwd=tmp_path, env=env, capture_output=True, timeout=120,
+    )  # fmt: skip
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 2 and err.count("\n") == 1 and "cannot print it" in err, err
+    assert not (tmp_path / "run\udcff").exists()

@@ -1,13 +1,26 @@
-"""`evaluate`: a checkpoint's mean loss over a whole text, every token predicted once.
+"""`evaluate`: a checkpoint's mean next-token loss over the validation split its run trained beside,
+or over a text of your own.
 
-    uv run evaluate.py                                  # out/'s best checkpoint on the validation split
+    uv run evaluate.py                                  # out/'s best checkpoint, as the final validation
+    uv run evaluate.py --whole-split                    # every token of the validation split predicted once
+    uv run evaluate.py --data /new/place/corpus.txt     # the run's corpus, moved or copied (same bytes)
     uv run evaluate.py --checkpoint out/latest.json --text my.txt --stride 64
 
-Bad input (a missing checkpoint, unreadable text, characters the tokenizer does not know) prints
-one line to stderr and exits with code 2.
+By default it reads the windows the run's own final validation read (`final_plan` with the run's
+`--eval-tokens`): the whole split, in windows every `context_length // 2`, where it is at most
+`FINAL_EVAL_FACTOR` times `--eval-tokens`, else an even sample of that many tokens. So its figure
+is the run's final val loss (for the same checkpoint), at a bounded cost whatever the corpus size.
+`--whole-split` predicts every token of the split instead. `--data` must hold the same bytes as the
+corpus the run trained on (its recorded sha256); any other corpus is refused: score it with `--text`.
+
+Progress (with an ETA) shows on stderr once the work takes more than a moment. Bad input (a
+missing checkpoint or corpus, unreadable text, characters the tokenizer does not know, flags that
+do not go together) prints one line to stderr and exits with code 2; Ctrl-C exits with code 130.
 """
 
 import argparse
+import os
+import sys
 from pathlib import Path
 
 from eqx_gpt.commands.cli import OneLineParser, add_checkpoint_argument, run_command, whole_number
@@ -15,30 +28,54 @@ from eqx_gpt.errors import ConfigError, DataError
 
 
 def parse_args(argv=None, prog: str = "evaluate.py") -> argparse.Namespace:
-    p = OneLineParser(prog=prog, description="Mean next-token loss of a checkpoint over a whole text.")
+    p = OneLineParser(prog=prog, description="Mean next-token loss of a checkpoint on its validation split.")
     add_checkpoint_argument(p)
     p.add_argument(
-        "--text", metavar="PATH", type=Path, help="a UTF-8 text to score whole (default: the validation "
-        "split of the corpus the run trained on, as the run reported it)"
+        "--whole-split", action="store_true", help="predict every token of the validation split once "
+        "(default: the windows the run's final validation read, so the run's latest checkpoint scores its "
+        "final val loss: all of a split up to 4x the run's --eval-tokens, else an even sample of that many "
+        "tokens)"
     )  # fmt: skip
     p.add_argument(
-        "--stride", type=whole_number(1), help="tokens between window starts (default: context_length // 2; "
-        "context_length gives non-overlapping windows)"
+        "--data", metavar="PATH", help="where the run's corpus is now, if moved or copied (the same bytes: "
+        "its sha256 must be the one the run recorded; default: the path the run recorded)"
     )  # fmt: skip
-    return p.parse_args(argv)
+    p.add_argument(
+        "--text", metavar="PATH", type=Path, help="score this UTF-8 text instead, whole (any text: it is "
+        "not checked against the run's corpus)"
+    )  # fmt: skip
+    p.add_argument(
+        "--stride", type=whole_number(1), help="with --whole-split or --text: tokens between window starts "
+        "(default: context_length // 2; context_length gives non-overlapping windows)"
+    )  # fmt: skip
+    args = p.parse_args(argv)
+    if args.text is not None and (args.whole_split or args.data is not None):
+        flag = "--whole-split" if args.whole_split else "--data"
+        p.error(f"--text scores a text of its own, {flag} the run's validation split; pass one of them")
+    if args.stride is not None and not (args.whole_split or args.text is not None):
+        p.error(
+            "--stride sets the windows of --whole-split or --text; add one (the default reads the windows "
+            "the run's final validation read)"
+        )
+    return args
 
 
 def main(argv=None, prog: str = "evaluate.py") -> int:
-    """Evaluate with the flags `argv`; the exit code: 0, or 2 for bad input."""
+    """Evaluate with the flags `argv`; the exit code: 0, 2 for bad input, 130 on Ctrl-C."""
     args = parse_args(argv, prog)
-    return run_command(prog, lambda: _evaluate(args))
+    try:
+        return run_command(prog, lambda: _evaluate(args))
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; nothing was written", file=sys.stderr)
+        return 130
 
 
 def _evaluate(args) -> int:
     from eqx_gpt.checkpoint import load_model
-    from eqx_gpt.evaluation import evaluate_text
+    from eqx_gpt.evaluation import Shown, evaluate_text
     from eqx_gpt.model.gpt import GPT
     from eqx_gpt.training.data import load_text
+    from eqx_gpt.training.report import Progress
 
     model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")
     assert isinstance(model, GPT) and tokenizer is not None  # kind="GPT" refuses anything else
@@ -48,28 +85,103 @@ def _evaluate(args) -> int:
             f"--stride {args.stride} is over the model's context_length {context}; pass at most that"
         )
     if args.text is not None:
-        result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride)
-        name = f"all of {args.text}"
-    else:
-        result, name = _validation_split(model, tokenizer, meta, args.stride)
+        shown = Shown(Progress(), f"evaluating {args.text}")
+        result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride, shown=shown)
+        said = f"all of {args.text}: loss {result.loss:.4f} nats/token over {result.n_predicted:,} predicted "
+        print(f"{said}tokens (windows of {context}, every {result.stride})")
+        return 0
+    corpus = _run_corpus(meta, tokenizer, args.data)
+    try:
+        plan, covers = _plan(meta, len(corpus.val), context, args)
+        label = "evaluating the whole split" if args.whole_split else "evaluating"
+        result = _evaluate_plan(model, corpus.val, plan, Shown(Progress(), label))
+    finally:
+        corpus.close()
+    step = f"; the checkpoint of step {meta['step']}" if "step" in meta else ""
     print(
-        f"{name}: loss {result.loss:.4f} nats/token over {result.n_predicted:,} predicted tokens "
-        f"(windows of {context}, every {result.stride})"
+        f"{covers}: loss {result.loss:.4f} nats/token over {result.n_predicted:,} predicted tokens "
+        f"{_windows(plan)}{step}"
     )
     return 0
 
 
-def _validation_split(model, tokenizer, meta: dict, stride: int | None):
-    """The loss over the validation split of the corpus the run recorded (its `--data`, or the
-    bundled Tiny Shakespeare), read from the same token shards training read, and its name."""
-    from eqx_gpt.evaluation import evaluate
-    from eqx_gpt.training.data import BUNDLED, load_corpus
+def _evaluate_plan(model, tokens, plan, shown):
+    from eqx_gpt.evaluation import evaluate_plan
 
-    train_config = meta.get("train_config") or {}
+    result = evaluate_plan(model, tokens, plan, shown=shown)
+    assert result is not None  # only a `stop` (none here) ends an evaluation early
+    return result
+
+
+def _plan(meta: dict, n_tokens: int, context: int, args):
+    """The windows to read in a validation split of `n_tokens`, and what they cover, in words."""
+    from eqx_gpt.evaluation import FINAL_EVAL_FACTOR, final_plan, plan_whole
+    from eqx_gpt.training.options import DEFAULTS
+
+    name = _corpus_name(meta, args.data)
+    if args.whole_split:
+        stride = max(1, context // 2) if args.stride is None else args.stride
+        return plan_whole(n_tokens, context, stride), f"all of the validation split of {name}"
+    budget = (meta.get("train_config") or {}).get("eval_tokens", DEFAULTS["eval_tokens"])
+    plan = final_plan(n_tokens, context, budget)
+    if plan.whole:
+        return plan, f"the validation split of {name}, all of it, as the run's final validation read it"
+    return plan, (
+        f"the validation split of {name}, as the run's final validation read it: an even sample of "
+        f"{len(plan):,} windows of its {n_tokens:,} tokens (it is over {FINAL_EVAL_FACTOR}x the run's "
+        f"--eval-tokens {budget:,}; --whole-split reads all of it)"
+    )
+
+
+def _windows(plan) -> str:
+    if plan.whole:
+        return f"(windows of {plan.context}, every {plan.stride})"
+    return f"({len(plan):,} windows of {plan.context})"
+
+
+def _corpus_name(meta: dict, data: str | None) -> str:
+    from eqx_gpt.training.data import BUNDLED
+
+    recorded = (meta.get("train_config") or {}).get("data") or BUNDLED
+    return recorded if data is None else f"{data} (the run trained on {recorded})"
+
+
+def _run_corpus(meta: dict, tokenizer, data: str | None):
+    """The corpus the run trained on, tokenized as it was (read from the same token shards): at the
+    path the run recorded, or at `data`, which must hold the same bytes (its sha256, checked before
+    anything is tokenized)."""
+    from eqx_gpt.data.prepare import prepare
+    from eqx_gpt.training.data import BUNDLED, load_corpus
+    from eqx_gpt.training.report import Progress
+
     if "data_sha256" not in meta:  # a Hugging Face GPT-2, or a checkpoint of no recorded corpus
-        raise DataError(f"{meta['path']} records no training corpus; pass --text PATH to score")
-    data = train_config.get("data")
+        raise DataError(f"{meta['path']} records no training corpus; pass --text PATH to score a text")
+    recorded = (meta.get("train_config") or {}).get("data")
     # Tokenized as training did: a char run's vocabulary is its corpus's characters (same cache entry).
     wanted = {"kind": "char"} if tokenizer.name == "char" else tokenizer.to_dict()
-    corpus = load_corpus(data, wanted, resumes=meta)
-    return evaluate(model, corpus.val, stride=stride), f"the validation split of {data or BUNDLED}"
+    if data is None:
+        if recorded is not None and not os.path.lexists(recorded):
+            raise DataError(
+                f"the run's corpus {recorded} is not there (moved or deleted?); pass --data PATH to where "
+                f"it is now, or --text PATH to score another text"
+            )
+        corpus = load_corpus(recorded, wanted, resumes=meta, progress=Progress())
+    else:
+        expected = meta["data_sha256"]
+
+        def check(sha: str) -> None:
+            if sha != expected:
+                raise DataError(
+                    f"--data {data} is not the corpus the run trained on ({recorded or BUNDLED}): its sha256 "
+                    f"is {sha[:12]}..., the run's {expected[:12]}...; pass a copy of that corpus, or --text "
+                    f"PATH to score another text whole"
+                )
+
+        corpus = prepare(data, wanted, check_identity=check, progress=Progress())
+    if corpus.tokenizer != tokenizer:  # the same bytes: only a damaged cache entry tokenizes them otherwise
+        corpus.close()
+        raise DataError(
+            f"the token cache {corpus.folder} holds other tokens ({corpus.tokenizer!r}) than the "
+            f"checkpoint's ({tokenizer!r}); delete that folder and evaluate again"
+        )
+    return corpus

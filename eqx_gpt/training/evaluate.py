@@ -5,7 +5,8 @@ fixed training windows and the validation loss on the periodic plan (the whole s
 `evaluate_run` returns its figures by name (`{"train_loss": ..., "val_loss": ...}`): the loop, the
 metrics log and the log line take whatever it returns, so a new figure is added here alone. Each
 evaluation is a loop of jitted calls that returns None as soon as the run is asked to stop, so
-Ctrl-C never waits for a whole split.
+Ctrl-C never waits for a whole split. Given a `Shown` (the run's progress bar and a label), an
+evaluation that takes more than a moment shows its progress and ETA there.
 """
 
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from eqx_gpt.evaluation import (
     FINAL_EVAL_FACTOR,
     EvalPlan,
     Evaluation,
+    Shown,
     evaluate_plan,
     final_plan,
     periodic_plan,
@@ -45,28 +47,44 @@ def _rows_per_call(setup: RunSetup) -> int:
     return -(-per_call // setup.mesh.size) * setup.mesh.size
 
 
+def _part(shown: Shown | None, part: str) -> Shown | None:
+    return None if shown is None else Shown(shown.bar, f"{shown.label}, {part}")
+
+
 def validation_loss(
-    setup: RunSetup, model: GPT, plan: EvalPlan, stop: Callable[[], bool]
+    setup: RunSetup, model: GPT, plan: EvalPlan, stop: Callable[[], bool], shown: Shown | None = None
 ) -> Evaluation | None:
     """The loss over `plan`'s windows of the validation split; None if the run was asked to stop."""
     return evaluate_plan(
-        model, setup.val_ids, plan, place=_place(setup), batch=_rows_per_call(setup), stop=stop
+        model, setup.val_ids, plan, place=_place(setup), batch=_rows_per_call(setup), stop=stop, shown=shown
     )
 
 
-def train_loss(setup: RunSetup, model: GPT, stop: Callable[[], bool]) -> float | None:
+def train_loss(
+    setup: RunSetup, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+) -> float | None:
     """The mean loss over the run's fixed training windows (the same program as `validation_loss`)."""
     rows = setup.eval_train_rows
     weight = np.ones((len(rows), rows.shape[1] - 1), np.float32)
-    total = summed_loss(model, rows, weight, batch=_rows_per_call(setup), place=_place(setup), stop=stop)
+    total = summed_loss(
+        model, rows, weight, batch=_rows_per_call(setup), place=_place(setup), stop=stop, shown=shown
+    )
     return None if total is None else total / weight.size
 
 
-def evaluate_run(setup: RunSetup, model: GPT, stop: Callable[[], bool]) -> dict[str, float] | None:
+def evaluate_run(
+    setup: RunSetup, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+) -> dict[str, float] | None:
     """A periodic evaluation's figures by name, `train_loss` then `val_loss` (the one that picks the
-    best checkpoint); None if the run was asked to stop before it finished."""
-    train = train_loss(setup, model, stop)
-    val = validation_loss(setup, model, val_plan(setup, final=False), stop) if train is not None else None
+    best checkpoint); None if the run was asked to stop before it finished. Its progress shows on
+    `shown` (labelled `train windows`, then `validation`) if it takes a while."""
+    train = train_loss(setup, model, stop, _part(shown, "train windows"))
+    periodic = val_plan(setup, final=False)
+    val = (
+        validation_loss(setup, model, periodic, stop, _part(shown, "validation"))
+        if train is not None
+        else None
+    )
     if train is None or val is None:
         return None
     return {"train_loss": train, "val_loss": val.loss}
@@ -78,7 +96,13 @@ def final_evaluations(setup: RunSetup) -> float:
 
 
 def final_validation(
-    setup: RunSetup, model: GPT, last_val: float, plan: TimePlan, now: float, stop: Callable[[], bool]
+    setup: RunSetup,
+    model: GPT,
+    last_val: float,
+    plan: TimePlan,
+    now: float,
+    stop: Callable[[], bool],
+    shown: Shown | None = None,
 ) -> tuple[Evaluation | None, str]:
     """The final model's validation loss and what it covers: the whole split in overlapping
     windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
@@ -92,7 +116,7 @@ def final_validation(
             f"would not fit in the time left)"
         )
     split_plan = val_plan(setup, final=True)
-    final = validation_loss(setup, model, split_plan, stop)
+    final = validation_loss(setup, model, split_plan, stop, shown)
     if final is None or final.whole:
         covers = f"over all {split_plan.n_predicted:,} predicted tokens of the split"
         return final, f"{covers} (windows of {context} every {split_plan.stride})"

@@ -16,6 +16,7 @@ the checkpoint (only `RESUMABLE_CHANGES` may differ).
 
 import dataclasses
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +97,10 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     from_preset = {k: v for k, v in (PRESETS[preset].values() if preset else {}).items() if k not in settings}
     values = {**preset_values(preset), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
-        values["init_from"] = str(Path(values["init_from"]).expanduser().resolve())
+        values["init_from"] = str(resolved_path("init_from", values["init_from"]))
+        if "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
+            values["tokenizer"] = "gpt2"
+            from_preset.pop("tokenizer", None)
     # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
     model_fields = INIT_FROM_OPTIONS if values.get("init_from") is not None else MODEL_FIELDS
     model = {k: values[k] for k in model_fields if k in values}
@@ -175,5 +179,34 @@ def _same_setting(name: str, value, saved) -> bool:
     """Whether a setting given on resume is the checkpoint's: paths compare resolved (the checkpoint
     records them absolute, a flag gives them as typed)."""
     if name in PATH_SETTINGS and value is not None and saved is not None:
-        return Path(value).expanduser().resolve() == Path(saved).expanduser().resolve()
+        return resolved_path(name, value) == resolved_path(name, saved)
     return value == saved
+
+
+def resolved_path(name: str, value) -> Path:
+    """Setting `name`'s path made absolute, symlinks followed; a loop of symlinks (or a path the
+    system refuses) is a one-line `ConfigError`, not Python's traceback."""
+    try:
+        return Path(value).expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: Python 3.11's "Symlink loop from ..."
+        cause = "a loop of symbolic links" if "loop" in str(e).lower() else str(e)
+        raise ConfigError(f"--{name.replace('_', '-')} {value}: {cause}; pass a path that resolves") from None
+
+
+def check_printable(paths: dict) -> None:
+    """Refuse, before any work, a path that the run's log (standard output) cannot print: a name
+    that is not valid in the terminal's encoding (Python holds its bytes as lone surrogates) under
+    a locale whose output is strict. Left alone, the run would fail at its first line naming it,
+    perhaps at its very end. `paths` maps a setting's name to its value (None: not given)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    errors = getattr(sys.stdout, "errors", None) or "strict"
+    for name, value in paths.items():
+        if value is None:
+            continue
+        try:
+            str(value).encode(encoding, errors)
+        except UnicodeEncodeError:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {ascii(str(value))}: its name is not valid {encoding}, so the "
+                f"run's log cannot print it; rename it (or set PYTHONIOENCODING={encoding}:surrogateescape)"
+            ) from None

@@ -43,6 +43,7 @@ from eqx_gpt.checkpoint import (
     save_checkpoint,
 )
 from eqx_gpt.errors import TrainingError
+from eqx_gpt.evaluation import Shown
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.streams import TRAIN_BATCHES
@@ -51,7 +52,7 @@ from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, parse_tra
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import batch_reader, window_starts
 from eqx_gpt.training.evaluate import evaluate_run, final_evaluations, final_validation
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, resolve_options
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, check_printable, resolve_options
 from eqx_gpt.training.parallel import shard_rows
 from eqx_gpt.training.report import Progress, Report, sample_text
 from eqx_gpt.training.run_dir import (
@@ -163,6 +164,8 @@ def _train(
         raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
     if resume and overwrite:
         raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
+    if log is print:  # a path its lines cannot print: refused now, not at the line that names it
+        check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     if options is not None:  # a missing extra is refused before anything is written
         require_trackers(parse_trackers(options.train.tracker))
@@ -333,7 +336,9 @@ def evaluate_and_save(run: Run) -> bool:
     setup, state, report = run.setup, run.state, run.report
     read_losses(run, state.step)
     t0 = report.now()
-    figures = evaluate_run(setup, state.model, run.stopping)
+    figures = evaluate_run(
+        setup, state.model, run.stopping, Shown(report.bar, f"step {state.step} evaluation")
+    )
     if figures is None:
         return False
     if state.step > setup.start:
@@ -400,6 +405,8 @@ def train_loop(run: Run, sample_tokens: int) -> TrainResult:
         next_eval = (state.step // c.eval_interval + 1) * c.eval_interval
         first = state.step == setup.start
         n = min(steps_per_call(run), state.schedule_steps - state.step, next_eval - state.step)
+        if first and run.report.bar.tty:  # the first call compiles: say so, in place, while it does
+            run.report.bar.update("compiling the training step")
         dispatch_steps(run, n)
         if first:
             run.plan.start_timing(state.step, run.report.compiled(state.step))
@@ -458,13 +465,14 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     sample: the checkpoints are complete."""
     setup, state, report = run.setup, run.state, run.report
     assert state.last_eval is not None  # the loop evaluates at the schedule's end
-    t0, stride, val = report.now(), max(1, setup.model_config.context_length // 2), state.last_eval[1]
-    final, covers = final_validation(setup, state.model, val, run.plan, t0, run.stopping)
+    t0, val = report.now(), state.last_eval[1]
+    shown = Shown(report.bar, "final validation")
+    final, covers = final_validation(setup, state.model, val, run.plan, t0, run.stopping, shown)
     if final is None:
         report.log(
             f"interrupted during the final validation; the run is complete at step {state.step} (periodic "
             f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
-            f"{checkpoint_file(setup.out_dir, LATEST)} --stride {stride}"
+            f"{checkpoint_file(setup.out_dir, LATEST)}"
         )
         return _result(run, val_loss=val, interrupted=True, sample=None)
     record = {"step": state.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted}
