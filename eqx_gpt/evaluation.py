@@ -22,15 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jaxtyping import Array, Float, Int
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import DataError
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.tokenizer import Tokenizer
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
@@ -127,9 +126,7 @@ def final_plan(n_tokens: int, context: int, budget: int) -> EvalPlan:
 def _summed_loss(
     model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
 ) -> Float[Array, ""]:
-    logits = model(batch[:, :-1])
-    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-    return jnp.sum(losses * weight)
+    return next_token_loss(model, batch[:, :-1], batch[:, 1:], weight)
 
 
 def _summed(model: GPT, n_rows: int, read, *, batch: int, place, stop) -> float | None:
