@@ -77,8 +77,11 @@ def _chunk_logits(x, head, vocab_size: int, softcap: float | None):
     """One chunk's float32 logits `(chunk, padded_vocab)`, the padding columns at -inf, and the
     softcap's `tanh` (None without one) for its derivative."""
     z = (x @ head.astype(x.dtype)).astype(jnp.float32)
-    tanh = None if softcap is None else jnp.tanh(z / softcap)
-    capped = z if tanh is None else softcap * tanh
+    if softcap is None:
+        capped, tanh = z, None
+    else:
+        tanh = jnp.tanh(z / softcap)
+        capped = softcap * tanh
     real = jnp.arange(head.shape[1]) < vocab_size
     return jnp.where(real, capped, -jnp.inf), tanh
 
