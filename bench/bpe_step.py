@@ -10,9 +10,9 @@ slows all alike:
 - "chunked loss": `train.py`'s loss (`next_token_loss`: `chunked_cross_entropy` at this vocabulary),
   at its default chunk and at `--chunks` others.
 Prints the CPU model, each variant's median ms per step and tokens/s, and their ratios to the plain
-loss's, and the minor page faults per step (fresh buffers mapped and zero-filled: a figure that
-a loaded machine does not disturb). The first step's loss is printed too: the variants train the
-same model from the same state.
+loss's; then two figures a loaded machine does not disturb: the scratch memory XLA plans for the
+loss and its gradient, and the minor page faults per step (fresh buffers mapped and zero-filled).
+The first step's loss is printed too: the variants train the same model from the same state.
 """
 
 import argparse
@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 import optax
@@ -57,6 +58,13 @@ def chunked_loss(chunk: int):
     return loss
 
 
+def gradient_memory_mb(model: GPT, batch, loss) -> float:
+    """The scratch memory (MB) XLA plans for `loss`'s value and gradient: its compiled temp buffer."""
+    compiled = eqx.filter_jit(eqx.filter_value_and_grad(loss)).lower(model, batch).compile()
+    analysis = compiled.compiled.memory_analysis()
+    return float("nan") if analysis is None else analysis.temp_size_in_bytes / 1e6
+
+
 def make_advance(values: dict, loss):
     """`advance() -> loss`: one real training step of the preset with `values`, with `loss`."""
     config = TrainConfig(**{k: v for k, v in values.items() if k not in MODEL_FIELDS})
@@ -74,7 +82,8 @@ def make_advance(values: dict, loss):
         state[0], state[1], value = step_fn(state[0], state[1], batch, step, lr)
         return float(value)
 
-    return advance, config.batch_size * model_config.context_length
+    memory = gradient_memory_mb(state[0], batch, loss)
+    return advance, config.batch_size * model_config.context_length, memory
 
 
 def main() -> None:
@@ -93,10 +102,13 @@ def main() -> None:
     variants |= {f"chunked loss ({c} tokens)": chunked_loss(c) for c in args.chunks if c != default}
     runs = {}
     for name, loss in variants.items():
-        advance, tokens = make_advance(values, loss)
+        advance, tokens, memory = make_advance(values, loss)
         start = time.perf_counter()
         value = advance()  # compiles
-        print(f"{name}: first step (compiling) {time.perf_counter() - start:.1f} s, loss {value:.4f}")
+        print(
+            f"{name}: first step (compiling) {time.perf_counter() - start:.1f} s, loss {value:.4f}; "
+            f"the loss and its gradient plan {memory:,.0f} MB of scratch memory"
+        )
         runs[name] = (advance, tokens, [], [0])
     for _ in range(args.rounds):
         for advance, _, times, faults in runs.values():

@@ -5,7 +5,7 @@ from eqx_gpt.evaluation import periodic_plan
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import PRESETS
-from eqx_gpt.training.time_plan import REFERENCE_VOCAB, eval_budget, forward_cost
+from eqx_gpt.training.time_plan import REFERENCE_VOCAB, eval_budget, eval_price, forward_cost
 
 CPU = PRESETS["cpu"].model
 TINY_SHAKESPEARE_VAL = 111_540  # tokens of the bundled text's validation split
@@ -14,7 +14,7 @@ TINY_SHAKESPEARE_VAL = 111_540  # tokens of the bundled text's validation split
 def test_a_character_vocabulary_keeps_the_whole_split():
     default = TrainConfig().eval_tokens
     config = GPTConfig(vocab_size=65, **CPU)
-    assert eval_budget(default, config) == default
+    assert eval_budget(default, config) == default and eval_price(config) == 1.0
     plan = periodic_plan(TINY_SHAKESPEARE_VAL, config.context_length, eval_budget(default, config))
     assert plan.whole
 

@@ -35,8 +35,13 @@ def eval_budget(eval_tokens: int, config: GPTConfig) -> int:
     size, whose whole split the default reads), proportionally fewer for a dearer head, at least
     one window. With GPT-2's 50,257 ids on the default model, 131,072 becomes 15,905: the
     evaluation costs what a character model's does."""
-    price = forward_cost(config) / forward_cost(config, min(REFERENCE_VOCAB, config.padded_vocab_size))
-    return max(config.context_length, math.floor(eval_tokens / price))
+    return max(config.context_length, math.floor(eval_tokens / eval_price(config)))
+
+
+def eval_price(config: GPTConfig) -> float:
+    """What an evaluated token of `config` costs against one at a head of `REFERENCE_VOCAB` columns
+    (1 for a head that small or smaller): `forward_cost`'s ratio."""
+    return forward_cost(config) / forward_cost(config, min(REFERENCE_VOCAB, config.padded_vocab_size))
 
 
 class TimePlan:
