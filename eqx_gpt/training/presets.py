@@ -105,16 +105,17 @@ PRESETS = {
     ),  # fmt: skip
     "gpt2-124m": Preset(
         "GPT-2 small's shape (124M parameters, GPT-2's 50,257 ids) from scratch, with nanoGPT's AdamW "
-        "recipe: lr 6e-4 warmed up over 2,000 steps, a cosine to 6e-5 at 600,000; batch 8 of 1,024 "
+        "recipe: lr 6e-4 warmed up over 2,000 steps, a cosine to 6e-5 at 600,000; batch 4 of 1,024 "
         "tokens to suit a CPU (--max-minutes fits the schedule to the time you have)",
-        # nanoGPT steps 491,520 tokens (12 sequences x 40 accumulated, over 8 GPUs); on a CPU one
-        # step of 8 sequences of 1,024 tokens already takes seconds, and --grad-accum restores the
-        # GPU batch where there is time for it.
+        # nanoGPT steps 491,520 tokens (12 sequences x 40 accumulated, over 8 GPUs). Here a step of
+        # 4 sequences plans about 10.4 GB: 1.5 GB of parameters and AdamW state, 8.9 GB of scratch,
+        # most of it attention's 1,024 x 1,024 weights per head and layer (batch 8 plans 18.7 GB).
+        # --grad-accum restores the GPU batch where there is time for it.
         model=_GPT2_124M_MODEL,
         train=dict(
             tokenizer="gpt2",
             optimizer="adamw",
-            batch_size=8,
+            batch_size=4,
             max_steps=600_000,
             max_minutes=0.0,
             lr=6e-4,
