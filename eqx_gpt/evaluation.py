@@ -25,15 +25,14 @@ from time import monotonic
 from typing import Protocol
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
-import optax
 from jaxtyping import Array, Float, Int
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import DataError
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.tokenizer import Tokenizer
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
@@ -155,9 +154,7 @@ def _summed_loss(
 ) -> Float[Array, ""]:
     """`sum(weight * loss)` of one call's windows: the loss of each of `batch[:, 1:]` given the
     tokens before it."""
-    logits = model(batch[:, :-1])
-    losses = optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
-    return jnp.sum(losses * weight)
+    return next_token_loss(model, batch[:, :-1], batch[:, 1:], weight)
 
 
 _COMPILED: set[tuple] = set()  # (config, shapes) of the calls compiled in this process: the phase shown

@@ -92,7 +92,7 @@ def _evaluate(args) -> int:
         return 0
     corpus = _run_corpus(meta, tokenizer, args.data)
     try:
-        plan, covers = _plan(meta, len(corpus.val), context, args)
+        plan, covers = _plan(meta, len(corpus.val), model.config, args)
         label = "evaluating the whole split" if args.whole_split else "evaluating"
         result = _evaluate_plan(model, corpus.val, plan, Shown(Progress(), label))
     finally:
@@ -113,23 +113,28 @@ def _evaluate_plan(model, tokens, plan, shown):
     return result
 
 
-def _plan(meta: dict, n_tokens: int, context: int, args):
+def _plan(meta: dict, n_tokens: int, model_config, args):
     """The windows to read in a validation split of `n_tokens`, and what they cover, in words."""
     from eqx_gpt.evaluation import FINAL_EVAL_FACTOR, final_plan, plan_whole
     from eqx_gpt.training.options import DEFAULTS
+    from eqx_gpt.training.time_plan import eval_budget
+
+    context = model_config.context_length
 
     name = _corpus_name(meta, args.data)
     if args.whole_split:
         stride = max(1, context // 2) if args.stride is None else args.stride
         return plan_whole(n_tokens, context, stride), f"all of the validation split of {name}"
-    budget = (meta.get("train_config") or {}).get("eval_tokens", DEFAULTS["eval_tokens"])
+    eval_tokens = (meta.get("train_config") or {}).get("eval_tokens", DEFAULTS["eval_tokens"])
+    budget = eval_budget(eval_tokens, model_config)  # what the run read: fewer tokens for a dear head
     plan = final_plan(n_tokens, context, budget)
     if plan.whole:
         return plan, f"the validation split of {name}, all of it, as the run's final validation read it"
     return plan, (
         f"the validation split of {name}, as the run's final validation read it: an even sample of "
         f"{len(plan):,} windows of its {n_tokens:,} tokens (it is over {FINAL_EVAL_FACTOR}x the run's "
-        f"--eval-tokens {budget:,}; --whole-split reads all of it)"
+        f"evaluation budget, {budget:,} tokens for --eval-tokens {eval_tokens:,} at this head; "
+        f"--whole-split reads all of it)"
     )
 
 

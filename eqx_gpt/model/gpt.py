@@ -104,12 +104,23 @@ class GPT(eqx.Module):
             table = self.pos_embed
         return (x + jax.lax.dynamic_slice_in_dim(table, start, tokens.shape[-1])).astype(c.compute_dtype)
 
-    def _logits(self, x):
-        head = self.embed.T if self.head is None else self.head
-        logits = linear(x if self.final_norm is None else self.final_norm(x), head)
-        logits = logits[..., : self.config.vocab_size].astype(jnp.float32)
+    @property
+    def head_weight(self) -> Float[Array, "d_model padded_vocab"]:
+        """The output projection: `head`, or `embed.T` with tied embeddings."""
+        return self.embed.T if self.head is None else self.head
+
+    def logits(self, features: Float[Array, "*rows d_model"]) -> Float[Array, "*rows vocab"]:
+        """float32 logits of `vocab_size` ids for `features` (from `GPT.features`): the head, the
+        padding ids sliced off, then `logit_softcap` if set."""
+        logits = linear(features, self.head_weight)[..., : self.config.vocab_size].astype(jnp.float32)
         cap = self.config.logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def _normed(self, x):
+        return x if self.final_norm is None else self.final_norm(x)
+
+    def _logits(self, x):
+        return self.logits(self._normed(x))
 
     def _check_ids(self, tokens) -> None:
         """Refuse token ids outside `[0, vocab_size)` where they are concrete (not under `jit`).
@@ -153,6 +164,22 @@ class GPT(eqx.Module):
         rows, but faster: every projection is then one matrix multiply for the whole batch. Its
         `key` is one key per sequence, shape `(batch,)` (or one key, split into those).
         """
+        return self.logits(self.features(tokens, key=key, inference=inference))
+
+    @typechecked
+    def features(
+        self,
+        tokens: Int[Array, "*batch seq"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
+        """The final hidden states `(seq, d_model)` (after the final norm, in `compute_dtype`) that
+        `__call__` turns into logits: `model(tokens) == model.logits(model.features(tokens))`.
+
+        Same arguments as `__call__`. A loss over a large vocabulary takes these and the
+        `head_weight` (`eqx_gpt.model.loss.chunked_cross_entropy`) rather than every logit at once.
+        """
         seq = tokens.shape[-1]
         self._check_length(seq)
         self._check_ids(tokens)
@@ -169,7 +196,7 @@ class GPT(eqx.Module):
             return block(x, mask=mask, key=k, inference=inference), None
 
         x, _ = self.blocks.run(layer, x, layer_keys)
-        return self._logits(x)
+        return self._normed(x)
 
     @typechecked
     def attention_weights(self, tokens: Int[Array, " seq"]) -> Float[Array, "layers heads seq seq"]:

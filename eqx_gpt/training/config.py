@@ -89,9 +89,11 @@ class TrainConfig(DictConfig):
         default=8,
     )
     eval_tokens: int = described(
-        "validation tokens each evaluation may read: the whole split if it has no more (Tiny "
-        "Shakespeare's 111,540 tokens), else the same evenly spread windows of this many tokens each "
-        "time; the final validation reads the whole split up to 4x this, else a sample of 4x",
+        "validation tokens each evaluation may read at a character vocabulary's cost: the whole split "
+        "if it has no more (Tiny Shakespeare's 111,540 tokens), else the same evenly spread windows "
+        "each time; a larger head reads fewer tokens at the same cost (GPT-2's 50,257 ids at the "
+        "default model: 15,905); the final validation reads the whole split up to 4x this, else a "
+        "sample of 4x",
         default=131_072,
     )
     log_interval: int = described("record loss, lr and tokens/s every this many steps", default=10)

@@ -27,13 +27,14 @@ from eqx_gpt.evaluation import (
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.training.parallel import shard_batch
 from eqx_gpt.training.setup import RunSetup
-from eqx_gpt.training.time_plan import TimePlan
+from eqx_gpt.training.time_plan import TimePlan, eval_budget
 
 
 def val_plan(setup: RunSetup, *, final: bool) -> EvalPlan:
     """The validation windows a periodic (or the final) evaluation reads, within `--eval-tokens`."""
     choose = final_plan if final else periodic_plan
-    return choose(len(setup.val_ids), setup.model_config.context_length, setup.config.eval_tokens)
+    budget = eval_budget(setup.config.eval_tokens, setup.model_config)  # fewer tokens for a costlier head
+    return choose(len(setup.val_ids), setup.model_config.context_length, budget)
 
 
 def _place(setup: RunSetup) -> Callable[[np.ndarray], object]:

@@ -37,6 +37,12 @@ _CPU_ADAMW_TRAIN = dict(
     beta2=0.99, eval_interval=500, eval_batches=16,
 )  # fmt: skip
 
+# GPT-2 small's shape, trained from scratch with nanoGPT's recipe (config/train_gpt2.py).
+_GPT2_124M_MODEL = dict(
+    context_length=1024, d_model=768, n_heads=12, n_layers=12, positions="learned", activation="gelu_tanh",
+    norm="layer", bias=True, tie_embeddings=True, dropout=0.0,
+)  # fmt: skip
+
 PRESETS = {
     "cpu": Preset(
         "the default: a 0.8M-parameter model trained with Muon, its schedule fitted to 9 minutes on a "
@@ -94,6 +100,33 @@ PRESETS = {
             weight_decay=0.1,
             beta2=0.95,
             eval_interval=5,
+            eval_batches=4,
+        ),
+    ),  # fmt: skip
+    "gpt2-124m": Preset(
+        "GPT-2 small's shape (124M parameters, GPT-2's 50,257 ids) from scratch, with nanoGPT's AdamW "
+        "recipe: lr 6e-4 warmed up over 2,000 steps, a cosine to 6e-5 at 600,000; batch 4 of 1,024 "
+        "tokens to suit a CPU (--max-minutes fits the schedule to the time you have)",
+        # nanoGPT steps 491,520 tokens (12 sequences x 40 accumulated, over 8 GPUs). Here a step of
+        # 4 sequences plans about 10.4 GB: 1.5 GB of parameters and AdamW state, 8.9 GB of scratch,
+        # most of it attention's 1,024 x 1,024 weights per head and layer (batch 8 plans 18.7 GB).
+        # --grad-accum restores the GPU batch where there is time for it.
+        model=_GPT2_124M_MODEL,
+        train=dict(
+            tokenizer="gpt2",
+            optimizer="adamw",
+            batch_size=4,
+            max_steps=600_000,
+            max_minutes=0.0,
+            lr=6e-4,
+            min_lr=6e-5,
+            warmup_steps=2_000,
+            schedule="cosine",
+            weight_decay=0.1,
+            beta1=0.9,
+            beta2=0.95,
+            grad_clip=1.0,
+            eval_interval=2_000,
             eval_batches=4,
         ),
     ),  # fmt: skip

@@ -65,7 +65,7 @@ from eqx_gpt.training.run_dir import (
 )
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
 from eqx_gpt.training.step import describe_optimizer, learning_rate
-from eqx_gpt.training.time_plan import TimePlan
+from eqx_gpt.training.time_plan import TimePlan, eval_budget
 
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
@@ -366,7 +366,8 @@ def fit_to_time(run: Run, *, announce: bool) -> None:
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
     # step's worth of tokens): the fixed training batches, then the validation tokens it reads.
     setup, state, c, now = run.setup, run.state, run.setup.config, run.report.now()
-    eval_cost = (c.eval_batches + min(len(setup.val_ids), c.eval_tokens) / setup.tokens_per_step) / 3
+    val_tokens = min(len(setup.val_ids), eval_budget(c.eval_tokens, setup.model_config))
+    eval_cost = (c.eval_batches + val_tokens / setup.tokens_per_step) / 3
     schedule_steps = run.plan.fit(state.step, state.schedule_steps, now, c.eval_interval, eval_cost)
     if announce:
         fits = run.plan.steps_that_fit(state.step, now, c.eval_interval, eval_cost)

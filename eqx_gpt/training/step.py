@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
 from eqx_gpt.training.config import TrainConfig
@@ -186,11 +187,10 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
     `keys` (one PRNG key per sequence) turns dropout on. The model takes the whole batch at once
     rather than `jax.vmap` over sequences: same result, but each projection is one matrix multiply
     (see `eqx_gpt.model.linear`): 1.74x faster per training step at nanoGPT's CPU recipe
-    (docs/PERFORMANCE.md).
+    (docs/PERFORMANCE.md). With a large vocabulary the logits are never held whole
+    (`eqx_gpt.model.loss.next_token_loss`).
     """
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model(inputs, key=keys)
-    return optax.losses.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return next_token_loss(model, batch[:, :-1], batch[:, 1:], key=keys)
 
 
 def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool, loss):

@@ -3,6 +3,8 @@ and sets the schedule's length (`schedule_steps`) to the steps that fit before `
 
 import math
 
+from eqx_gpt.model.config import GPTConfig
+
 # Seconds kept before the deadline for what follows the last step: a checkpoint, the plot, loading
 # the best model and compiling the sampler. That is start-up's kind of work (loading, compiling), so
 # the reserve is the measured start-up time, within these bounds: a fast machine keeps less.
@@ -12,6 +14,34 @@ MIN_RESERVE_S = 3.0
 # tokens: twice the windows of a periodic evaluation (which also covers fixed training batches).
 # A run prices its own (`final_evals`: its windows over a periodic evaluation's).
 FINAL_VALIDATION_EVALS = 2.0
+# `--eval-tokens` counts tokens at the cost of a model whose head has this many columns (bytes or
+# characters): a larger head makes each evaluated token dearer, and the budget smaller with it.
+REFERENCE_VOCAB = 256
+
+
+def forward_cost(config: GPTConfig, head_columns: int | None = None) -> int:
+    """Multiply-adds per token of a forward pass (matrix multiplies only, attention at the full
+    context): the blocks' projections and attention, then the head of `head_columns` (default
+    `padded_vocab_size`) columns."""
+    c, columns = config, config.padded_vocab_size if head_columns is None else head_columns
+    d_hidden = 4 * c.d_model if c.d_hidden is None else c.d_hidden
+    per_layer = 4 * c.d_model**2 + 2 * c.d_model * d_hidden + 2 * c.context_length * c.d_model
+    return c.n_layers * per_layer + c.d_model * columns
+
+
+def eval_budget(eval_tokens: int, config: GPTConfig) -> int:
+    """The validation tokens an evaluation reads for `--eval-tokens eval_tokens`: that many at a
+    head of `REFERENCE_VOCAB` columns or fewer (every character vocabulary of Tiny Shakespeare's
+    size, whose whole split the default reads), proportionally fewer for a dearer head, at least
+    one window. With GPT-2's 50,257 ids on the default model, 131,072 becomes 15,905: the
+    evaluation costs what a character model's does."""
+    return max(config.context_length, math.floor(eval_tokens / eval_price(config)))
+
+
+def eval_price(config: GPTConfig) -> float:
+    """What an evaluated token of `config` costs against one at a head of `REFERENCE_VOCAB` columns
+    (1 for a head that small or smaller): `forward_cost`'s ratio."""
+    return forward_cost(config) / forward_cost(config, min(REFERENCE_VOCAB, config.padded_vocab_size))
 
 
 class TimePlan:

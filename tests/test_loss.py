@@ -1,0 +1,147 @@
+"""The chunked cross-entropy: the plain loss's values and gradients, without a [tokens, vocab] buffer."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from eqx_gpt import GPT, GPTConfig
+from eqx_gpt.model.loss import chunked_cross_entropy, chunks_pay, default_chunk, next_token_loss
+from eqx_gpt.training.presets import PRESETS
+
+# 300 ids padded to 320: the padding columns must take no probability.
+BASE = GPTConfig(vocab_size=300, context_length=16, d_model=32, n_heads=4, n_layers=2)
+CASES = {
+    "untied": BASE,
+    "tied": dataclasses.replace(BASE, tie_embeddings=True, positions="learned", bias=True, norm="layer"),
+    "softcap": dataclasses.replace(BASE, logit_softcap=3.0),
+}
+
+
+def _batch(seed, n=3, config=BASE):
+    return jax.random.randint(jax.random.key(seed), (n, config.context_length + 1), 0, config.vocab_size)
+
+
+def _plain(model, batch, weight=None):
+    losses = optax.losses.softmax_cross_entropy_with_integer_labels(model(batch[:, :-1]), batch[:, 1:])
+    return losses.mean() if weight is None else jnp.sum(losses * weight)
+
+
+def _chunked(model, batch, weight=None, chunk=7):
+    c, targets = model.config, batch[:, 1:]
+    total = chunked_cross_entropy(
+        model.features(batch[:, :-1]), model.head_weight, targets, weight,
+        vocab_size=c.vocab_size, logit_softcap=c.logit_softcap, chunk=chunk,
+    )  # fmt: skip
+    return total / targets.size if weight is None else total
+
+
+def _close(a, b, rtol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
+    model = GPT(CASES[name], key=jax.random.key(1))
+    # A perturbed head, so that the softmax is far from uniform and the softcap bites.
+    model = eqx.tree_at(lambda m: m.embed, model, model.embed * 8.0)
+    batch = _batch(2, config=CASES[name])
+    plain, g_plain = eqx.filter_jit(eqx.filter_value_and_grad(_plain))(model, batch)
+    chunked, g_chunked = eqx.filter_jit(eqx.filter_value_and_grad(_chunked))(model, batch)
+    assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
+    _close(g_chunked, g_plain, 2e-5)
+    # Gradients are not all zero (the comparison would be empty).
+    assert float(jnp.abs(g_plain.embed).max()) > 1e-4
+
+
+def test_weighted_sum_and_a_chunk_larger_than_the_tokens():
+    model = GPT(BASE, key=jax.random.key(3))
+    batch = _batch(4)
+    weight = jax.random.uniform(jax.random.key(5), batch[:, 1:].shape)
+    plain, g_plain = eqx.filter_value_and_grad(_plain)(model, batch, weight)
+    for chunk in (1, 16, 1000):
+        chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch, weight, chunk)
+        assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
+        _close(g_chunked, g_plain, 2e-5)
+
+
+def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
+    model = GPT(dataclasses.replace(BASE, compute_dtype="bfloat16"), key=jax.random.key(6))
+    batch = _batch(7)
+    plain, g_plain = eqx.filter_value_and_grad(_plain)(model, batch)
+    chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch)
+    assert abs(float(plain) - float(chunked)) < 1e-2 * float(plain)
+    assert g_chunked.embed.dtype == jnp.float32
+    scale = float(jnp.abs(g_plain.embed).max())
+    assert float(jnp.abs(g_chunked.embed - g_plain.embed).max()) < 0.05 * scale
+
+
+def _largest_with_axis(jaxpr, sizes) -> int:
+    """The most elements of any value with an axis of one of `sizes` that a jaxpr (and every jaxpr
+    inside it: scan bodies, custom rules) computes."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            shape = getattr(var.aval, "shape", ())
+            if set(shape) & set(sizes):
+                largest = max(largest, int(np.prod(shape)))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    largest = max(largest, _largest_with_axis(inner, sizes))
+    return largest
+
+
+def test_the_chunked_gradient_holds_no_tokens_by_vocabulary_buffer():
+    config = dataclasses.replace(BASE, vocab_size=4000, context_length=64)  # padded to 4,032
+    model = GPT(config, key=jax.random.key(8))
+    batch = _batch(9, n=8, config=config)  # 512 tokens: 2M logits
+    tokens, vocab = 8 * 64, config.padded_vocab_size
+    chunked = jax.make_jaxpr(eqx.filter_value_and_grad(lambda m: _chunked(m, batch, chunk=32)))(model)
+    plain = jax.make_jaxpr(eqx.filter_value_and_grad(lambda m: _plain(m, batch)))(model)
+    sizes = (config.vocab_size, vocab)
+    assert _largest_with_axis(plain.jaxpr, sizes) >= tokens * config.vocab_size  # the check can fail
+    # One chunk's logits (32 tokens), or the head and its gradient (d_model rows).
+    assert _largest_with_axis(chunked.jaxpr, sizes) == max(32, config.d_model) * vocab
+
+
+def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
+    # The default run's numerics are the plain loss's: no chunking at a character vocabulary.
+    for name in ("cpu", "cpu-adamw", "shakespeare-char"):
+        preset = PRESETS[name]
+        tokens = preset.train["batch_size"] * preset.model["context_length"]
+        assert not chunks_pay(tokens, GPTConfig(vocab_size=65).padded_vocab_size), name
+    model = GPT(dataclasses.replace(BASE, vocab_size=65), key=jax.random.key(10))
+    batch = _batch(11, config=model.config)
+    loss = jax.jit(lambda b: next_token_loss(model, b[:, :-1], b[:, 1:]))(batch)
+    assert float(loss) == float(jax.jit(lambda b: _plain(model, b))(batch))
+
+
+def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
+    assert chunks_pay(48 * 64, 50_304) and default_chunk(50_304) == 256
+    config = dataclasses.replace(BASE, vocab_size=20_000)
+    model = GPT(config, key=jax.random.key(12))
+    batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE
+    assert chunks_pay(256, config.padded_vocab_size)
+    loss = jax.jit(lambda b: next_token_loss(model, b[:, :-1], b[:, 1:]))(batch)
+    assert abs(float(loss) - float(jax.jit(lambda b: _plain(model, b))(batch))) < 1e-5 * float(loss)
+
+
+def test_features_then_logits_is_the_call():
+    model = GPT(CASES["tied"], key=jax.random.key(14))
+    batch = _batch(15, config=model.config)[:, :-1]
+    assert bool(jnp.array_equal(model.logits(model.features(batch)), model(batch)))
+
+
+def test_bad_shapes_and_vocab_size_are_refused():
+    head, features = jnp.zeros((4, 64)), jnp.zeros((2, 3, 4))
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        chunked_cross_entropy(features, head, jnp.zeros((2, 3), jnp.int32), vocab_size=65)
+    with pytest.raises(ValueError, match="do not fit a head"):
+        chunked_cross_entropy(features, head, jnp.zeros((2, 4), jnp.int32))
