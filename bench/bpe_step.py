@@ -8,7 +8,7 @@ slows all alike:
 - "plain loss": every logit at once (`model(inputs)`, then optax's cross-entropy), the loss before
   `eqx_gpt.model.loss`;
 - "chunked loss": `train.py`'s loss (`next_token_loss`: `chunked_cross_entropy` at this vocabulary),
-  at its default chunk and at `--chunks` others.
+  at its default block of columns and at `--blocks` others.
 Prints the CPU model, each variant's median ms per step and tokens/s, and their ratios to the plain
 loss's; then two figures a loaded machine does not disturb: the scratch memory XLA plans for the
 loss and its gradient, and the minor page faults per step (fresh buffers mapped and zero-filled).
@@ -33,7 +33,7 @@ from common import cpu_description  # noqa: E402
 
 from eqx_gpt.model.config import GPTConfig  # noqa: E402
 from eqx_gpt.model.gpt import GPT  # noqa: E402
-from eqx_gpt.model.loss import chunked_cross_entropy, default_chunk  # noqa: E402
+from eqx_gpt.model.loss import chunked_cross_entropy, default_block  # noqa: E402
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE  # noqa: E402
 from eqx_gpt.training.config import TrainConfig  # noqa: E402
 from eqx_gpt.training.options import MODEL_FIELDS, preset_values  # noqa: E402
@@ -46,12 +46,12 @@ def plain_loss(model, batch, keys=None):
     return optax.losses.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def chunked_loss(chunk: int):
+def chunked_loss(block: int):
     def loss(model, batch, keys=None):
         c, targets = model.config, batch[:, 1:]
         total = chunked_cross_entropy(
             model.features(batch[:, :-1], key=keys), model.head_weight, targets,
-            vocab_size=c.vocab_size, logit_softcap=c.logit_softcap, chunk=chunk,
+            vocab_size=c.vocab_size, logit_softcap=c.logit_softcap, block=block,
         )  # fmt: skip
         return total / targets.size
 
@@ -91,15 +91,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
     p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per variant per round")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
-    p.add_argument("--chunks", type=int, nargs="*", default=[], help="other chunk sizes (tokens) to time")
+    p.add_argument("--blocks", type=int, nargs="*", default=[], help="other block widths (columns) to time")
     args = p.parse_args()
     print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}")
     values = preset_values("cpu")
     if args.batch_size is not None:
         values["batch_size"] = args.batch_size
-    default = default_chunk(GPTConfig(vocab_size=GPT2_VOCAB_SIZE).padded_vocab_size)
-    variants = {"plain loss": plain_loss, f"chunked loss ({default} tokens)": loss_fn}
-    variants |= {f"chunked loss ({c} tokens)": chunked_loss(c) for c in args.chunks if c != default}
+    tokens = values["batch_size"] * values["context_length"]
+    default = default_block(tokens, GPTConfig(vocab_size=GPT2_VOCAB_SIZE).padded_vocab_size)
+    variants = {"plain loss": plain_loss, f"chunked loss ({default} columns)": loss_fn}
+    variants |= {f"chunked loss ({c} columns)": chunked_loss(c) for c in args.blocks if c != default}
     runs = {}
     for name, loss in variants.items():
         advance, tokens, memory = make_advance(values, loss)

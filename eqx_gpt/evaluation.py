@@ -36,7 +36,7 @@ from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.tokenizer import Tokenizer
 
 TOKENS_PER_CALL = 4096  # windows per call: this many tokens' worth, so one call is short anywhere
-LOGITS_PER_CALL = 1 << 24  # and at most this many logits (64 MiB of float32), for large vocabularies
+LOGITS_PER_CALL = 1 << 24  # and at most this many logits' work, for large vocabularies
 FINAL_EVAL_FACTOR = 4  # the final validation reads up to this many times the periodic budget
 # Seconds of evaluating before its progress shows: on a terminal a moment, in a log (off a terminal,
 # where each update is a line) long enough that a quick evaluation adds none.
@@ -67,8 +67,8 @@ def rows_per_call(context: int, vocab_size: int = 0) -> int:
     """Windows evaluated per call: about `TOKENS_PER_CALL` tokens, at least one window. Why: an
     evaluation is a loop of calls, and a stop (Ctrl-C, SIGTERM) waits for the call in flight: at
     4,096 tokens that is milliseconds for the default model and about a second or two for the
-    6-layer preset's on a slow 2-core CPU. With GPT-2's 50,257 ids, fewer: a call's logits stay
-    within `LOGITS_PER_CALL` (4,096 tokens' would be 823 MB)."""
+    6-layer preset's on a slow 2-core CPU. With GPT-2's 50,257 ids, fewer: a call computes at most
+    `LOGITS_PER_CALL` logits (block by block: `eqx_gpt.model.loss`), so that it stays as short."""
     tokens = min(TOKENS_PER_CALL, LOGITS_PER_CALL // vocab_size) if vocab_size else TOKENS_PER_CALL
     return max(1, tokens // context)
 

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.model.loss import chunked_cross_entropy, chunks_pay, default_chunk, next_token_loss
+from eqx_gpt.model.loss import chunked_cross_entropy, chunks_pay, default_block, next_token_loss
 from eqx_gpt.training.presets import PRESETS
 
 # 300 ids padded to 320: the padding columns must take no probability.
@@ -31,11 +31,11 @@ def _plain(model, batch, weight=None):
     return losses.mean() if weight is None else jnp.sum(losses * weight)
 
 
-def _chunked(model, batch, weight=None, chunk=7):
+def _chunked(model, batch, weight=None, block=7):
     c, targets = model.config, batch[:, 1:]
     total = chunked_cross_entropy(
         model.features(batch[:, :-1]), model.head_weight, targets, weight,
-        vocab_size=c.vocab_size, logit_softcap=c.logit_softcap, chunk=chunk,
+        vocab_size=c.vocab_size, logit_softcap=c.logit_softcap, block=block,
     )  # fmt: skip
     return total / targets.size if weight is None else total
 
@@ -59,13 +59,14 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
     assert float(jnp.abs(g_plain.embed).max()) > 1e-4
 
 
-def test_weighted_sum_and_a_chunk_larger_than_the_tokens():
+def test_weighted_sum_and_blocks_of_any_width():
     model = GPT(BASE, key=jax.random.key(3))
     batch = _batch(4)
     weight = jax.random.uniform(jax.random.key(5), batch[:, 1:].shape)
     plain, g_plain = eqx.filter_value_and_grad(_plain)(model, batch, weight)
-    for chunk in (1, 16, 1000):
-        chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch, weight, chunk)
+    # One column per block (319 padding-free blocks, then one), uneven blocks, and the whole head.
+    for block in (1, 16, 57, 1000):
+        chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch, weight, block)
         assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
         _close(g_chunked, g_plain, 2e-5)
 
@@ -81,34 +82,50 @@ def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
     assert float(jnp.abs(g_chunked.embed - g_plain.embed).max()) < 0.05 * scale
 
 
-def _largest_with_axis(jaxpr, sizes) -> int:
-    """The most elements of any value with an axis of one of `sizes` that a jaxpr (and every jaxpr
-    inside it: scan bodies, custom rules) computes."""
+def _largest(jaxpr) -> int:
+    """The most elements of any value a jaxpr (and every jaxpr inside it: scan bodies, custom
+    rules) computes."""
     largest = 0
     for eqn in jaxpr.eqns:
         for var in eqn.outvars:
-            shape = getattr(var.aval, "shape", ())
-            if set(shape) & set(sizes):
-                largest = max(largest, int(np.prod(shape)))
+            largest = max(largest, int(np.prod(getattr(var.aval, "shape", ()))))
         for param in eqn.params.values():
             for sub in param if isinstance(param, tuple | list) else (param,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    largest = max(largest, _largest_with_axis(inner, sizes))
+                    largest = max(largest, _largest(inner))
     return largest
 
 
+def _gradient_jaxpr(loss, *args):
+    return jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1)))(*args).jaxpr
+
+
 def test_the_chunked_gradient_holds_no_tokens_by_vocabulary_buffer():
-    config = dataclasses.replace(BASE, vocab_size=4000, context_length=64)  # padded to 4,032
-    model = GPT(config, key=jax.random.key(8))
-    batch = _batch(9, n=8, config=config)  # 512 tokens: 2M logits
-    tokens, vocab = 8 * 64, config.padded_vocab_size
-    chunked = jax.make_jaxpr(eqx.filter_value_and_grad(lambda m: _chunked(m, batch, chunk=32)))(model)
-    plain = jax.make_jaxpr(eqx.filter_value_and_grad(lambda m: _plain(m, batch)))(model)
-    sizes = (config.vocab_size, vocab)
-    assert _largest_with_axis(plain.jaxpr, sizes) >= tokens * config.vocab_size  # the check can fail
-    # One chunk's logits (32 tokens), or the head and its gradient (d_model rows).
-    assert _largest_with_axis(chunked.jaxpr, sizes) == max(32, config.d_model) * vocab
+    tokens, d_model, vocab = 512, 32, 4032  # 2M logits
+    features = jax.random.normal(jax.random.key(8), (tokens, d_model))
+    head = jax.random.normal(jax.random.key(9), (d_model, vocab))
+    targets = jax.random.randint(jax.random.key(10), (tokens,), 0, 4000)
+
+    def chunked(f, h):
+        return chunked_cross_entropy(f, h, targets, vocab_size=4000, block=96)
+
+    def plain(f, h):
+        return optax.losses.softmax_cross_entropy_with_integer_labels(f @ h, targets).sum()
+
+    assert (
+        _largest(jax.make_jaxpr(jax.value_and_grad(plain, argnums=(0, 1)))(features, head).jaxpr)
+        >= tokens * vocab
+    )
+    # The largest values: one block's logits (512 tokens x 96 columns), or the head and its
+    # gradient (42 blocks of 96 columns).
+    assert _largest(_gradient_jaxpr(chunked, features, head)) == max(tokens * 96, d_model * vocab)
+
+
+def test_blocks_cover_a_few_mib_of_logits():
+    assert default_block(48 * 64, 50_304) == 341  # the default body's batch: 340 after evening out
+    assert default_block(1, 50_304) == 50_304  # one token: the whole head in one block
+    assert default_block(1 << 20, 50_304) == 128  # a million tokens: never narrower than 128
 
 
 def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
@@ -124,7 +141,7 @@ def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
 
 
 def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
-    assert chunks_pay(48 * 64, 50_304) and default_chunk(50_304) == 256
+    assert chunks_pay(48 * 64, 50_304)
     config = dataclasses.replace(BASE, vocab_size=20_000)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE

@@ -2,10 +2,19 @@
 
 With a large vocabulary the logits dwarf everything else a step holds: GPT-2's 50,304 (padded) ids
 over a batch of 3,072 tokens are 155M float32 values, 618 MB, and the plain loss writes several
-such buffers (the logits, their float32 copy, the softmax, its gradient). `chunked_cross_entropy`
-takes the final hidden states and the head instead, and scans over chunks of tokens: each chunk's
-logits, log-sum-exp and target logit, and (under differentiation) at once the chunk's gradient,
-so memory is bounded by one chunk's logits and nothing is recomputed in the backward pass.
+such buffers (the logits, their float32 copy, the softmax, its gradient), each mapped and
+zero-filled afresh by every call. `chunked_cross_entropy` takes the final hidden states and the
+head instead, and scans over blocks of the head's columns, each block's logits small enough to
+stay in the CPU's cache:
+- a first pass keeps each token's running maximum and sum of exponentials (an online
+  log-sum-exp) and picks out its target's logit;
+- under differentiation, a second pass computes each block's logits again, and from them the
+  block's share of `d features` (summed over blocks, `tokens x d_model`) and its own columns of
+  `d head`, each written once.
+
+Blocks of columns rather than of tokens: a block of tokens needs the whole `d head` (`d_model x
+vocab`, 26 MB at GPT-2's size) read and written again for every block, which costs more on a CPU
+than the second pass's extra matrix multiply (`bench/bpe_step.py`).
 
 `next_token_loss` chooses: the plain loss (`model(inputs)`, then optax's cross-entropy) while the
 logits of one call are small (`LOGITS_AT_ONCE`), the chunked one past that. The character models'
@@ -22,15 +31,15 @@ from jaxtyping import Array, Float, Int, Key
 from eqx_gpt.model.gpt import GPT
 
 LOGITS_AT_ONCE = 1 << 22  # a loss over more logits than this (16 MiB of float32) is chunked
-CHUNK_LOGITS = 1 << 24  # logits per chunk, at most (64 MiB of float32), rounded to whole tokens
-MIN_CHUNK = 16  # tokens per chunk at least: fewer makes each chunk's matrix multiplies inefficient
+BLOCK_LOGITS = 1 << 20  # logits per block, about (4 MiB of float32): a block stays in the cache
+MIN_BLOCK = 128  # columns per block at least: narrower makes each matrix multiply inefficient
 
 
-def default_chunk(padded_vocab: int) -> int:
-    """Tokens per chunk for a head of `padded_vocab` columns: the largest power of two whose logits
-    fit `CHUNK_LOGITS` (256 for GPT-2's 50,304), at least `MIN_CHUNK`."""
-    tokens = max(MIN_CHUNK, CHUNK_LOGITS // padded_vocab)
-    return 1 << (tokens.bit_length() - 1)
+def default_block(n_tokens: int, padded_vocab: int) -> int:
+    """Columns per block for a loss over `n_tokens` with a head of `padded_vocab` columns: about
+    `BLOCK_LOGITS` logits (340 columns for 3,072 tokens and GPT-2's 50,304), at least `MIN_BLOCK`,
+    at most the whole head."""
+    return min(padded_vocab, max(MIN_BLOCK, BLOCK_LOGITS // max(1, n_tokens)))
 
 
 def chunked_cross_entropy(
@@ -41,21 +50,21 @@ def chunked_cross_entropy(
     *,
     vocab_size: int | None = None,
     logit_softcap: float | None = None,
-    chunk: int | None = None,
+    block: int | None = None,
 ) -> Float[Array, ""]:
     """`sum(weight * cross_entropy(logits, targets))` with `logits = features @ head` (cast to
-    float32, then `logit_softcap * tanh(logits / logit_softcap)` if set), computed `chunk` tokens
-    at a time (default `default_chunk`): the `[tokens, vocab]` logits are never held whole.
+    float32, then `logit_softcap * tanh(logits / logit_softcap)` if set), computed `block` columns
+    of the head at a time (default `default_block`): the `[tokens, vocab]` logits are never held
+    whole.
 
     Columns from `vocab_size` on (the padding of `GPTConfig.padded_vocab_size`) are not ids: they
     take no probability, as when `GPT.__call__` slices them off. `weight` defaults to ones (the
     summed loss; divide by the count for the mean). Differentiable in `features` and `head` (not
-    in `weight`): the gradient is formed in the forward pass, chunk by chunk, so the backward pass
+    in `weight`): the gradient is formed in the forward pass, block by block, so the backward pass
     only scales it. The matrix multiplies run in `features`' dtype, as `GPT.logits`' do.
     """
     d_model, padded_vocab = head.shape
     vocab_size = padded_vocab if vocab_size is None else vocab_size
-    chunk = default_chunk(padded_vocab) if chunk is None else chunk
     if not 1 <= vocab_size <= padded_vocab:
         raise ValueError(f"vocab_size must be in [1, {padded_vocab}] (the head's columns), got {vocab_size}")
     if features.shape[-1] != d_model or features.shape[:-1] != targets.shape:
@@ -63,73 +72,91 @@ def chunked_cross_entropy(
             f"features {features.shape} and targets {targets.shape} do not fit a head {head.shape}: "
             f"features must be targets' shape plus ({d_model},)"
         )
-    weight = jnp.ones(targets.shape, jnp.float32) if weight is None else weight.astype(jnp.float32)
     n = targets.size
-    chunk = -(-n // -(-n // chunk))  # as even as the count of chunks allows: least padding
-    pad = -n % chunk
-    x = jnp.pad(features.reshape(n, d_model), ((0, pad), (0, 0))).reshape(-1, chunk, d_model)
-    t = jnp.pad(targets.reshape(n), (0, pad)).reshape(-1, chunk)
-    w = jnp.pad(weight.reshape(n), (0, pad)).reshape(-1, chunk)  # padded rows weigh 0
-    return _chunked(x, head, t, w, vocab_size, logit_softcap)
+    block = default_block(n, padded_vocab) if block is None else min(block, padded_vocab)
+    n_blocks = -(-padded_vocab // block)
+    block = -(-padded_vocab // n_blocks)  # as even as the count of blocks allows: least padding
+    weight = jnp.ones(targets.shape, jnp.float32) if weight is None else weight.astype(jnp.float32)
+    # The head's columns as rows, `(n_blocks, block, d_model)`, the added ones padding past vocab_size.
+    heads = jnp.pad(head.T, ((0, n_blocks * block - padded_vocab), (0, 0))).reshape(n_blocks, block, d_model)
+    x, t, w = features.reshape(n, d_model), targets.reshape(n), weight.reshape(n)
+    return _chunked(x, heads, t, w, vocab_size, logit_softcap)
 
 
-def _chunk_logits(x, head, vocab_size: int, softcap: float | None):
-    """One chunk's float32 logits `(chunk, padded_vocab)`, the padding columns at -inf, and the
-    softcap's `tanh` (None without one) for its derivative."""
-    z = (x @ head.astype(x.dtype)).astype(jnp.float32)
+# Each block's logits are held transposed, `(block, tokens)`: XLA's CPU code reduces over the
+# leading axis (each token's maximum and sum) about 3x faster than over the trailing one.
+
+
+def _block_logits(x, head, first: Array, vocab_size: int, softcap: float | None):
+    """The float32 logits `(block, tokens)` of the block of columns starting at `first` (`head`:
+    `(block, d_model)`), the padding columns at -inf, and the softcap's `tanh` (None without
+    one) for its derivative."""
+    z = (head.astype(x.dtype) @ x.T).astype(jnp.float32)
     if softcap is None:
         capped, tanh = z, None
     else:
         tanh = jnp.tanh(z / softcap)
         capped = softcap * tanh
-    real = jnp.arange(head.shape[1]) < vocab_size
-    return jnp.where(real, capped, -jnp.inf), tanh
+    real = first + jnp.arange(head.shape[0]) < vocab_size
+    return jnp.where(real[:, None], capped, -jnp.inf), tanh
 
 
-def _chunk_losses(logits, targets):
-    """Each row's `logsumexp(logits) - logits[target]`, and the log-sum-exp."""
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0], lse
+def _log_sum_exp_and_target(x, heads, targets, vocab_size: int, softcap: float | None):
+    """Each token's `logsumexp(logits)`, one block of columns at a time (a running maximum, and
+    the sum of exponentials rescaled whenever the maximum grows), and its `logits[target]`."""
+
+    def body(carry, xs):
+        high, total = carry
+        head, first = xs
+        z, _ = _block_logits(x, head, first, vocab_size, softcap)
+        new_high = jnp.maximum(high, z.max(axis=0))  # finite from the first block on: it holds id 0
+        total = total * jnp.exp(high - new_high) + jnp.exp(z - new_high).sum(axis=0)
+        return (new_high, total), None
+
+    n, block = targets.shape[0], heads.shape[1]
+    firsts = jnp.arange(heads.shape[0]) * block
+    start = (jnp.full((n,), -jnp.inf), jnp.zeros((n,)))
+    (high, total), _ = jax.lax.scan(body, start, (heads, firsts))
+    # Each target's column of the head, picked out: `tokens x d_model` products, not a block's.
+    columns = heads.reshape(-1, heads.shape[2])[targets].astype(x.dtype)
+    target = jnp.sum(x * columns, axis=-1, dtype=jnp.float32)
+    if softcap is not None:
+        target = softcap * jnp.tanh(target / softcap)
+    return high + jnp.log(total), target
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _chunked(x, head, targets, weight, vocab_size: int, softcap: float | None):
-    """The weighted loss summed over chunks `x: (n_chunks, chunk, d_model)` (no gradient formed)."""
-
-    def body(total, xs):
-        x_c, t_c, w_c = xs
-        losses, _ = _chunk_losses(_chunk_logits(x_c, head, vocab_size, softcap)[0], t_c)
-        return total + jnp.sum(losses * w_c), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x, targets, weight))
-    return total
+def _chunked(x, heads, targets, weight, vocab_size: int, softcap: float | None):
+    """The weighted loss over blocks of columns `heads: (n_blocks, block, d_model)` (no gradient
+    formed: one pass)."""
+    lse, target = _log_sum_exp_and_target(x, heads, targets, vocab_size, softcap)
+    return jnp.sum((lse - target) * weight)
 
 
-def _chunked_fwd(x, head, targets, weight, vocab_size: int, softcap: float | None):
-    """The loss and its gradient in one pass: per chunk, `d logits = (softmax - one_hot) * weight`
-    (through the softcap's `1 - tanh^2`), then `d x = d logits @ head.T` and `d head += x.T @ d
-    logits`, accumulated in float32."""
+def _chunked_fwd(x, heads, targets, weight, vocab_size: int, softcap: float | None):
+    """The loss and its gradient: the first pass's log-sum-exp, then per block `d logits =
+    (softmax - one_hot) * weight` (through the softcap's `1 - tanh^2`), `d x += d logits @
+    head.T` (float32) and the block's `d head = x.T @ d logits`."""
+    lse, target = _log_sum_exp_and_target(x, heads, targets, vocab_size, softcap)
+    block = heads.shape[1]
 
-    def body(carry, xs):
-        total, d_head = carry
-        x_c, t_c, w_c = xs
-        logits, tanh = _chunk_logits(x_c, head, vocab_size, softcap)
-        losses, lse = _chunk_losses(logits, t_c)
-        one_hot = jnp.arange(logits.shape[1]) == t_c[:, None]
-        d_logits = (jnp.exp(logits - lse[:, None]) - one_hot) * w_c[:, None]
-        d_z = (d_logits if tanh is None else d_logits * (1 - tanh * tanh)).astype(x_c.dtype)
-        d_x = d_z @ head.astype(x_c.dtype).T
-        d_head = d_head + (x_c.T @ d_z).astype(jnp.float32)
-        return (total + jnp.sum(losses * w_c), d_head), d_x
+    def body(d_x, xs):
+        head, first = xs
+        logits, tanh = _block_logits(x, head, first, vocab_size, softcap)
+        one_hot = (first + jnp.arange(block))[:, None] == targets
+        d_logits = (jnp.exp(logits - lse) - one_hot) * weight
+        d_z = (d_logits if tanh is None else d_logits * (1 - tanh * tanh)).astype(x.dtype)
+        d_x = d_x + (d_z.T @ head.astype(x.dtype)).astype(jnp.float32)
+        return d_x, (d_z @ x).astype(heads.dtype)
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros(head.shape, jnp.float32))
-    (total, d_head), d_x = jax.lax.scan(body, zeros, (x, targets, weight))
-    return total, (d_x, d_head.astype(head.dtype))
+    firsts = jnp.arange(heads.shape[0]) * block
+    d_x, d_heads = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), (heads, firsts))
+    return jnp.sum((lse - target) * weight), (d_x.astype(x.dtype), d_heads)
 
 
 def _chunked_bwd(vocab_size, softcap, residuals, g):
-    d_x, d_head = residuals
-    return (g * d_x).astype(d_x.dtype), (g * d_head).astype(d_head.dtype), None, None
+    d_x, d_heads = residuals
+    return (g * d_x).astype(d_x.dtype), (g * d_heads).astype(d_heads.dtype), None, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

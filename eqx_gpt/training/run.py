@@ -364,10 +364,10 @@ def evaluate_and_save(run: Run) -> bool:
 def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
-    # step's worth of tokens): the fixed training batches, then the validation tokens it reads.
+    # step's worth of tokens): the fixed training windows, then the validation tokens it reads.
     setup, state, c, now = run.setup, run.state, run.setup.config, run.report.now()
     val_tokens = min(len(setup.val_ids), eval_budget(c.eval_tokens, setup.model_config))
-    eval_cost = (c.eval_batches + val_tokens / setup.tokens_per_step) / 3
+    eval_cost = (len(setup.eval_train_rows) / c.batch_size + val_tokens / setup.tokens_per_step) / 3
     schedule_steps = run.plan.fit(state.step, state.schedule_steps, now, c.eval_interval, eval_cost)
     if announce:
         fits = run.plan.steps_that_fit(state.step, now, c.eval_interval, eval_cost)

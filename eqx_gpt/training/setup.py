@@ -35,6 +35,7 @@ from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_p
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
 from eqx_gpt.training.step import count_params, init_optimizer_state, make_optimizer, make_train_steps
+from eqx_gpt.training.time_plan import eval_train_windows
 
 
 @dataclass(frozen=True)
@@ -126,10 +127,14 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     # device, or (--fsdp) split over them too.
     place = shard_parameters if config.fsdp else replicate
     state.model, state.opt_state = place((state.model, state.opt_state), mesh)
+    # The first of the fixed batches' windows: all of them at a character vocabulary, fewer for a
+    # costlier head.
     eval_train_rows = fixed_batches(
         corpus.train, seed=config.seed, stream=EVAL_TRAIN_BATCHES, n_batches=config.eval_batches,
         batch_size=config.batch_size, length=model_config.context_length + 1,
-    ).reshape(-1, model_config.context_length + 1)  # fmt: skip
+    ).reshape(-1, model_config.context_length + 1)[
+        : eval_train_windows(config.eval_batches, config.batch_size, model_config)
+    ]  # fmt: skip
     checkpoint_meta = {
         **({"preset": options.preset} if options.preset else {}),
         "data": source,

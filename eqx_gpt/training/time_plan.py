@@ -38,6 +38,14 @@ def eval_budget(eval_tokens: int, config: GPTConfig) -> int:
     return max(config.context_length, math.floor(eval_tokens / eval_price(config)))
 
 
+def eval_train_windows(eval_batches: int, batch_size: int, config: GPTConfig) -> int:
+    """The fixed training windows an evaluation's train loss reads for `--eval-batches`: that many
+    batches at a head of `REFERENCE_VOCAB` columns or fewer, proportionally fewer for a dearer
+    head (as `eval_budget`), at least one window. With GPT-2's 50,257 ids on the default model,
+    16 batches of 48 (768 windows) become 93."""
+    return max(1, math.floor(eval_batches * batch_size / eval_price(config)))
+
+
 def eval_price(config: GPTConfig) -> float:
     """What an evaluated token of `config` costs against one at a head of `REFERENCE_VOCAB` columns
     (1 for a head that small or smaller): `forward_cost`'s ratio."""
