@@ -176,12 +176,16 @@ def _sample_next_token(
 
 
 def sample_rows(logits, key, index, temperature, top_k, top_p):
-    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`."""
+    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`.
+
+    At `temperature == 0` only the argmax runs: the draw (a random number per id, 50,257 of them
+    for GPT-2) is skipped by a `cond` outside the `vmap`, where it stays a branch."""
     keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(
         jnp.arange(logits.shape[0])
     )
     sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
-    return jax.vmap(sample)(logits, keys)
+    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.lax.cond(jnp.asarray(temperature) > 0, lambda: jax.vmap(sample)(logits, keys), greedy)
 
 
 def sampling_arrays(options: SamplingOptions) -> dict:

@@ -190,7 +190,7 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
     (docs/PERFORMANCE.md). With a large vocabulary the logits are never held whole
     (`eqx_gpt.model.loss.next_token_loss`).
     """
-    return next_token_loss(model, batch[:, :-1], batch[:, 1:], key=keys)
+    return next_token_loss(model, batch[:, :-1], batch[:, 1:], key=keys, gradient=True)
 
 
 def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool, loss):
