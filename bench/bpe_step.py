@@ -97,8 +97,8 @@ def main() -> None:
     values = preset_values("cpu")
     if args.batch_size is not None:
         values["batch_size"] = args.batch_size
-    tokens = values["batch_size"] * values["context_length"]
-    default = default_block(tokens, GPTConfig(vocab_size=GPT2_VOCAB_SIZE).padded_vocab_size)
+    step_tokens = values["batch_size"] * values["context_length"]
+    default = default_block(step_tokens, GPTConfig(vocab_size=GPT2_VOCAB_SIZE).padded_vocab_size)
     variants = {"plain loss": plain_loss, f"chunked loss ({default} columns)": loss_fn}
     variants |= {f"chunked loss ({c} columns)": chunked_loss(c) for c in args.blocks if c != default}
     runs = {}

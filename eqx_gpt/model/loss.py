@@ -7,7 +7,7 @@ zero-filled afresh by every call. `chunked_cross_entropy` takes the final hidden
 head instead, and scans over blocks of the head's columns, each block's logits small enough to
 stay in the CPU's cache:
 - a first pass keeps each token's running maximum and sum of exponentials (an online
-  log-sum-exp) and picks out its target's logit;
+  log-sum-exp); each target's logit is its column of the head times the token's features;
 - under differentiation, a second pass computes each block's logits again, and from them the
   block's share of `d features` (summed over blocks, `tokens x d_model`) and its own columns of
   `d head`, each written once.

@@ -109,7 +109,8 @@ PRESETS = {
         "tokens to suit a CPU (--max-minutes fits the schedule to the time you have)",
         # nanoGPT steps 491,520 tokens (12 sequences x 40 accumulated, over 8 GPUs). Here a step of
         # 4 sequences plans about 10.4 GB: 1.5 GB of parameters and AdamW state, 8.9 GB of scratch,
-        # most of it attention's 1,024 x 1,024 weights per head and layer (batch 8 plans 18.7 GB).
+        # most of it attention's 1,024 x 1,024 weights per head and layer (batch 8 plans 18.7 GB);
+        # on a 2-core AVX2 EPYC a run peaked at 11.4 GB RSS and took 42.6 s a step (docs/PERFORMANCE.md).
         # --grad-accum restores the GPU batch where there is time for it.
         model=_GPT2_124M_MODEL,
         train=dict(
