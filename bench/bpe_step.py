@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_description  # noqa: E402
+from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402
 
 from eqx_gpt.model.config import GPTConfig  # noqa: E402
 from eqx_gpt.model.gpt import GPT  # noqa: E402
@@ -92,8 +92,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per variant per round")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--blocks", type=int, nargs="*", default=[], help="other block widths (columns) to time")
+    add_malloc_argument(p)
     args = p.parse_args()
-    print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}")
+    print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}; {set_malloc(args)}")
     values = preset_values("cpu")
     if args.batch_size is not None:
         values["batch_size"] = args.batch_size

@@ -11,6 +11,7 @@ MFU slightly undercounts the work done. The peak is a dense fp32 `jnp` matmul ti
 machine, in this process: there is no datasheet number anywhere.
 """
 
+import argparse
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from eqx_gpt.commands.cli import reuse_host_memory
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
@@ -77,3 +79,19 @@ def cpu_description() -> str:
         pass
     simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
     return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"
+
+
+def add_malloc_argument(parser: argparse.ArgumentParser) -> None:
+    """`--default-malloc`: time with glibc's allocator as it comes, not as the commands set it."""
+    parser.add_argument(
+        "--default-malloc", action="store_true",
+        help="leave glibc's malloc as it comes (the commands call reuse_host_memory, as this bench does "
+        "without the flag)",
+    )  # fmt: skip
+
+
+def set_malloc(args: argparse.Namespace) -> str:
+    """Set the host memory as the commands do unless `--default-malloc`; say which, for the figures."""
+    if not args.default_malloc and reuse_host_memory():
+        return "malloc: reused scratch (as the commands run)"
+    return "malloc: glibc's defaults"

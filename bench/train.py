@@ -29,7 +29,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import CONFIGS, MatmulPeak, flops_per_token  # bench/common.py
+from common import CONFIGS, MatmulPeak, add_malloc_argument, flops_per_token, set_malloc  # bench/common.py
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
@@ -209,14 +209,16 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds per optimiser when several are timed")
     p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations under Muon")
+    add_malloc_argument(p)
     args = p.parse_args(argv)
+    malloc = set_malloc(args)  # before JAX starts its threads
     args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)
     if args.peak_size < 2048:
         p.error("--peak-size must be at least 2048 (a small matmul underestimates the peak)")
 
     info = machine()
     print(f"# {info['backend']} x{len(info['devices'])}, {info['cpu_count']} CPUs, jax {info['jax']}, "
-          f"load average {info['load_average']}", flush=True)  # fmt: skip
+          f"load average {info['load_average']}; {malloc}", flush=True)  # fmt: skip
     peak = MatmulPeak(args.peak_size)
     results = []
     if not args.compile_only:

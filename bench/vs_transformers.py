@@ -34,7 +34,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import cpu_description  # noqa: E402 (bench/common.py)
+from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402 (bench/common.py)
 
 from eqx_gpt.generation.generate import generate  # noqa: E402
 from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
@@ -110,10 +110,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per task (default 3)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
+    add_malloc_argument(p)
     args = p.parse_args()
+    malloc = set_malloc(args)  # one process: torch's buffers come from the same malloc as XLA's
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_description()}; torch {torch.__version__} ({args.threads} threads), transformers "
-          f"{transformers.__version__}, jax {jax.__version__}")  # fmt: skip
+          f"{transformers.__version__}, jax {jax.__version__}; {malloc}")  # fmt: skip
 
     torch.manual_seed(0)
     reference = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
