@@ -1,5 +1,5 @@
 """What the commands share: the one place their errors are caught (`run_command`), the host
-memory they run with (`reuse_host_memory`), an argument parser whose errors are one line and exit
+memory training runs with (`reuse_host_memory`), an argument parser whose errors are one line and exit
 code 2, the number types their flags parse with (every number is range-checked where it enters),
 and the `--checkpoint` argument of sample, evaluate and export."""
 
@@ -27,14 +27,16 @@ def reuse_host_memory() -> bool:
     return whether it was set (glibc only, and only where the environment sets no allocator of its own).
 
     Each call of a compiled program allocates its scratch as one buffer (164 MB for 8 steps of the
-    default model; gigabytes at GPT-2's size), from one of XLA's worker threads. By default glibc
-    maps a buffer that large afresh from the kernel on every call and unmaps it at the end, so every
-    call zero-fills it again, page by page: 42,000 page faults and about 100 ms of system time per
-    call of the default step on a 2-core EPYC, a third of the step. One arena for every thread, no
-    mmap for large buffers and no trimming of the heap keep the freed buffer in the process, where
-    the next call finds it. The cost is that the process keeps its peak memory until it exits: right
-    for a command, so every command runs with it (`run_command`); a program that calls
-    `eqx_gpt.train` itself may call this first, before JAX starts its threads.
+    default model, gigabytes at GPT-2's size) from one of XLA's worker threads. glibc maps a buffer
+    that large afresh from the kernel in every call and unmaps it at the end, so every call
+    zero-fills it again, page by page: 42,000 page faults and about 100 ms of system time per call
+    of the default step on a 2-core EPYC, a third of the step. One arena for every thread, no mmap
+    for large buffers and no trimming of the heap below 2 GiB keep a freed buffer for the next call.
+
+    The costs: the process keeps its peak memory until it exits, and every thread allocates from one
+    arena, which slowed batch-1 generation of GPT-2-124M by 11-20% there (many small buffers, from
+    several threads). So `train.py` runs with it (`commands.train`) and the other commands do not;
+    a program that calls `eqx_gpt.train` itself may call this first, before JAX starts its threads.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -51,9 +53,8 @@ def reuse_host_memory() -> bool:
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command's `body` with `reuse_host_memory` and return its exit code: bad input of any
-    kind (an `EqxGptError`) is one line on stderr naming the fix, and exit code 2."""
-    reuse_host_memory()
+    """Run a command's `body` and return its exit code: bad input of any kind (an `EqxGptError`) is
+    one line on stderr naming the fix, and exit code 2."""
     try:
         return body()
     except EqxGptError as e:
