@@ -92,7 +92,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per variant per round")
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--blocks", type=int, nargs="*", default=[], help="other block widths (columns) to time")
-    add_malloc_argument(p, reuse=True)
+    add_malloc_argument(p)
     args = p.parse_args()
     print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}; {set_malloc(args)}")
     values = preset_values("cpu")

@@ -81,23 +81,16 @@ def cpu_description() -> str:
     return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"
 
 
-def add_malloc_argument(parser: argparse.ArgumentParser, *, reuse: bool) -> None:
-    """`--default-malloc` (where the bench times what `train.py` runs, `reuse`) or
-    `--reuse-host-memory` (elsewhere): glibc's malloc as it comes, or as `train.py` sets it."""
-    if reuse:
-        parser.add_argument(
-            "--default-malloc", dest="reuse_host_memory", action="store_false",
-            help="leave glibc's malloc as it comes, not as train.py sets it (reuse_host_memory)",
-        )  # fmt: skip
-    else:
-        parser.add_argument(
-            "--reuse-host-memory", action="store_true",
-            help="set glibc's malloc as train.py does (reuse_host_memory), for both sides",
-        )  # fmt: skip
+def add_malloc_argument(parser: argparse.ArgumentParser) -> None:
+    """`--reuse-host-memory`: time with glibc's malloc set by `reuse_host_memory`, not as it comes."""
+    parser.add_argument(
+        "--reuse-host-memory", action="store_true",
+        help="set glibc's malloc to keep freed buffers (eqx_gpt.commands.cli.reuse_host_memory)",
+    )  # fmt: skip
 
 
 def set_malloc(args: argparse.Namespace) -> str:
     """Set the host memory as asked (before JAX starts its threads); say which, for the figures."""
     if args.reuse_host_memory and reuse_host_memory():
-        return "malloc: freed scratch reused (reuse_host_memory, as train.py runs)"
+        return "malloc: freed buffers kept (reuse_host_memory)"
     return "malloc: glibc's defaults"

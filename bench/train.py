@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="rounds per optimiser when several are timed")
     p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations under Muon")
-    add_malloc_argument(p, reuse=True)
+    add_malloc_argument(p)
     args = p.parse_args(argv)
     malloc = set_malloc(args)  # before JAX starts its threads
     args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)

@@ -110,7 +110,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per task (default 3)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
-    add_malloc_argument(p, reuse=False)
+    add_malloc_argument(p)
     args = p.parse_args()
     malloc = set_malloc(args)  # one process: torch's buffers come from the same malloc as XLA's
     torch.set_num_threads(args.threads)

@@ -141,12 +141,11 @@ def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
 
 
 def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
-    # Evaluations are chunked; a gradient only past 1 GiB of logits (the second pass would cost
-    # more than it saves): not the default body's step (48 x 64 tokens), nor the gpt2-124m
-    # preset's (4 x 1,024), but 16 sequences of 1,024.
-    assert chunks_pay(48 * 64, 50_304) and not chunks_pay(48 * 64, 50_304, gradient=True)
-    assert chunks_pay(4 * 256, 50_304) and not chunks_pay(4 * 1024, 50_304, gradient=True)
-    assert chunks_pay(16 * 1024, 50_304, gradient=True)
+    assert chunks_pay(48 * 64, 50_304, 128, gradient=True)  # the default body's training step
+    # GPT-2-124M's width: its evaluations are chunked, a fine-tuning step on 4 x 256 tokens is not
+    # (the second pass would cost more than it saves), the gpt2-124m preset's 4 x 1,024 is.
+    assert chunks_pay(4 * 256, 50_304, 768) and not chunks_pay(4 * 256, 50_304, 768, gradient=True)
+    assert chunks_pay(4 * 1024, 50_304, 768, gradient=True)
     config = dataclasses.replace(BASE, vocab_size=20_000)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE

@@ -150,7 +150,7 @@ def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, m
 
 
 def test_steps_go_one_per_call_when_slow_and_several_when_fast(tmp_path, corpus, monkeypatch):
-    for step_s, most in ((0.01, eqx_gpt.training.run.STEPS_PER_CALL), (1.0, 1)):
+    for step_s, most in ((0.01, eqx_gpt.training.run.STEPS_PER_CALL), (3.0, 1)):
         clock = SimulatedClock(monkeypatch, step_s=step_s)
         sizes, dispatch = [], eqx_gpt.training.run.dispatch_steps
         monkeypatch.setattr(

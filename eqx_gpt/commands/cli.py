@@ -1,5 +1,5 @@
-"""What the commands share: the one place their errors are caught (`run_command`), the host
-memory training runs with (`reuse_host_memory`), an argument parser whose errors are one line and exit
+"""What the commands share: the one place their errors are caught (`run_command`), an opt-in
+for the host's memory (`reuse_host_memory`), an argument parser whose errors are one line and exit
 code 2, the number types their flags parse with (every number is range-checked where it enters),
 and the `--checkpoint` argument of sample, evaluate and export."""
 
@@ -25,18 +25,20 @@ _MALLOC_ENVIRONMENT = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRE
 def reuse_host_memory() -> bool:
     """Have glibc's malloc keep the memory that XLA's CPU programs free, for the next call to reuse;
     return whether it was set (glibc only, and only where the environment sets no allocator of its own).
+    An opt-in for a whole program, called before JAX starts its threads; no command calls it.
 
     Each call of a compiled program allocates its scratch as one buffer (164 MB for 8 steps of the
-    default model, gigabytes at GPT-2's size) from one of XLA's worker threads. glibc maps a buffer
-    that large afresh from the kernel in every call and unmaps it at the end, so every call
-    zero-fills it again, page by page: 42,000 page faults and about 100 ms of system time per call
-    of the default step on a 2-core EPYC, a third of the step. One arena for every thread, no mmap
-    for large buffers and no trimming of the heap below 2 GiB keep a freed buffer for the next call.
+    default model) from one of XLA's worker threads. glibc maps a buffer that large afresh from the
+    kernel in every call and unmaps it at the end, so every call zero-fills it again, page by page:
+    42,000 page faults and about 100 ms of system time per call of the default step on a 2-core
+    EPYC. One arena for every thread, no mmap for large buffers and no trimming of the heap keep a
+    freed buffer for the next call: one step a call then ran as fast as eight.
 
-    The costs: the process keeps its peak memory until it exits, and every thread allocates from one
-    arena, which slowed batch-1 generation of GPT-2-124M by 11-20% there (many small buffers, from
-    several threads). So `train.py` runs with it (`commands.train`) and the other commands do not;
-    a program that calls `eqx_gpt.train` itself may call this first, before JAX starts its threads.
+    The costs, measured there: the process keeps its peak memory until it exits, and every thread
+    allocates from one arena, which slowed GPT-2-124M's batch-1 generation by 11-20% and its
+    training step by 9-24%. So the training loop amortises the faults instead, with up to 8
+    steps a call (`training.run.SECONDS_PER_CALL`); `bench/vs_transformers.py --reuse-host-memory`
+    shows that torch's CPU allocator gains more from it than XLA does.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False

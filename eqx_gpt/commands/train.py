@@ -13,7 +13,7 @@ import types
 import typing
 
 from eqx_gpt.checkpoint import checkpoint_paths
-from eqx_gpt.commands.cli import OneLineParser, finite_float, reuse_host_memory, run_command, whole_number
+from eqx_gpt.commands.cli import OneLineParser, finite_float, run_command, whole_number
 from eqx_gpt.model.config import (
     ACTIVATION_KINDS,
     COMPUTE_DTYPES,
@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     sample_tokens = settings.pop("sample_tokens", 300)
 
     def body() -> int:
-        reuse_host_memory()  # before JAX starts its threads: each call's scratch is reused, not faulted in
         try:
             initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
             result = train(

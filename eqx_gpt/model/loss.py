@@ -18,10 +18,9 @@ than the second pass's extra matrix multiply (`bench/bpe_step.py`).
 
 `next_token_loss` chooses (`chunks_pay`): the plain loss (`model(inputs)`, then optax's
 cross-entropy) while the logits of one call are small (`LOGITS_AT_ONCE`), the chunked one past
-that; but a gradient stays plain up to 1 GiB of logits, since its second pass's matrix multiply
-costs more than the memory it saves once the process reuses its freed buffers
-(`eqx_gpt.commands.cli.reuse_host_memory`). The character models' losses, training's and
-evaluation's, are thus computed exactly as before.
+that; but a gradient through a wide head (GPT-2-124M's 768) stays plain up to 512 MiB of logits,
+since the second pass's matrix multiply costs it more than it saves. The character models'
+losses, training's and evaluation's, are thus computed exactly as before.
 """
 
 from functools import partial
@@ -36,7 +35,8 @@ from eqx_gpt.model.gpt import GPT
 LOGITS_AT_ONCE = 1 << 22  # a loss over more logits than this (16 MiB of float32) is chunked
 BLOCK_LOGITS = 1 << 20  # logits per block, about (4 MiB of float32): a block stays in the cache
 MIN_BLOCK = 128  # columns per block at least: narrower makes each matrix multiply inefficient
-GRADIENT_LOGITS_AT_ONCE = 1 << 28  # a gradient is chunked only past 1 GiB of float32 logits
+RECOMPUTE_MAX_WIDTH = 256  # a gradient at a wider head is chunked only past the next bound
+GRADIENT_LOGITS_AT_ONCE = 1 << 27  # 512 MiB of float32 logits
 
 
 def default_block(n_tokens: int, padded_vocab: int) -> int:
@@ -166,14 +166,16 @@ def _chunked_bwd(vocab_size, softcap, residuals, g):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunks_pay(n_tokens: int, padded_vocab: int, *, gradient: bool = False) -> bool:
-    """Whether a loss over `n_tokens` is chunked: when its logits would exceed `LOGITS_AT_ONCE`, or
-    under differentiation (`gradient`) `GRADIENT_LOGITS_AT_ONCE`. A gradient pays for the chunked
-    loss's second pass with a fourth matrix multiply over the head, which costs more than the plain
-    loss's memory traffic while that stays in the process: on a 2-core AVX2 EPYC, the default body's
-    step with GPT-2's ids took 1.45-1.62 s plain against 2.16-2.19 s chunked (`bench/bpe_step.py`),
-    and GPT-2-124M's on 4 x 256 tokens 7.8 s against 9.2 s."""
-    return n_tokens * padded_vocab > (GRADIENT_LOGITS_AT_ONCE if gradient else LOGITS_AT_ONCE)
+def chunks_pay(n_tokens: int, padded_vocab: int, d_model: int = 0, *, gradient: bool = False) -> bool:
+    """Whether a loss over `n_tokens` is chunked: when its logits would exceed `LOGITS_AT_ONCE`;
+    but under differentiation (`gradient`) at a head wider than `RECOMPUTE_MAX_WIDTH`, only past
+    `GRADIENT_LOGITS_AT_ONCE`, because there the second pass's matrix multiply costs more than
+    the memory traffic it saves (GPT-2-124M's step on 4 x 256 tokens: 7.8 s plain, 9.2 s chunked,
+    on a 2-core AVX2 EPYC)."""
+    logits = n_tokens * padded_vocab
+    if gradient and d_model > RECOMPUTE_MAX_WIDTH:
+        return logits > GRADIENT_LOGITS_AT_ONCE
+    return logits > LOGITS_AT_ONCE
 
 
 def next_token_loss(
@@ -193,7 +195,7 @@ def next_token_loss(
     character vocabulary at the presets' batch sizes; else `chunked_cross_entropy` on
     `model.features(inputs)`, equal to float rounding."""
     c = model.config
-    if not chunks_pay(targets.size, c.padded_vocab_size, gradient=gradient):
+    if not chunks_pay(targets.size, c.padded_vocab_size, c.d_model, gradient=gradient):
         losses = optax.losses.softmax_cross_entropy_with_integer_labels(model(inputs, key=key), targets)
         return losses.mean() if weight is None else jnp.sum(losses * weight)
     total = chunked_cross_entropy(

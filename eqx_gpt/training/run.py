@@ -69,7 +69,10 @@ from eqx_gpt.training.time_plan import TimePlan, eval_budget
 
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
-SECONDS_PER_CALL = 0.5  # fewer steps per call when steps are slower: a stop waits for the call in flight
+# Fewer steps per call when steps are slower, since a stop waits for the call in flight; but each
+# call maps and faults in its scratch afresh (164 MB at the default step: 42,000 page faults, about
+# 100 ms of system time on a 2-core EPYC), so a call of 300 ms steps still holds 8 of them.
+SECONDS_PER_CALL = 2.5
 PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
 AUTO = (
     "auto"  # `train(preset=AUTO)`: `cpu`, `finetune-shakespeare` with `init_from`, on resume the checkpoint's
