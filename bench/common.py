@@ -12,14 +12,15 @@ machine, in this process: there is no datasheet number anywhere.
 """
 
 import argparse
+import ctypes
 import os
+import platform
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from eqx_gpt.commands.cli import reuse_host_memory
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
@@ -81,11 +82,48 @@ def cpu_description() -> str:
     return f"{model} [{' '.join(simd) or 'no avx2'}], {os.cpu_count()} cores"
 
 
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+_MALLOC_ENVIRONMENT = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
+
+
+def reuse_host_memory() -> bool:
+    """Have glibc's malloc keep the memory that XLA's CPU programs free, for the next call to reuse;
+    return whether it was set (glibc only, and only where the environment sets no allocator of its own).
+    For a whole process, called before JAX starts its threads; the benches' `--reuse-host-memory`.
+
+    Each call of a compiled program allocates its scratch as one buffer (164 MB for 8 steps of the
+    default model) from one of XLA's worker threads. glibc maps a buffer that large afresh from the
+    kernel in every call and unmaps it at the end, so every call zero-fills it again, page by page:
+    42,000 page faults and about 100 ms of system time per call of the default step on a 2-core
+    EPYC. One arena for every thread, no mmap for large buffers and no trimming of the heap keep a
+    freed buffer for the next call: one step a call then ran as fast as eight.
+
+    The costs, measured there: the process keeps its peak memory until it exits, and every thread
+    allocates from one arena, which slowed GPT-2-124M's batch-1 generation by 11-20% and its
+    training step by 9-24%. So the training loop amortises the faults instead, with up to 8
+    steps a call (`training.run.SECONDS_PER_CALL`); `bench/vs_transformers.py --reuse-host-memory`
+    shows that torch's CPU allocator gains more from it than XLA does.
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if any(os.environ.get(name) for name in _MALLOC_ENVIRONMENT):  # the user's own choice stands
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return all(
+        mallopt(param, value)
+        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
+    )
+
+
 def add_malloc_argument(parser: argparse.ArgumentParser) -> None:
     """`--reuse-host-memory`: time with glibc's malloc set by `reuse_host_memory`, not as it comes."""
     parser.add_argument(
         "--reuse-host-memory", action="store_true",
-        help="set glibc's malloc to keep freed buffers (eqx_gpt.commands.cli.reuse_host_memory)",
+        help="set glibc's malloc to keep freed buffers (common.reuse_host_memory)",
     )  # fmt: skip
 
 

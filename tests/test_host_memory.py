@@ -1,15 +1,19 @@
-"""`reuse_host_memory`: a buffer freed by one call is reused by the next instead of being mapped and
-zero-filled again, which is what costs XLA's CPU programs a page fault per 4 KiB of scratch per call."""
+"""`reuse_host_memory` (bench/common.py, the benches' `--reuse-host-memory`): a buffer freed by one
+call is reused by the next instead of being mapped and zero-filled again, which is what costs XLA's
+CPU programs a page fault per 4 KiB of scratch per call."""
 
 import os
 import platform
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from eqx_gpt.commands.cli import _MALLOC_ENVIRONMENT
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+from common import _MALLOC_ENVIRONMENT  # noqa: E402 (bench/common.py)
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
@@ -21,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 _PROBE = textwrap.dedent(
     """
     import ctypes, sys, threading
-    from eqx_gpt.commands.cli import reuse_host_memory
+    sys.path.insert(0, sys.argv[2])
+    from common import reuse_host_memory
     class Info(ctypes.Structure):
         _fields_ = [(name, ctypes.c_int) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                     "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -43,7 +48,7 @@ _PROBE = textwrap.dedent(
 def _mapped_and_kept_mib(mode: str, **environment: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if k not in _MALLOC_ENVIRONMENT} | environment
     out = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", _PROBE, mode, str(BENCH)], env=env, capture_output=True, text=True, check=True
     )
     return out.stdout.split()
 

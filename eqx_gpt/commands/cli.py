@@ -1,14 +1,11 @@
-"""What the commands share: the one place their errors are caught (`run_command`), an opt-in
-for the host's memory (`reuse_host_memory`), an argument parser whose errors are one line and exit
-code 2, the number types their flags parse with (every number is range-checked where it enters),
-and the `--checkpoint` argument of sample, evaluate and export."""
+"""What the commands share: the one place their errors are caught (`run_command`), an argument
+parser whose errors are one line and exit code 2, the number types their flags parse with (every
+number is range-checked where it enters), and the `--checkpoint` argument of sample, evaluate and
+export."""
 
 import argparse
 import contextlib
-import ctypes
 import math
-import os
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,42 +13,6 @@ from typing import NoReturn
 
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.errors import ConfigError, EqxGptError
-
-# glibc's mallopt parameters (malloc.h).
-_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
-_MALLOC_ENVIRONMENT = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "LD_PRELOAD")
-
-
-def reuse_host_memory() -> bool:
-    """Have glibc's malloc keep the memory that XLA's CPU programs free, for the next call to reuse;
-    return whether it was set (glibc only, and only where the environment sets no allocator of its own).
-    An opt-in for a whole program, called before JAX starts its threads; no command calls it.
-
-    Each call of a compiled program allocates its scratch as one buffer (164 MB for 8 steps of the
-    default model) from one of XLA's worker threads. glibc maps a buffer that large afresh from the
-    kernel in every call and unmaps it at the end, so every call zero-fills it again, page by page:
-    42,000 page faults and about 100 ms of system time per call of the default step on a 2-core
-    EPYC. One arena for every thread, no mmap for large buffers and no trimming of the heap keep a
-    freed buffer for the next call: one step a call then ran as fast as eight.
-
-    The costs, measured there: the process keeps its peak memory until it exits, and every thread
-    allocates from one arena, which slowed GPT-2-124M's batch-1 generation by 11-20% and its
-    training step by 9-24%. So the training loop amortises the faults instead, with up to 8
-    steps a call (`training.run.SECONDS_PER_CALL`); `bench/vs_transformers.py --reuse-host-memory`
-    shows that torch's CPU allocator gains more from it than XLA does.
-    """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    if any(os.environ.get(name) for name in _MALLOC_ENVIRONMENT):  # the user's own choice stands
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return all(
-        mallopt(param, value)
-        for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))
-    )
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
