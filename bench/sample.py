@@ -2,6 +2,7 @@
 
     uv run python bench/sample.py [--new-tokens 500] [--json PATH]
     uv run python bench/sample.py --first-token out/      # time sample.py's first token (cold, warm)
+    uv run python bench/sample.py --choice                # one token's choice among 50,257 ids
 
 Throughput: for random-weight character models (vocab 65) of the 6-layer/384/context-256 shape
 and of the default preset's shape, both methods generate `--new-tokens` tokens with the same key
@@ -19,6 +20,11 @@ jitted chain of the model's matrix-vector products (each layer's `w_qkv`, `w_out
 `w_out`, then the head; no attention, norms or sampling) and prints the ratio that such a
 decode step would reach against the naive timing above: the ceiling for this machine.
 
+Choice (`--choice`): one token's choice from GPT-2's 50,257 logits, jitted, per setting
+(temperature, top-k, top-p), this library's `sample_next_token` (filters by bisection on the values,
+a two-stage draw) against the sort-based filters and one Gumbel number per id that it replaced,
+kept here as the baseline (`sorted_choice`). Interleaved, medians of 5 repetitions.
+
 First token (`--first-token CHECKPOINT`): starts `python sample.py` in a fresh process and times
 until the first generated character reaches its stdout (the prompt is echoed before generation
 and is not counted): once with an empty compilation cache (cold) and then again (warm).
@@ -27,6 +33,7 @@ and is not counted): once with an empty compilation cache (cold) and then again 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,13 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_gpt import GPT, GPTConfig, SamplingOptions
+from eqx_gpt import GPT, GPTConfig, SamplingOptions, sample_next_token
 from eqx_gpt.generation.generate import generate, prompt_bucket
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from oracles import naive_generate, naive_step  # noqa: E402  (the naive method is the tests' oracle)
+
+sys.path.insert(0, str(ROOT / "bench"))
+from common import cpu_description  # noqa: E402
 
 SHAPES = {
     "6L-384-ctx256": dict(context_length=256, d_model=384, n_heads=6, n_layers=6),
@@ -143,6 +153,50 @@ def bench_shape(name, shape, new_tokens, reps, prompt_len):
     return result
 
 
+def sorted_choice(logits, key, temperature, top_k, top_p):
+    """The baseline: rank every id by a stable sort, filter on ranks, draw with one Gumbel per id."""
+    scaled = logits / temperature
+    order = jnp.argsort(-scaled, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(scaled.shape[0]))
+    if top_k is not None:
+        scaled = jnp.where(rank < top_k, scaled, -jnp.inf)
+    if top_p is not None:
+        probs = jax.nn.softmax(scaled)[order]
+        scaled = jnp.where(((jnp.cumsum(probs) - probs) < top_p)[rank], scaled, -jnp.inf)
+    return jnp.where(temperature > 0, jax.random.categorical(key, scaled), jnp.argmax(logits))
+
+
+def bench_choice(reps: int = 5, calls: int = 100) -> dict:
+    """ms per token choice among GPT-2's 50,257 ids: `sample_next_token` against `sorted_choice`."""
+    logits = 3 * jax.random.normal(jax.random.key(0), (50257,))
+    settings = {
+        "temperature 0.8": (0.8, None, None),
+        "top-k 200": (0.8, 200, None),
+        "top-p 0.9": (0.8, None, 0.9),
+        "top-k 200, top-p 0.9": (0.8, 200, 0.9),
+    }
+    results = {}
+    for name, (t, k, p) in settings.items():
+        args = [jnp.float32(t), None if k is None else jnp.int32(k), None if p is None else jnp.float32(p)]
+        ours = jax.jit(lambda lg, key, t, k, p: sample_next_token(lg, key, temperature=t, top_k=k, top_p=p))
+        methods = {"eqx_gpt": ours, "sorted": jax.jit(sorted_choice)}
+        times = {m: [] for m in methods}
+        for fn in methods.values():
+            fn(logits, jax.random.key(1), *args).block_until_ready()
+        for _ in range(reps):
+            for m, fn in methods.items():
+                start = time.perf_counter()
+                for i in range(calls):
+                    out = fn(logits, jax.random.key(i), *args)
+                out.block_until_ready()
+                times[m].append((time.perf_counter() - start) / calls * 1e3)
+        ms = {m: statistics.median(v) for m, v in times.items()}
+        results[name] = ms
+        print(f"{name:>22}: eqx_gpt {ms['eqx_gpt']:6.3f} ms, sorted {ms['sorted']:6.3f} ms -> "
+              f"{ms['sorted'] / ms['eqx_gpt']:5.1f}x", flush=True)  # fmt: skip
+    return results
+
+
 def first_token_seconds(checkpoint: Path, cache_home: Path, max_new_tokens: int = 64) -> float:
     """Seconds from starting `python sample.py` to the first generated character on its stdout."""
     prompt = "ROMEO:"
@@ -175,11 +229,15 @@ def main():
     parser.add_argument(
         "--first-token", type=Path, help="checkpoint or run dir: time sample.py's first token"
     )
+    parser.add_argument("--choice", action="store_true", help="time one token's choice among 50,257 ids")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores", flush=True)
 
-    if args.first_token:
+    if args.choice:
+        print(f"CPU: {cpu_description()}; one token's choice among GPT-2's 50,257 ids", flush=True)
+        results = bench_choice()
+    elif args.first_token:
         with tempfile.TemporaryDirectory() as cache_home:
             cold = first_token_seconds(args.first_token, Path(cache_home))
             warm = [first_token_seconds(args.first_token, Path(cache_home)) for _ in range(3)]

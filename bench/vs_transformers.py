@@ -11,6 +11,8 @@ eqx_gpt and transformers for `--rounds` rounds:
 
 - generation: batch 1, a 64-token prompt, 256 new tokens, greedy; `transformers`' KV-cached
   `generate(do_sample=False)` against `eqx_gpt.generation.generate` (cached, jitted). Tokens per second.
+  Then the same sampled as nanoGPT's `sample.py` does by default (temperature 0.8, top-k 200), where
+  the tokens drawn differ but the work per token is the same.
 - fine-tuning: one AdamW step (forward, backward, update) on 4 x 256 tokens; the trainer's step
   (`make_train_step`) against `loss.backward()` and `torch.optim.AdamW`. Seconds per step.
 
@@ -51,24 +53,41 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def eqx_generation(model, prompt):
-    options = SamplingOptions(temperature=0.0)
+SAMPLED = dict(temperature=0.8, top_k=200)  # nanoGPT sample.py's defaults
+
+
+def eqx_generation(model, prompt, sampled: bool = False):
+    options = SamplingOptions(**SAMPLED) if sampled else SamplingOptions(temperature=0.0)
     return lambda: generate(model, prompt, NEW_TOKENS, key=jax.random.key(0), options=options)
 
 
-def hf_generation(model, prompt):
+def hf_generation(model, prompt, sampled: bool = False):
     ids = torch.from_numpy(prompt[None]).long()
     mask = torch.ones_like(ids)
+    how = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
 
     def run():
         with torch.no_grad():
             out = model.generate(
                 ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                do_sample=False, use_cache=True, pad_token_id=0,
+                use_cache=True, pad_token_id=0, **how,
             )  # fmt: skip
         return out[0, PROMPT:].numpy()
 
     return run
+
+
+def time_generation(gen: dict, rounds: int, what: str) -> None:
+    """Alternate the two sides `rounds` times (both already run once) and print tokens per second."""
+    gen_s = {name: [] for name in gen}
+    for _ in range(rounds):
+        for name, fn in gen.items():
+            gen_s[name].append(timed(fn))
+    tok_s = {name: NEW_TOKENS / statistics.median(t) for name, t in gen_s.items()}
+    ratio = tok_s["eqx_gpt"] / tok_s["transformers"]
+    print(f"generation, {what}, batch 1, prompt {PROMPT}, {NEW_TOKENS} new tokens: eqx_gpt "
+          f"{tok_s['eqx_gpt']:.1f} tok/s, transformers {tok_s['transformers']:.1f} tok/s -> {ratio:.2f}x",
+          flush=True)  # fmt: skip
 
 
 def eqx_training(model, batch):
@@ -137,15 +156,12 @@ def main() -> int:
     same = np.array_equal(np.asarray(gen["eqx_gpt"]()), hf_tokens)
     print(f"generation: eqx_gpt's first call (compiles) {compile_s:.1f} s; greedy tokens "
           f"{'equal' if same else 'differ (near-ties of random weights)'}")  # fmt: skip
-    gen_s = {name: [] for name in gen}
-    for _ in range(args.rounds):
-        for name, fn in gen.items():
-            gen_s[name].append(timed(fn))
-
-    tok_s = {name: NEW_TOKENS / statistics.median(t) for name, t in gen_s.items()}
-    ratio = tok_s["eqx_gpt"] / tok_s["transformers"]
-    print(f"generation, batch 1, prompt {PROMPT}, {NEW_TOKENS} new tokens: eqx_gpt {tok_s['eqx_gpt']:.1f} "
-          f"tok/s, transformers {tok_s['transformers']:.1f} tok/s -> {ratio:.2f}x", flush=True)  # fmt: skip
+    time_generation(gen, args.rounds, "greedy")
+    gen = {"eqx_gpt": eqx_generation(model, prompt, sampled=True)}
+    gen["transformers"] = hf_generation(reference, prompt, sampled=True)
+    for fn in gen.values():
+        fn()  # eqx_gpt compiles the sampled program here
+    time_generation(gen, args.rounds, "temperature 0.8, top-k 200")
 
     batch = rng.integers(0, 50257, (BATCH, SEQ + 1)).astype(np.int32)
     train = {"eqx_gpt": eqx_training(model, batch), "transformers": hf_training(reference, batch)}

@@ -140,3 +140,84 @@ def test_bad_settings_are_named(temperature, top_k, top_p, needle):
 def test_good_settings_pass():
     check_sampling_args(0.0, 1, 1.0)
     check_sampling_args(2.0, None, 1e-6)
+
+
+def rank_order(logits):
+    """Ids by descending logit, ties by lower id first (argmax's order): the filters' ranking."""
+    return np.argsort(-np.asarray(logits, np.float64), kind="stable")
+
+
+def awkward_logits(seed, vocab):
+    """Logits with ties (rounded to halves), -inf ids (as top-k leaves them) and signed zeros."""
+    rng = np.random.default_rng(seed)
+    logits = np.round(rng.normal(0, 3, vocab) * 2) / 2
+    logits[rng.random(vocab) < 0.1] = -np.inf
+    logits[rng.random(vocab) < 0.05] = -0.0
+    logits[np.argmax(logits)] = 9.0  # at least one finite id
+    return logits.astype(np.float32)
+
+
+@pytest.mark.parametrize("vocab", [12, 300, 50257])
+def test_top_k_keeps_the_first_k_of_the_ranking_with_ties_and_minus_inf(vocab):
+    filter_jit = jax.jit(top_k_filter)  # k traced: one program for every k
+    for seed in range(3):
+        logits = awkward_logits(seed, vocab)
+        for k in sorted({1, 2, 7, 200, vocab - 1, vocab, vocab + 5}):
+            if k < 1:
+                continue
+            expected = np.full(vocab, -np.inf, np.float32)
+            first = rank_order(logits)[:k]
+            expected[first] = logits[first]
+            x = jnp.asarray(logits)
+            for got in (top_k_filter(x, k), filter_jit(x, jnp.int32(k))):
+                np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"seed {seed}, k {k}")
+
+
+def nucleus_by_rank(logits, p):
+    """Ids kept by top-p, in float64 on the ranking, and how far the nearest decision is from p
+    (decisions closer than float32 rounding may go either way)."""
+    logits = np.asarray(logits, np.float64)
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = rank_order(logits)
+    mass_above = np.cumsum(probs[order]) - probs[order]
+    keep = np.zeros(len(logits), bool)
+    keep[order] = (mass_above < p) | (p >= 1)
+    return keep, np.abs(mass_above - p).min()
+
+
+@pytest.mark.parametrize("vocab", [12, 300, 50257])
+def test_top_p_keeps_the_ranked_prefix_below_p_with_ties_and_minus_inf(vocab):
+    filter_jit = jax.jit(top_p_filter)
+    checked = 0
+    for seed in range(4):
+        logits = awkward_logits(seed, vocab)
+        for p in (0.05, 0.3, 0.6, 0.9, 0.999, 1.0):
+            keep, margin = nucleus_by_rank(logits, p)
+            if margin < 1e-5 and p < 1:
+                continue
+            checked += 1
+            expected = np.where(keep, logits, -np.inf).astype(np.float32)
+            x = jnp.asarray(logits)
+            for got in (top_p_filter(x, p), filter_jit(x, jnp.float32(p))):
+                np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"seed {seed}, p {p}")
+    assert checked >= 12  # of 24: a decision within rounding of p is rare, never most of them
+
+
+def test_a_large_vocabulary_draws_from_the_softmax_in_two_stages():
+    """Past 256 ids a draw picks a block of ids by its mass, then an id in it: the frequencies of
+    single ids and of whole blocks must still be the softmax's, and -inf ids never come out."""
+    vocab, n = 700, 60_000  # three blocks, the last one partial
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.5, vocab).astype(np.float32)
+    logits[300:512] = -np.inf  # most of the second block filtered out, as top-k / top-p do
+    logits[600] = 4.0
+    samples = draws(jnp.asarray(logits), n)
+    probs = np.asarray(jax.nn.softmax(jnp.asarray(logits)), np.float64)
+    counts = np.bincount(samples, minlength=vocab)
+    assert counts[300:512].sum() == 0
+    for ids in [np.arange(0, 256), np.arange(256, 512), np.arange(512, vocab), *rank_order(logits)[:8, None]]:
+        expected = probs[ids].sum()
+        sigma = np.sqrt(expected * (1 - expected) / n)
+        observed = counts[ids].sum() / n
+        assert abs(observed - expected) < 5 * sigma + 1e-9, (ids[:3], observed, expected)
