@@ -65,7 +65,7 @@ from eqx_gpt.training.run_dir import (
 )
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
 from eqx_gpt.training.step import describe_optimizer, learning_rate
-from eqx_gpt.training.time_plan import TimePlan, eval_budget
+from eqx_gpt.training.time_plan import MIN_RESERVE_S, RESERVE_S, TimePlan, eval_budget
 
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
@@ -190,9 +190,11 @@ def _train(
         if overwrite and not resume:
             log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
             delete_checkpoints(out_dir)
+        # Without a sample, what follows the last evaluation is a log line: no reserve beyond the least.
         plan = TimePlan(
-            setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup)
-        )
+            setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup),
+            reserve_s=RESERVE_S if sample_tokens else MIN_RESERVE_S,
+        )  # fmt: skip
         # Closed in reverse: the trackers last, marked failed if the run raised (not on Ctrl-C).
         with (
             _open_trackers(setup, records) as trackers,

@@ -5,9 +5,10 @@ import math
 
 from eqx_gpt.model.config import GPTConfig
 
-# Seconds kept before the deadline for what follows the last step: a checkpoint, the plot, loading
-# the best model and compiling the sampler. That is start-up's kind of work (loading, compiling), so
-# the reserve is the measured start-up time, within these bounds: a fast machine keeps less.
+# Seconds kept before the deadline for what follows the last step besides its evaluations: the
+# checkpoint and the plot, then, for a run that ends with a sample, loading the best model and
+# compiling the sampler. That is start-up's kind of work (loading, compiling), so the reserve is the
+# measured start-up time, within these bounds: a fast machine keeps less, a run with no sample the least.
 RESERVE_S = 15.0
 MIN_RESERVE_S = 3.0
 # The final validation of Tiny Shakespeare reads the split in windows every context_length // 2
