@@ -86,6 +86,7 @@ def test_max_minutes_fits_the_schedule_to_the_steps_that_fit(tmp_path, corpus, m
     meta = json.loads((tmp_path / "run" / "latest.json").read_text())
     assert meta["step"] == meta["schedule_steps"] == result.step  # the cosine ends where the run does
     assert 330 < result.step < 380  # about (45 - 5 start-up - 3 reserve - evaluations) / 0.1
+    assert any(line.startswith("final validation: loss ") and " over all " in line for line in lines), lines
     lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
     assert lrs[-1] == pytest.approx(0.002, rel=0.05) and max(lrs) == pytest.approx(0.02)
 

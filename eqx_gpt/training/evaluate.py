@@ -92,8 +92,10 @@ def evaluate_run(
 
 
 def final_evaluations(setup: RunSetup) -> float:
-    """The final validation's cost in periodic evaluations: what the time plan keeps back for it."""
-    return val_plan(setup, final=True).starts.size / val_plan(setup, final=False).starts.size
+    """The final validation's cost in periodic evaluations, each of which reads the fixed training
+    windows and then the validation windows: what the time plan keeps back for it."""
+    periodic = val_plan(setup, final=False).starts.size + len(setup.eval_train_rows)
+    return val_plan(setup, final=True).starts.size / periodic
 
 
 def final_validation(
@@ -104,12 +106,15 @@ def final_validation(
     now: float,
     stop: Callable[[], bool],
     shown: Shown | None = None,
+    *,
+    then_sample: bool = True,
 ) -> tuple[Evaluation | None, str]:
     """The final model's validation loss and what it covers: the whole split in overlapping
     windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
-    no time left for it, the last evaluation's figure. None if a stop came meanwhile."""
+    no time left for it, the last evaluation's figure. None if a stop came meanwhile. The time
+    plan's reserve is kept only for a sample (`then_sample`): nothing else follows."""
     context, n = setup.model_config.context_length, len(setup.val_ids)
-    if not plan.affords(now, plan.final_evals):
+    if not plan.affords(now, plan.final_evals, keep_reserve=then_sample):
         periodic = val_plan(setup, final=False)
         last = Evaluation(last_val, periodic.n_predicted, periodic.stride, periodic.whole)
         return last, (

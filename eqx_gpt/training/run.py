@@ -416,8 +416,10 @@ def train_loop(run: Run, sample_tokens: int) -> TrainResult:
         dispatch_steps(run, n)
         if first:
             run.plan.start_timing(state.step, run.report.compiled(state.step))
-        elif state.step - n < _timed_from(run) + PLAN_AFTER <= state.step:
-            fit_to_time(run, announce=True)
+        elif state.step >= _timed_from(run) + PLAN_AFTER:
+            # Refitted after every call: calls run ahead of the steps done, so the first fit reads
+            # the rate high (798 steps planned where 650 fit in a 3-minute run, cut at step 500).
+            fit_to_time(run, announce=state.step - n < _timed_from(run) + PLAN_AFTER)
         if (
             state.step // c.log_interval > (state.step - n) // c.log_interval
             or state.step == state.schedule_steps
@@ -473,7 +475,9 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     assert state.last_eval is not None  # the loop evaluates at the schedule's end
     t0, val = report.now(), state.last_eval[1]
     shown = Shown(report.bar, "final validation")
-    final, covers = final_validation(setup, state.model, val, run.plan, t0, run.stopping, shown)
+    final, covers = final_validation(
+        setup, state.model, val, run.plan, t0, run.stopping, shown, then_sample=sample_tokens > 0
+    )
     if final is None:
         report.log(
             f"interrupted during the final validation; the run is complete at step {state.step} (periodic "

@@ -12,8 +12,8 @@ from eqx_gpt.model.config import GPTConfig
 RESERVE_S = 15.0
 MIN_RESERVE_S = 3.0
 # The final validation of Tiny Shakespeare reads the split in windows every context_length // 2
-# tokens: twice the windows of a periodic evaluation (which also covers fixed training batches).
-# A run prices its own (`final_evals`: its windows over a periodic evaluation's).
+# tokens: twice the validation windows of a periodic evaluation, which also reads fixed training
+# windows. A run prices its own (`final_evals`: its windows over all of a periodic evaluation's).
 FINAL_VALIDATION_EVALS = 2.0
 # `--eval-tokens` counts tokens at the cost of a model whose head has this many columns (bytes or
 # characters): a larger head makes each evaluated token dearer, and the budget smaller with it.
@@ -109,11 +109,12 @@ class TimePlan:
         the reserve (checkpoint, plot, sample)."""
         return (1 + self.final_evals) * per_eval + self.reserve_s
 
-    def affords(self, now: float, evaluations: float) -> bool:
+    def affords(self, now: float, evaluations: float, *, keep_reserve: bool = True) -> bool:
         """Whether `evaluations` (in periodic evaluations' time) fit before the deadline, the reserve
-        kept (True before any evaluation is timed, and without a time limit)."""
-        per_eval = self.seconds_per_evaluation
-        return per_eval is None or now + evaluations * per_eval + self.reserve_s <= self.deadline
+        kept unless nothing follows them (True before any evaluation is timed, and without a time
+        limit)."""
+        per_eval, reserve = self.seconds_per_evaluation, self.reserve_s if keep_reserve else 0.0
+        return per_eval is None or now + evaluations * per_eval + reserve <= self.deadline
 
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
