@@ -80,13 +80,16 @@ def test_the_reserve_at_the_end_is_the_measured_start_up_within_bounds(startup_s
 
 
 def test_the_final_validation_keeps_the_reserve_only_for_what_follows_it():
-    plan = TimePlan(1.0, 10_000, t_start=0.0, reserve_s=5.0)
-    plan.add_evaluation(4.0)
+    plans = (TimePlan(1.0, 10_000, t_start=0.0, reserve_s=5.0, sample=s) for s in (True, False))
+    with_sample, without = plans
+    assert (with_sample.reserve_s, without.reserve_s) == (5.0, MIN_RESERVE_S)
+    for plan in (with_sample, without):
+        plan.add_evaluation(4.0)
     # 50 s in, two evaluations' time (8 s) fit the 60 s, but not with the 5 s reserve after them:
     # a run that samples next skips its final validation; one that ends there runs it.
-    assert not plan.affords(50.0, 2.0)
-    assert plan.affords(50.0, 2.0, keep_reserve=False)
-    assert not plan.affords(53.0, 2.0, keep_reserve=False)
+    assert not with_sample.affords_final(50.0)
+    assert without.affords_final(50.0)
+    assert not without.affords_final(53.0)
 
 
 def test_the_time_plan_leaves_out_evaluation_time_and_prices_the_evaluations_left():

@@ -106,15 +106,12 @@ def final_validation(
     now: float,
     stop: Callable[[], bool],
     shown: Shown | None = None,
-    *,
-    then_sample: bool = True,
 ) -> tuple[Evaluation | None, str]:
     """The final model's validation loss and what it covers: the whole split in overlapping
     windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
-    no time left for it, the last evaluation's figure. None if a stop came meanwhile. The time
-    plan's reserve is kept only for a sample (`then_sample`): nothing else follows."""
+    no time left for it, the last evaluation's figure. None if a stop came meanwhile."""
     context, n = setup.model_config.context_length, len(setup.val_ids)
-    if not plan.affords(now, plan.final_evals, keep_reserve=then_sample):
+    if not plan.affords_final(now):
         periodic = val_plan(setup, final=False)
         last = Evaluation(last_val, periodic.n_predicted, periodic.stride, periodic.whole)
         return last, (

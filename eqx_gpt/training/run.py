@@ -65,7 +65,7 @@ from eqx_gpt.training.run_dir import (
 )
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
 from eqx_gpt.training.step import describe_optimizer, learning_rate
-from eqx_gpt.training.time_plan import MIN_RESERVE_S, RESERVE_S, TimePlan, eval_budget
+from eqx_gpt.training.time_plan import TimePlan, eval_budget
 
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
@@ -190,10 +190,9 @@ def _train(
         if overwrite and not resume:
             log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
             delete_checkpoints(out_dir)
-        # Without a sample, what follows the last evaluation is a log line: no reserve beyond the least.
         plan = TimePlan(
             setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup),
-            reserve_s=RESERVE_S if sample_tokens else MIN_RESERVE_S,
+            sample=sample_tokens > 0,
         )  # fmt: skip
         # Closed in reverse: the trackers last, marked failed if the run raised (not on Ctrl-C).
         with (
@@ -475,9 +474,7 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     assert state.last_eval is not None  # the loop evaluates at the schedule's end
     t0, val = report.now(), state.last_eval[1]
     shown = Shown(report.bar, "final validation")
-    final, covers = final_validation(
-        setup, state.model, val, run.plan, t0, run.stopping, shown, then_sample=sample_tokens > 0
-    )
+    final, covers = final_validation(setup, state.model, val, run.plan, t0, run.stopping, shown)
     if final is None:
         report.log(
             f"interrupted during the final validation; the run is complete at step {state.step} (periodic "

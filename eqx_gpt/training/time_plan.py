@@ -69,11 +69,14 @@ class TimePlan:
         t_start: float,
         reserve_s: float = RESERVE_S,
         final_evals: float = FINAL_VALIDATION_EVALS,
+        sample: bool = True,
     ):
         self.max_steps = max_steps
         self.final_evals = final_evals  # the final validation's cost, in periodic evaluations
         self.t_start = t_start
-        self.reserve_s = reserve_s  # kept before the deadline for what follows the last step
+        self.sample = sample  # whether the run ends with a sample, after its final validation
+        # Kept before the deadline for what follows the last step; without a sample, the least.
+        self.reserve_s = reserve_s if sample else MIN_RESERVE_S
         self.deadline = t_start + 60 * max_minutes if max_minutes else math.inf
         self.timed_from: tuple[int, float] | None = None  # (step, time) after compilation
         self.eval_seconds = 0.0
@@ -109,12 +112,11 @@ class TimePlan:
         the reserve (checkpoint, plot, sample)."""
         return (1 + self.final_evals) * per_eval + self.reserve_s
 
-    def affords(self, now: float, evaluations: float, *, keep_reserve: bool = True) -> bool:
-        """Whether `evaluations` (in periodic evaluations' time) fit before the deadline, the reserve
-        kept unless nothing follows them (True before any evaluation is timed, and without a time
-        limit)."""
-        per_eval, reserve = self.seconds_per_evaluation, self.reserve_s if keep_reserve else 0.0
-        return per_eval is None or now + evaluations * per_eval + reserve <= self.deadline
+    def affords_final(self, now: float) -> bool:
+        """Whether the final validation fits before the deadline, the reserve kept for the sample if
+        one follows (True before any evaluation is timed, and without a time limit)."""
+        per_eval, reserve = self.seconds_per_evaluation, self.reserve_s if self.sample else 0.0
+        return per_eval is None or now + self.final_evals * per_eval + reserve <= self.deadline
 
     def out_of_time(self, now: float) -> bool:
         """Whether the run must stop now to finish (evaluate, save, sample) before the deadline."""
