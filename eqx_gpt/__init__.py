@@ -21,6 +21,7 @@ from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, 
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
 from eqx_gpt.gpt2 import load_gpt2, save_gpt2
+from eqx_gpt.lora_peft import load_adapters, save_adapters
 from eqx_gpt.model.attention import (
     KVCache,
     MultiHeadAttention,
@@ -35,6 +36,7 @@ from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.linear import Linear
+from eqx_gpt.model.lora import LoRALinear, apply_lora, lora_trainable, merge_lora
 from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
@@ -90,6 +92,13 @@ __all__ = [
     "sample_next_token",
     "top_k_filter",
     "top_p_filter",
+    # LoRA: low-rank adapters on a frozen model, and PEFT's adapter folders
+    "LoRALinear",
+    "apply_lora",
+    "merge_lora",
+    "lora_trainable",
+    "load_adapters",
+    "save_adapters",
     # Training: a whole run, and the parts of a loop of your own
     "train",
     "TrainConfig",

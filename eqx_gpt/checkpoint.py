@@ -36,6 +36,7 @@ from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import CONFIG_NAME, WEIGHTS_NAME, gpt2_tokenizer, is_gpt2_directory, load_gpt2
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.lora import lora_options, lora_template, merge_lora
 from eqx_gpt.model.template import model_template
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
@@ -56,7 +57,7 @@ WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (example
 METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model": str, "model_config": dict,
                   "train_config": dict, "tokenizer": dict}  # fmt: skip
 OPTIONAL_TYPES = {"val_loss": float, "best_val_loss": float, "val_loss_step": int, "schedule_steps": int,
-                  "data_sha256": str}  # fmt: skip
+                  "data_sha256": str, "lora_base": dict}  # fmt: skip
 
 
 def _is_of(value: Any, kind: type) -> bool:
@@ -278,6 +279,14 @@ def _tokenizer(meta: dict, config: GPTConfig | TransformerConfig) -> Tokenizer |
     return tokenizer
 
 
+def run_template(config: GPTConfig | TransformerConfig, train_config: dict) -> GPT | Transformer:
+    """The model a run of `config` trains, as shapes: with the LoRA adapters its `train_config`
+    (a dict, as checkpoints record it) asks for."""
+    template = model_template(config)
+    lora = lora_options(train_config)
+    return template if lora is None else lora_template(template, **lora)
+
+
 def _deserialise(
     f: io.BytesIO, like: Any, meta: dict, filter_spec=eqx.default_deserialise_filter_spec
 ) -> Any:
@@ -291,17 +300,19 @@ def _deserialise(
 
 
 @overload
-def load_model(path: str | Path, *, kind: Literal["GPT"]) -> tuple[GPT, Tokenizer, dict]: ...
+def load_model(
+    path: str | Path, *, kind: Literal["GPT"], lora: str = "merged"
+) -> tuple[GPT, Tokenizer, dict]: ...
 @overload
 def load_model(
-    path: str | Path, *, kind: Literal["Transformer"]
+    path: str | Path, *, kind: Literal["Transformer"], lora: str = "merged"
 ) -> tuple[Transformer, Tokenizer | None, dict]: ...
 @overload
 def load_model(
-    path: str | Path, *, kind: None = None
+    path: str | Path, *, kind: None = None, lora: str = "merged"
 ) -> tuple[GPT | Transformer, Tokenizer | None, dict]: ...
 def load_model(
-    path: str | Path, *, kind: str | None = None
+    path: str | Path, *, kind: str | None = None, lora: str = "merged"
 ) -> tuple[GPT | Transformer, Tokenizer | None, dict]:
     """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped).
 
@@ -312,7 +323,12 @@ def load_model(
     directory. A folder is told apart by its marker: a run's own checkpoints come first, so a stray
     `config.json` in a run folder is never read as a GPT-2. The model is in training mode, as
     built: `eqx.nn.inference_mode(model)` for evaluation (sampling does it itself).
+
+    A LoRA run's model is given merged (`lora="merged"`: plain `Linear`s, the base's structure), or
+    with its adapters kept apart (`lora="separate"`: `LoRALinear`s; see `eqx_gpt.merge_lora`).
     """
+    if lora not in ("merged", "separate"):
+        raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
     path = Path(path)
     if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
         model = load_gpt2(path)
@@ -322,7 +338,10 @@ def load_model(
     meta = read_metadata(path)
     config = _model_config(meta, kind)
     tokenizer = _tokenizer(meta, config)
-    model = _deserialise(_read_weights(meta), model_template(config), meta, _read_model_leaf)
+    like = run_template(config, meta["train_config"])
+    model = _deserialise(_read_weights(meta), like, meta, _read_model_leaf)
+    if lora == "merged":
+        model = merge_lora(model)
     return model, tokenizer, meta
 
 
@@ -339,7 +358,7 @@ def load_checkpoint(path: str | Path | dict, opt_state_like: Any) -> tuple[GPT, 
     if not isinstance(config, GPTConfig) or tokenizer is None:  # a GPT's tokenizer is checked
         raise CheckpointError(f"checkpoint {meta['path']} does not hold a GPT with its tokenizer")
     f = _read_weights(meta)
-    model = _deserialise(f, model_template(config), meta, _read_model_leaf)
+    model = _deserialise(f, run_template(config, meta["train_config"]), meta, _read_model_leaf)
     opt_state = _deserialise(f, opt_state_like, meta)
     if f.read(1):
         raise CheckpointError(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, PRNGKeyArray
 
 # Independent random streams derived from one seed (folded into the key before the step).
-TRAIN_BATCHES, DROPOUT, EVAL_TRAIN_BATCHES, EVAL_VAL_BATCHES, INIT = range(5)
+TRAIN_BATCHES, DROPOUT, EVAL_TRAIN_BATCHES, EVAL_VAL_BATCHES, INIT, LORA_INIT = range(6)
 
 
 def batch_key(seed: int, stream: int, step: int | Int[Array, ""]) -> jax.Array:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described
 from eqx_gpt.errors import ConfigError
+from eqx_gpt.model.lora import check_lora, lora_modules
 from eqx_gpt.trackers import parse_trackers
 
 TOKENIZERS = ("char", "gpt2")
@@ -33,6 +34,28 @@ class TrainConfig(DictConfig):
         "fine-tune: start from the Hugging Face GPT-2 directory DIR (config.json + model.safetensors); "
         "the model's shape and the gpt2 tokenizer come from it",
         default=None,
+    )
+    lora_rank: int | None = described(
+        "with --init-from: train LoRA adapters of this rank on the frozen GPT-2 instead of every weight "
+        "(default: full fine-tuning); the run folder then also holds them in PEFT's format",
+        default=None,
+    )
+    lora_adapters: str | None = described(
+        "with --lora-rank: start the adapters from this PEFT adapter folder instead of afresh (--init-from "
+        "ADAPTER_DIR sets it, and the rest, from the folder's adapter_config.json)",
+        default=None,
+    )
+    lora_alpha: float = described(
+        "LoRA's alpha: the adapters' update is scaled by alpha / rank", default=16.0
+    )
+    lora_dropout: float = described(
+        "LoRA dropout on the adapters' input: recorded in adapter_config.json; training supports 0 only",
+        default=0.0,
+    )
+    lora_targets: str = described(
+        "the projections LoRA adapts, a comma list of PEFT's GPT-2 names (c_attn, c_proj: attention's "
+        "and the MLP's, c_fc) or eqx_gpt's (attn.qkv, attn.out, mlp.up, mlp.down)",
+        default="c_attn",
     )
     batch_size: int = described("sequences per optimiser step", default=32)
     grad_accum: int = described(
@@ -143,7 +166,7 @@ class TrainConfig(DictConfig):
             raise ConfigError(
                 f"warmup_steps must be an integer in [0, {INT32_MAX}], got {self.warmup_steps!r}"
             )
-        for name in ("data", "init_from"):
+        for name in ("data", "init_from", "lora_adapters"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
         if not isinstance(self.text_field, str) or not self.text_field:
@@ -184,9 +207,32 @@ class TrainConfig(DictConfig):
                 f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
                 f"{self.tokenizer!r}; leave out --tokenizer"
             )
+        self._check_lora()
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("max_minutes, weight_decay and grad_clip must be >= 0")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
+
+    def _check_lora(self) -> None:
+        """LoRA's settings. That LoRA needs `init_from`, and the rank's bound by the model's width,
+        are checked with the run's options (`resolve_options`): the step's config leaves out
+        `init_from` (it is not the step's to read)."""
+        if not isinstance(self.lora_targets, str):
+            raise ConfigError(f"lora_targets must be a comma list of names, got {self.lora_targets!r}")
+        lora_modules(self.lora_targets)  # an unknown target is refused whether or not LoRA is on
+        if self.lora_rank is None:
+            if self.lora_adapters is not None:
+                raise ConfigError(
+                    "--lora-adapters continues a LoRA run: pass --init-from ADAPTER_DIR instead"
+                )
+            return
+        check_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
+        if self.lora_dropout:
+            raise ConfigError(
+                f"--lora-dropout {self.lora_dropout}: eqx_gpt's LoRA trains without dropout on the "
+                f"adapters (its projections take no dropout key); pass 0, or --dropout for the model's"
+            )
+        if self.optimizer != "adamw":
+            raise ConfigError("LoRA adapters train with AdamW; drop --optimizer muon")

@@ -22,7 +22,10 @@ from pathlib import Path
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
+from eqx_gpt.gpt2 import read_gpt2_config
+from eqx_gpt.lora_peft import adapter_targets, base_directory, is_adapter_directory, read_adapter_config
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.lora import check_lora
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 
@@ -77,7 +80,8 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
 # Every setting's dataclass default, and the settings that name files.
 DEFAULTS = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)
             if f.default is not dataclasses.MISSING}  # fmt: skip
-PATH_SETTINGS = ("init_from", "data")
+PATH_SETTINGS = ("init_from", "data", "lora_adapters")
+LORA_FROM_ADAPTERS = ("lora_rank", "lora_alpha", "lora_targets")  # what a PEFT folder's config sets
 
 
 def preset_values(name: str | None) -> dict:
@@ -98,6 +102,7 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     values = {**preset_values(preset), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(resolved_path("init_from", values["init_from"]))
+        values.update(_from_adapters(values["init_from"], settings))
         if "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
             values["tokenizer"] = "gpt2"
             from_preset.pop("tokenizer", None)
@@ -110,9 +115,36 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             GPTConfig(vocab_size=1, **model)
     except (TypeError, ValueError) as e:
         raise ConfigError(_blame_preset(str(e), preset, from_preset)) from None
+    if train.lora_rank is not None:
+        if train.init_from is None:
+            raise ConfigError(
+                "--lora-rank trains adapters on a pretrained model: pass --init-from GPT2_DIR (or a PEFT "
+                "adapter folder) too"
+            )
+        width = read_gpt2_config(train.init_from).d_model  # the rank's bound
+        check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset)
+
+
+def _from_adapters(init_from: str, settings: dict) -> dict:
+    """With `--init-from` a PEFT adapter folder: the GPT-2 it names as its base becomes `init_from`,
+    the folder `lora_adapters`, and its rank, alpha and targets the run's (none may be given too)."""
+    if not is_adapter_directory(init_from):
+        return {}
+    given = [k for k in LORA_FROM_ADAPTERS if k in settings]
+    if given:
+        raise ConfigError(
+            f"--{given[0].replace('_', '-')} comes from the adapter folder {init_from}/ (its "
+            f"adapter_config.json); leave it out to continue those adapters"
+        )
+    config = read_adapter_config(init_from)
+    return {
+        "init_from": str(base_directory(init_from)), "lora_adapters": init_from,
+        "lora_rank": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
+        "lora_targets": ",".join(adapter_targets(init_from)),
+    }  # fmt: skip
 
 
 def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:

@@ -44,8 +44,10 @@ from eqx_gpt.checkpoint import (
 )
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.evaluation import Shown
+from eqx_gpt.lora_peft import save_run_adapters
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.lora import has_lora
 from eqx_gpt.streams import TRAIN_BATCHES
 from eqx_gpt.tokenizer import Tokenizer
 from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, parse_trackers, require_trackers
@@ -327,6 +329,8 @@ def save(run: Run, name: str) -> None:
         best_val_loss=None if math.isinf(state.best_val) else state.best_val,
         schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
     )  # fmt: skip
+    if has_lora(state.model):  # and its adapters in PEFT's format
+        save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
     if name == LATEST:
         state.last_saved = state.step
 

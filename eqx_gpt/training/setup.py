@@ -18,15 +18,16 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from eqx_gpt.checkpoint import load_checkpoint
+from eqx_gpt.checkpoint import load_checkpoint, run_template
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.lora_peft import base_identity, check_base, describe, load_adapters
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.template import model_template
-from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, batch_key
+from eqx_gpt.model.lora import apply_lora
+from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
@@ -82,7 +83,7 @@ class TrainState:
 # arguments; the data, evaluation and logging are the loop's). Every other field is part of the
 # step's identity, so an option added later can never be dropped from it by omission.
 _NOT_READ_BY_THE_STEP = (
-    "data", "tokenizer", "init_from", "max_steps", "max_minutes", "warmup_steps", "schedule",
+    "data", "tokenizer", "init_from", "lora_adapters", "max_steps", "max_minutes", "warmup_steps", "schedule",
     "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval", "text_field",
     "tracker",
 )  # fmt: skip
@@ -140,6 +141,8 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
         "data": source,
         "data_sha256": corpus.identity,
         "n_params": count_params(state.model),
+        # A LoRA run's base, identified, so that resuming on a changed one is refused.
+        **_lora_base(config, options.checkpoint),
     }
     read = f" ({corpus.summary})" if corpus.listing is not None else ""
     log(f"data: {source}{read}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
@@ -153,6 +156,14 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     return setup, state
 
 
+def _lora_base(config: TrainConfig, meta: dict | None) -> dict:
+    """`{"lora_base": identity}` of a LoRA run's base GPT-2 (the checkpoint's on resume, checked
+    then against the folder), so that a changed base is refused; `{}` for other runs."""
+    if config.lora_rank is None or config.init_from is None:
+        return {}
+    return {"lora_base": meta.get("lora_base") if meta is not None else base_identity(config.init_from)}
+
+
 def _initial_state(options, config, model_config, optimizer, out_dir: Path, log) -> TrainState:
     """The model and optimiser state to start from: fresh (or GPT-2's weights with `--init-from`),
     or the checkpoint's, refusing a run that already finished."""
@@ -161,11 +172,24 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
         if config.init_from is not None:
             log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
             model = load_gpt2(config.init_from, **options.model)
+            if config.lora_adapters is not None:
+                log(f"init: LoRA adapters of {config.lora_adapters}/ (PEFT)")
+                model = load_adapters(model, config.lora_adapters)
+            elif config.lora_rank is not None:
+                key = batch_key(config.seed, LORA_INIT, 0)
+                model = apply_lora(
+                    model, config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets, key=key
+                )
+            if config.lora_rank is not None:
+                log(describe(model) + "; the base is frozen")
         else:
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
         return TrainState(model, opt_state, step=0, schedule_steps=options.schedule_steps)
-    opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
+    if meta.get("lora_base") is not None:
+        check_base(meta["lora_base"])
+    template = run_template(model_config, config.to_dict())
+    opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, template)
     model, opt_state, _, meta = load_checkpoint(meta, opt_like)
     start, schedule_steps = meta["step"], options.schedule_steps
     last_eval = saved_evaluation(meta)

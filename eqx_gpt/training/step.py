@@ -21,6 +21,7 @@ from eqx_gpt.model.attention import MultiHeadAttention
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.linear import Linear
+from eqx_gpt.model.lora import LoRALinear, trainable_filter
 from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
@@ -71,6 +72,8 @@ def decay_mask(params: PyTree) -> PyTree:
     """
 
     def mark(node):
+        if isinstance(node, LoRALinear):  # its adapters decay, as Hugging Face's Trainer decays them
+            return eqx.tree_at(lambda m: (m.lora_a, m.lora_b), _only_weight(node, True, False), (True, True))
         if isinstance(node, Linear):
             return _only_weight(node, True, False)
         if isinstance(node, RMSNorm | LayerNorm):
@@ -184,7 +187,9 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
 
 
 def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
-    return optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    """The optimiser's state for what the step trains (`trainable_filter`): every float array, or
+    a LoRA model's adapters alone (the frozen base has none)."""
+    return optimizer.init(eqx.filter(model, trainable_filter(model)))
 
 
 def count_params(model: GPT) -> int:
@@ -207,13 +212,18 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
     """The un-jitted optimiser step `(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`
     that `make_train_step` and `make_train_steps` compile."""
     n_micro = config.grad_accum
-    grad_of_loss = eqx.filter_value_and_grad(loss)
+    # Differentiated: the trainable part (`trainable_filter`); the rest (a LoRA model's frozen
+    # base) is a constant of the loss, so no gradient of it is ever computed.
+    grad_of_loss = eqx.filter_value_and_grad(
+        lambda params, frozen, *xs: loss(eqx.combine(params, frozen), *xs)
+    )
 
     def step_fn(model, opt_state, batch, step, lr):
         n, window = batch.shape
         keys = jax.random.split(batch_key(config.seed, DROPOUT, step), n) if dropout else None
+        params, frozen = eqx.partition(model, trainable_filter(model))
         if n_micro == 1:
-            loss, grads = grad_of_loss(model, batch, keys)
+            loss, grads = grad_of_loss(params, frozen, batch, keys)
         else:
             # Micro-batch i takes rows i, i + n_micro, ...: with the batch split over devices in
             # contiguous blocks, every micro-batch then stays spread over all of them.
@@ -222,13 +232,13 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
 
             def accumulate(carry, xs):
                 loss_sum, grad_sum = carry
-                loss, grads = grad_of_loss(model, *xs)
+                loss, grads = grad_of_loss(params, frozen, *xs)
                 return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(model, eqx.is_inexact_array))
+            zeros = jax.tree.map(jnp.zeros_like, eqx.filter(params, eqx.is_inexact_array))
             (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros(()), zeros), (micro_batches, micro_keys))
             loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(params, eqx.is_inexact_array))
         updates = jax.tree.map(lambda u: lr * u, updates)
         return eqx.apply_updates(model, updates), opt_state, loss
 

@@ -1,0 +1,241 @@
+"""LoRA adapters in Hugging Face PEFT's format, both ways, and the identity of the base they adapt.
+
+A PEFT adapter folder holds `adapter_config.json` (`peft_type` "LORA", `r`, `lora_alpha`,
+`target_modules`, `fan_in_fan_out`, `base_model_name_or_path`, ...) and
+`adapter_model.safetensors`, whose tensors for GPT-2 are named
+`base_model.model.transformer.h.{i}.attn.c_attn.lora_A.weight` `(r, in)` and `...lora_B.weight`
+`(out, r)`: the transposes of `LoRALinear.lora_a (in, r)` and `.lora_b (r, out)`. GPT-2's
+projections are `Conv1D`s (weight stored `(in, out)`), hence `fan_in_fan_out: true`.
+`peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), folder)` loads what
+`save_adapters` writes; `load_adapters` reads what PEFT saved (LoRA on GPT-2's blocks; DoRA,
+rsLoRA and per-module ranks are refused).
+"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_gpt.errors import CheckpointError, TrainingError
+from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.gpt2 import CONFIG_NAME
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.lora import LORA_MODULES, LoRALinear, apply_lora, check_lora
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model.transformer.h."
+_NAME = re.compile(
+    r"base_model\.model\.transformer\.h\.(\d+)\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.lora_([AB])\.weight"
+)
+
+
+def is_adapter_directory(path: str | Path) -> bool:
+    """Whether `path` is a PEFT adapter folder: its marker is `adapter_config.json`."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _adapted(model: GPT) -> dict[str, LoRALinear]:
+    """The model's `LoRALinear`s (stacked over its layers) by GPT-2 module name."""
+    layers = model.blocks.layers
+    if isinstance(layers, tuple):
+        raise TrainingError("PEFT adapters are read and written for a GPT with stacked layers")
+    return {name: get(layers) for name, get in LORA_MODULES.items() if isinstance(get(layers), LoRALinear)}
+
+
+def adapter_config(model: GPT, base: str, dropout: float = 0.0) -> dict:
+    """The `adapter_config.json` PEFT writes for `model`'s adapters on the GPT-2 in folder `base`."""
+    adapted = _adapted(model)
+    first = next(iter(adapted.values()))
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "r": first.rank, "lora_alpha": first.scale * first.rank, "lora_dropout": dropout,
+        "target_modules": sorted(adapted), "fan_in_fan_out": True, "bias": "none",
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
+    }  # fmt: skip
+
+
+def save_adapters(model: GPT, directory: str | Path, *, base: str, dropout: float = 0.0) -> Path:
+    """Write `model`'s adapters as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)
+    for the GPT-2 in folder `base`. Each file is replaced atomically, the config last."""
+    from safetensors.numpy import save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, module in _adapted(model).items():
+        a, b = np.asarray(module.lora_a, np.float32), np.asarray(module.lora_b, np.float32)
+        for i in range(a.shape[0]):
+            tensors[f"{PREFIX}{i}.{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
+            tensors[f"{PREFIX}{i}.{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
+    atomic_write_bytes(directory / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    config = adapter_config(model, base, dropout)
+    atomic_write_bytes(directory / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    return directory
+
+
+def save_run_adapters(out_dir: str | Path, name: str, model: GPT, *, base: str) -> None:
+    """Keep a LoRA run's folder holding, in PEFT's format, the adapters of the model `load_model`
+    gives for it: those of its `best` checkpoint, or of `latest` while there is no `best`. Called as
+    checkpoint `name` ("best", "latest") of `model` is saved."""
+    if name == "best" or not (Path(out_dir) / "best.json").is_file():
+        save_adapters(model, out_dir, base=base)
+
+
+def read_adapter_config(directory: str | Path) -> dict:
+    """`adapter_config.json` of a PEFT folder, checked to be LoRA that eqx_gpt computes; its
+    `base_model_name_or_path` made absolute (relative to the folder)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}); save the adapters again") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise CheckpointError(f"{path}: peft_type is {kind!r}; eqx_gpt reads LoRA adapters ('LORA') only")
+    unsupported = [k for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "modules_to_save",
+                               "layers_to_transform") if config.get(k)]  # fmt: skip
+    if unsupported or config.get("bias", "none") != "none" or not config.get("fan_in_fan_out", True):
+        raise CheckpointError(
+            f"{path}: eqx_gpt reads plain LoRA on GPT-2 (bias 'none', fan_in_fan_out true, no "
+            f"{', '.join(unsupported) or 'bias training'}); this adapter is another kind"
+        )
+    try:
+        check_lora(config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0))
+    except KeyError as e:
+        raise CheckpointError(f"{path} lacks {e.args[0]!r}; it is not a complete adapter config") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    base = config.get("base_model_name_or_path")
+    if isinstance(base, str) and base:
+        local = (Path(directory) / base).expanduser()
+        config["base_model_name_or_path"] = str(local.resolve()) if local.exists() else base
+    return config
+
+
+def base_directory(directory: str | Path) -> Path:
+    """The local GPT-2 folder a PEFT adapter folder names as its base (a one-line error if it
+    names a Hub model or nothing that exists)."""
+    base = read_adapter_config(directory).get("base_model_name_or_path")
+    if not isinstance(base, str) or not (Path(base) / CONFIG_NAME).is_file():
+        raise CheckpointError(
+            f"{Path(directory) / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not a local GPT-2 "
+            f"folder; download the base (config.json, model.safetensors) and set that field to its path"
+        )
+    return Path(base)
+
+
+def adapter_targets(directory: str | Path) -> list[str]:
+    """The GPT-2 modules (`LORA_MODULES` names) a PEFT folder's tensors adapt."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(directory) / ADAPTER_WEIGHTS
+    try:
+        with safe_open(path, framework="numpy") as f:
+            names = list(f.keys())
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}); save the adapters again"
+        ) from None
+    matches = [_NAME.fullmatch(name.replace(".default.", ".")) for name in names]
+    if not names or None in matches:
+        raise CheckpointError(
+            f"{path} holds tensors that are not LoRA on GPT-2's blocks; eqx_gpt cannot apply them"
+        )
+    return sorted({m[2] for m in matches if m is not None})
+
+
+def load_adapters(model: GPT, directory: str | Path) -> GPT:
+    """`model` (the base GPT-2, plain `Linear`s) with the PEFT adapters of `directory` applied:
+    `LoRALinear`s holding the saved A and B at the saved rank and alpha."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    config = read_adapter_config(directory)
+    path = Path(directory) / ADAPTER_WEIGHTS
+    try:
+        tensors = load_file(path)
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(
+            f"{path} cannot be read ({str(e).splitlines()[0] if str(e) else e}); save it again"
+        ) from None
+    found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
+    for name, array in tensors.items():
+        match = _NAME.fullmatch(name.replace(".default.", "."))
+        if match is None:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is not LoRA on a GPT-2 block; eqx_gpt cannot apply it"
+            )
+        found.setdefault(match[2], {})[(int(match[1]), match[3])] = array
+    if not found:
+        raise CheckpointError(f"{path} holds no LoRA tensors")
+    rank, alpha, n = int(config["r"]), float(config["lora_alpha"]), model.config.n_layers
+    adapted = apply_lora(model, rank, alpha=alpha, targets=sorted(found), key=jax.random.key(0))
+    getters, arrays = [], []
+    for module, per_layer in found.items():
+        for which, field in (("A", "lora_a"), ("B", "lora_b")):
+            try:
+                stacked = np.stack([per_layer[(i, which)].T for i in range(n)])
+            except KeyError:
+                raise CheckpointError(
+                    f"{path}: {module}'s lora_{which} is missing for some of the {n} layers"
+                ) from None
+            like = getattr(LORA_MODULES[module](adapted.blocks.layers), field)
+            if stacked.shape != like.shape:
+                raise CheckpointError(
+                    f"{path}: {module}.lora_{which} has shape {stacked.shape[1:][::-1]} per layer but the "
+                    f"base and r={rank} imply {like.shape[1:][::-1]}; the adapter is for another model"
+                )
+            getters.append(
+                lambda m, module=module, field=field: getattr(LORA_MODULES[module](m.blocks.layers), field)
+            )
+            arrays.append(jnp.asarray(stacked, jnp.float32))
+    return eqx.tree_at(lambda m: [get(m) for get in getters], adapted, arrays)
+
+
+def base_identity(directory: str | Path) -> dict:
+    """What identifies a GPT-2 folder's weights: its path and each file's size and sha256
+    (`config.json` and every `.safetensors`), as a run records it to refuse a changed base."""
+    directory = Path(directory)
+    files = {}
+    for path in sorted([directory / CONFIG_NAME, *directory.glob("*.safetensors")]):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        files[path.name] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"path": str(directory), "files": files}
+
+
+def check_base(recorded: dict) -> None:
+    """A one-line `TrainingError` unless the base folder a run recorded still holds the same files."""
+    directory = Path(str(recorded.get("path")))
+    try:
+        now = base_identity(directory)["files"]
+    except OSError:
+        now = None
+    if now != recorded.get("files"):
+        changed = "is gone" if now is None else "has changed since the run started (its files' sha256 differ)"
+        raise TrainingError(
+            f"the LoRA run's base model {directory}/ {changed}: its adapters are for the weights it had; "
+            f"restore that folder to resume, or start a new run with --out-dir"
+        )
+
+
+def describe(model: GPT) -> str:
+    """One line: the adapters' rank, scale, targets and trainable share."""
+    adapted = _adapted(model)
+    first = next(iter(adapted.values()))
+    trainable = sum(m.lora_a.size + m.lora_b.size for m in adapted.values())
+    total = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    share = 100 * trainable / (total - trainable)
+    return (
+        f"LoRA rank {first.rank}, scale {first.scale:g} (alpha {first.scale * first.rank:g}) on "
+        f"{', '.join(sorted(adapted))}: {trainable:,} trainable parameters ({share:.2f}% of the frozen "
+        f"{(total - trainable) / 1e6:.2f}M)"
+    )
