@@ -234,5 +234,3 @@ class TrainConfig(DictConfig):
                 f"--lora-dropout {self.lora_dropout}: eqx_gpt's LoRA trains without dropout on the "
                 f"adapters (its projections take no dropout key); pass 0, or --dropout for the model's"
             )
-        if self.optimizer != "adamw":
-            raise ConfigError("LoRA adapters train with AdamW; drop --optimizer muon")

@@ -121,6 +121,10 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
                 "--lora-rank trains adapters on a pretrained model: pass --init-from GPT2_DIR (or a PEFT "
                 "adapter folder) too"
             )
+        if train.optimizer != "adamw":
+            raise ConfigError(
+                _blame_preset("LoRA adapters train with AdamW; drop --optimizer muon", preset, from_preset)
+            )
         width = read_gpt2_config(train.init_from).d_model  # the rank's bound
         check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
     if preset == FINETUNE_PRESET and train.init_from is None:

@@ -1,0 +1,290 @@
+"""LoRA: adapters on a frozen GPT-2 (the committed tiny one), trained alone, in PEFT's format both
+ways, resumed bit for bit; bad settings are one line before any work."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_gpt.training.run as run_module
+from eqx_gpt import (
+    ConfigError,
+    Linear,
+    LoRALinear,
+    TrainingError,
+    apply_lora,
+    load_adapters,
+    load_checkpoint,
+    load_gpt2,
+    load_model,
+    lora_trainable,
+    merge_lora,
+    save_adapters,
+    train,
+)
+from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
+from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+from eqx_gpt.training.data import load_text
+from eqx_gpt.training.step import loss_fn
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
+PEFT_FIXTURE = ROOT / "tests" / "fixtures" / "tiny-gpt2-lora"
+RUN = dict(
+    context_length=32, batch_size=2, eval_batches=1, max_steps=4, eval_interval=2, log_interval=1,
+    warmup_steps=1, lr=1e-2, min_lr=1e-3,
+)  # fmt: skip
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn,c_proj")
+
+
+def _cli(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_lora_cli", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    try:
+        GPT2Tokenizer(512)
+    except TokenizerError as error:
+        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {error}")
+    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
+    path.write_text(load_text()[:20_000], encoding="utf-8")
+    return path
+
+
+def _train(out, corpus=None, resume=False, **settings):
+    settings = {} if resume else {"init_from": str(TINY_GPT2), "data": str(corpus), **RUN, **settings}
+    return train(out_dir=out, resume=resume, sample_tokens=0, log=lambda s: None, progress=False, **settings)
+
+
+def _losses(out: Path) -> list[tuple]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "train_loss", "val_loss", "final_val_loss")
+    return [(r["step"], *(r.get(k) for k in keys)) for r in records]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, corpus):
+    out = tmp_path_factory.mktemp("lora") / "run"
+    _train(out, corpus, **LORA)
+    return out
+
+
+# -- the module --------------------------------------------------------------------------------
+
+
+def _adapter_bs(model) -> list:
+    nodes = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear))
+    return [n.lora_b for n in nodes if isinstance(n, LoRALinear)]
+
+
+def _random_b(model, key):
+    """`model` with every adapter's B drawn at random (B starts at zero, which would check nothing)."""
+    bs = _adapter_bs(model)
+    keys = jax.random.split(key, len(bs))
+    return eqx.tree_at(
+        _adapter_bs, model, [0.1 * jax.random.normal(k, b.shape) for k, b in zip(keys, bs, strict=True)]
+    )
+
+
+def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
+    base = load_gpt2(TINY_GPT2)
+    model = apply_lora(base, 4, alpha=8, targets="c_attn,c_fc,attn.out", key=jax.random.key(0))
+    layers = model.blocks.layers
+    assert [type(m) for m in (layers.attn.qkv, layers.attn.out, layers.mlp.up, layers.mlp.down)] == [
+        LoRALinear, LoRALinear, LoRALinear, Linear
+    ]  # fmt: skip
+    assert isinstance(layers.attn.qkv, Linear) and layers.attn.qkv.lora_a.shape == (2, 32, 4)
+    batch = jnp.arange(2 * 17).reshape(2, 17) % 512
+    # Step 0 is the base model: B is zero.
+    assert float(loss_fn(model, batch)) == pytest.approx(float(loss_fn(base, batch)), rel=1e-6)
+    adapted = eqx.nn.inference_mode(_random_b(model, jax.random.key(1)))
+    merged = merge_lora(adapted)
+    assert not any(
+        isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
+    )
+    x = jnp.arange(12)
+    np.testing.assert_allclose(merged(x), adapted(x), atol=2e-5)
+    assert float(jnp.abs(adapted(x) - eqx.nn.inference_mode(base)(x)).max()) > 1e-2
+    # Only the adapters are trainable.
+    params = eqx.filter(model, lora_trainable(model))
+    assert sum(x.size for x in jax.tree.leaves(params)) == 2 * (
+        32 * 4 + 4 * 96 + 32 * 4 + 4 * 128 + 32 * 4 + 4 * 32
+    )
+
+
+def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
+    model = load_adapters(load_gpt2(TINY_GPT2), PEFT_FIXTURE)
+    layers = model.blocks.layers
+    assert isinstance(layers.attn.qkv, LoRALinear) and isinstance(layers.mlp.down, LoRALinear)
+    assert not isinstance(layers.mlp.up, LoRALinear) and layers.attn.qkv.scale == 2.0
+    expected = np.load(PEFT_FIXTURE / "expected.npz")
+    logits = eqx.nn.inference_mode(model)(jnp.asarray(expected["prompt"]))
+    np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
+
+
+def test_saved_adapters_read_back_exactly(tmp_path):
+    model = load_adapters(load_gpt2(TINY_GPT2), PEFT_FIXTURE)
+    save_adapters(model, tmp_path, base=str(TINY_GPT2))
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["fan_in_fan_out"] and config["target_modules"] == [
+        "attn.c_attn",
+        "attn.c_proj",
+        "mlp.c_proj",
+    ]
+    again = load_adapters(load_gpt2(TINY_GPT2), tmp_path)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone(tmp_path, corpus, lora_run):
+    full = tmp_path / "full"
+    _train(full, corpus, max_steps=1)
+    lora_first, full_first = _losses(lora_run)[:2], _losses(full)[:2]
+    # Step 0: the evaluation (train and validation loss) and the first step's loss are the base's.
+    for a, b in zip(lora_first, full_first, strict=True):
+        np.testing.assert_allclose(
+            [x for x in a if x is not None], [x for x in b if x is not None], rtol=1e-6
+        )
+    separate, _, meta = load_model(lora_run, lora="separate")
+    base = load_gpt2(TINY_GPT2, context_length=32)
+    frozen = eqx.filter(separate, lora_trainable(separate), inverse=True)
+    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base), strict=True):
+        np.testing.assert_array_equal(a, b)  # not one frozen weight moved
+    assert float(jnp.abs(separate.blocks.layers.attn.qkv.lora_b).max()) > 0  # the adapters did
+    # The optimiser holds AdamW's two moments for the adapters, nothing for the frozen base.
+    _, opt_state, _, _ = load_checkpoint(checkpoint_file(lora_run, LATEST), _opt_like(meta))
+    n_adapters = sum(x.size for x in jax.tree.leaves(eqx.filter(separate, lora_trainable(separate))))
+    moments = [x for x in jax.tree.leaves(opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert (
+        sum(x.size for x in moments)
+        == 2 * n_adapters
+        == 2 * 2 * (32 * 4 + 4 * 96 + 32 * 4 + 4 * 32 + 128 * 4 + 4 * 32)
+    )
+    # The merged model (load_model's default) computes what the adapters do.
+    merged, _, _ = load_model(lora_run)
+    x = jnp.arange(20) % 512
+    np.testing.assert_allclose(
+        eqx.nn.inference_mode(merged)(x), eqx.nn.inference_mode(separate)(x), atol=1e-5
+    )
+
+
+def _opt_like(meta):
+    from eqx_gpt.checkpoint import run_template
+    from eqx_gpt.model.config import GPTConfig
+    from eqx_gpt.training.config import TrainConfig
+    from eqx_gpt.training.step import init_optimizer_state, make_optimizer
+
+    optimizer = make_optimizer(TrainConfig.from_dict(meta["train_config"]))
+    template = run_template(GPTConfig.from_dict(meta["model_config"]), meta["train_config"])
+    return eqx.filter_eval_shape(init_optimizer_state, optimizer, template)
+
+
+def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
+    config = json.loads((lora_run / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(TINY_GPT2) and config["r"] == 4
+    assert config["target_modules"] == ["attn.c_attn", "attn.c_proj", "mlp.c_proj"]
+    separate, _, _ = load_model(lora_run, lora="separate")
+    from_peft = load_adapters(load_gpt2(TINY_GPT2, context_length=32), lora_run)
+    for a, b in zip(jax.tree.leaves(separate), jax.tree.leaves(from_peft), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
+    tmp_path, corpus, lora_run, monkeypatch
+):
+    out, real_save = tmp_path / "killed", run_module.save
+
+    class Killed(BaseException):
+        pass
+
+    def save_then_die(run, name):
+        real_save(run, name)
+        if name == LATEST and run.state.step == 2:
+            raise Killed  # as SIGKILL would, right after the checkpoint at step 2
+
+    monkeypatch.setattr(run_module, "save", save_then_die)
+    with pytest.raises(Killed):
+        _train(out, corpus, **LORA)
+    monkeypatch.setattr(run_module, "save", real_save)
+    assert read_metadata(checkpoint_file(out, LATEST))["step"] == 2
+    result = _train(out, resume=True)
+    assert result.step == 4 and not result.interrupted
+    assert _losses(out) == _losses(lora_run)
+
+
+def test_resuming_on_a_changed_base_is_refused(tmp_path, corpus):
+    base, out = tmp_path / "gpt2", tmp_path / "run"
+    shutil.copytree(TINY_GPT2, base)
+    _train(out, corpus, **{**LORA, "init_from": str(base)}, max_steps=2)
+    weights = base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(TrainingError, match="base model .* has changed since the run started"):
+        _train(out, resume=True, max_steps=4)
+
+
+def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, corpus):
+    out = tmp_path / "run"
+    _train(out, corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6)
+    meta = read_metadata(checkpoint_file(out, LATEST))
+    train_config = meta["train_config"]
+    assert (train_config["init_from"], train_config["lora_adapters"]) == (str(TINY_GPT2), str(PEFT_FIXTURE))
+    assert (train_config["lora_rank"], train_config["lora_alpha"]) == (4, 8.0)
+    assert train_config["lora_targets"] == "attn.c_attn,attn.c_proj,mlp.c_proj"
+    separate, _, _ = load_model(out, lora="separate")
+    start = load_adapters(load_gpt2(TINY_GPT2, context_length=32), PEFT_FIXTURE)
+    b, b0 = separate.blocks.layers.mlp.down.lora_b, start.blocks.layers.mlp.down.lora_b
+    assert 0 < float(jnp.abs(b - b0).max()) < 1e-4  # one step at 1e-6 from the PEFT adapter
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+RANK_4 = ["--init-from", str(TINY_GPT2), "--lora-rank", "4"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lora-rank", "4"], "--lora-rank trains adapters on a pretrained model: pass --init-from"),
+        (["--init-from", str(TINY_GPT2), "--lora-rank", "0"], "lora_rank must be a whole number >= 1"),
+        (["--init-from", str(TINY_GPT2), "--lora-rank", "33"], "larger than the model's width 32"),
+        ([*RANK_4, "--lora-targets", "c_attn,wte"],
+         "unknown LoRA target 'wte'"),
+        ([*RANK_4, "--lora-alpha", "-1"], "lora_alpha must be a finite"),
+        ([*RANK_4, "--lora-dropout", "1"], "lora_dropout must be in"),
+        (["--init-from", str(PEFT_FIXTURE), "--lora-rank", "8"], "--lora-rank comes from the adapter folder"),
+    ],
+)  # fmt: skip
+def test_bad_lora_settings_are_one_line_before_any_work(tmp_path, capsys, flags, message):
+    out = tmp_path / "run"
+    assert _cli("train").main([*flags, "--out-dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_nan_alpha_is_refused_through_train():
+    with pytest.raises(ConfigError, match="lora_alpha must be a finite number"):
+        train(
+            init_from=str(TINY_GPT2),
+            lora_rank=4,
+            lora_alpha=float("nan"),
+            out_dir="never",
+            log=lambda s: None,
+        )
