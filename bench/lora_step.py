@@ -119,7 +119,8 @@ def main() -> None:
     rss = {s: max(f["peak_rss_mb"] for f in results[s]) for s in results}
     opt = {s: results[s][0]["opt_state_mb"] for s in results}
     print(f"median step: full {med['full']:.2f} s, LoRA {med['lora']:.2f} s: LoRA "
-          f"{med['full'] / med['lora']:.2f}x faster; forward alone {fwd:.2f} s (LoRA step = {med['lora'] / fwd:.2f} forwards)")  # fmt: skip
+          f"{med['full'] / med['lora']:.2f}x faster; forward alone {fwd:.2f} s "
+          f"(LoRA step = {med['lora'] / fwd:.2f} forwards)")  # fmt: skip
     print(f"peak RSS: full {rss['full']:.0f} MB, LoRA {rss['lora']:.0f} MB; optimiser state: full "
           f"{opt['full']:.0f} MB, LoRA {opt['lora']:.2f} MB")  # fmt: skip
 
