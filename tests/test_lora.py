@@ -288,3 +288,20 @@ def test_a_nan_alpha_is_refused_through_train():
             out_dir="never",
             log=lambda s: None,
         )
+
+
+def test_export_writes_a_lora_run_merged_or_its_adapters_alone(tmp_path, lora_run):
+    merged, _, _ = load_model(lora_run)
+    assert not any(
+        isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
+    )
+    export = _cli("export")
+    assert export.main(["--checkpoint", str(lora_run), "--out-dir", str(tmp_path / "merged")]) == 0
+    x = jnp.arange(20) % 512
+    want = eqx.nn.inference_mode(merged)(x)
+    got = eqx.nn.inference_mode(load_gpt2(tmp_path / "merged"))(x)
+    np.testing.assert_array_equal(got, want)  # the merged weights, written as they are
+    argv = ["--checkpoint", str(lora_run), "--out-dir", str(tmp_path / "adapters"), "--adapters-only"]
+    assert export.main(argv) == 0
+    adapted = load_adapters(load_gpt2(TINY_GPT2, context_length=32), tmp_path / "adapters")
+    np.testing.assert_allclose(eqx.nn.inference_mode(adapted)(x), want, atol=1e-5)

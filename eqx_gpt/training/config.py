@@ -202,12 +202,7 @@ class TrainConfig(DictConfig):
             raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
-        if self.init_from is not None and self.tokenizer != "gpt2":
-            raise ConfigError(
-                f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
-                f"{self.tokenizer!r}; leave out --tokenizer"
-            )
-        self._check_lora()
+        self._check_fine_tuning()
         if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
             raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
         if self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
@@ -215,10 +210,15 @@ class TrainConfig(DictConfig):
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ConfigError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
 
-    def _check_lora(self) -> None:
-        """LoRA's settings. That LoRA needs `init_from`, and the rank's bound by the model's width,
-        are checked with the run's options (`resolve_options`): the step's config leaves out
-        `init_from` (it is not the step's to read)."""
+    def _check_fine_tuning(self) -> None:
+        """`init_from`'s tokenizer, and LoRA's settings. That LoRA needs `init_from`, and the rank's
+        bound by the model's width, are checked with the run's options (`resolve_options`): the
+        step's config leaves out `init_from` (it is not the step's to read)."""
+        if self.init_from is not None and self.tokenizer != "gpt2":
+            raise ConfigError(
+                f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
+                f"{self.tokenizer!r}; leave out --tokenizer"
+            )
         if not isinstance(self.lora_targets, str):
             raise ConfigError(f"lora_targets must be a comma list of names, got {self.lora_targets!r}")
         lora_modules(self.lora_targets)  # an unknown target is refused whether or not LoRA is on
