@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# eqx_gpt on a GPU in one call (docs/PERFORMANCE.md, "On a GPU"): installs the wheels carried in
+# .gpu-wheels/ (no network), then runs bench/gpu_check.py, which prints one summary table and
+# writes it with every figure to OUT/gpu_check.json.
+#
+#   bash bench/gpu_check.sh --out "$OUT"                   # on a GPU, with .gpu-wheels carried
+#   JAX_PLATFORMS=cpu bash bench/gpu_check.sh --dry-run    # tiny sizes on the CPU: every stage
+#
+# Options: --wheels DIR (default .gpu-wheels; nothing is installed where it is absent), --out DIR,
+# --dry-run, --budget S, --stages NAME..., --commit SHA (the rest go to bench/gpu_check.py).
+# Python: $PYTHON, else the repo's .venv, else python3 (the GPU image's, with JAX and CUDA).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+wheels=.gpu-wheels
+out=${OUT:-out/gpu-check}
+args=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --wheels) wheels=${2:?--wheels needs a folder}; shift 2 ;;
+    --out) out=${2:?--out needs a folder}; args+=(--out "$2"); shift 2 ;;
+    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+
+if [[ -n "${PYTHON:-}" ]]; then py=$PYTHON
+elif [[ -x .venv/bin/python ]]; then py=.venv/bin/python
+else py=python3
+fi
+
+# beartype is the one dependency the GPU image lacks; its version is uv.lock's.
+beartype=$(awk '/^name = "beartype"$/ {getline; gsub(/[^0-9.]/, ""); print; exit}' uv.lock 2>/dev/null)
+prepare="python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d $wheels beartype==${beartype:-0.23.1}"
+installed=""
+shopt -s nullglob
+found=("$wheels"/*.whl)
+if [[ ${#found[@]} -gt 0 ]]; then
+  site=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site-XXXXXX")
+  if "$py" -m pip --version >/dev/null 2>&1; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${found[@]}"
+  elif command -v uv >/dev/null 2>&1; then  # a uv-made .venv has no pip
+    uv pip install -q --python "$py" --no-index --no-deps --target "$site" "${found[@]}"
+  else
+    false
+  fi || { echo "gpu_check: could not install the wheels in $wheels into $site" >&2; exit 2; }
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  installed="${found[*]##*/} into $site"
+  echo "gpu_check: installed ${#found[@]} wheel(s) from $wheels: ${found[*]##*/}"
+else
+  echo "gpu_check: no wheels in $wheels/ (none installed). Where a package is missing (beartype on the GPU image):"
+  echo "  $prepare"
+fi
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$py" -c "import eqx_gpt" 2>/dev/null; then
+  echo "gpu_check: $py cannot import eqx_gpt:" >&2
+  "$py" -c "import eqx_gpt" 2>&1 | tail -1 >&2
+  echo "gpu_check: bring what is missing as wheels: $prepare" >&2
+fi
+
+mkdir -p "$out"
+rm -f "$out/gpu_check.json"
+"$py" bench/gpu_check.py --wheels "$installed" "${args[@]}"
+rc=$?
+if [[ ! -s "$out/gpu_check.json" ]]; then  # the orchestrator itself died: still leave a record
+  printf '{"error": "bench/gpu_check.py exited %s before writing its report", "python": "%s"}\n' "$rc" "$py" \
+    >"$out/gpu_check.json"
+  echo "gpu_check: bench/gpu_check.py exited $rc before writing its report" >&2
+fi
+exit $rc
