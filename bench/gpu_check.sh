@@ -44,9 +44,14 @@ if [[ ${#found[@]} -gt 0 ]]; then
   else
     false
   fi || { echo "gpu_check: could not install the wheels in $wheels into $site" >&2; exit 2; }
+  trap 'rm -rf "$site"' EXIT
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-  installed="${found[*]##*/} into $site"
-  echo "gpu_check: installed ${#found[@]} wheel(s) from $wheels: ${found[*]##*/}"
+  installed="${found[*]##*/}"
+  echo "gpu_check: installed ${#found[@]} wheel(s) from $wheels: $installed"
+  packages=$(cd "$site" && for d in */; do [[ $d == *.dist-info/ || $d == bin/ ]] || echo "${d%/}"; done)
+  # shellcheck disable=SC2086 (one argument per package)
+  "$py" -c 'import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]; print(*sys.argv[1:])' \
+    $packages | sed 's/^/gpu_check: importable from the wheels: /'
 else
   echo "gpu_check: no wheels in $wheels/ (none installed). Where a package is missing (beartype on the GPU image):"
   echo "  $prepare"

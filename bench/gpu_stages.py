@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -167,11 +168,9 @@ def stage_peaks(record: Record, sizes: Sizes, args) -> None:
     device = jax.devices()[0]
     record.put(backend=jax.default_backend(), device=device.device_kind, devices=len(jax.devices()),
                jax=jax.__version__, cpu=cpu_description(), matmul_n=sizes.peak_n)  # fmt: skip
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm",
-         "--format=csv,noheader"], capture_output=True, text=True,
-    ) if jax.default_backend() == "gpu" else None  # fmt: skip
-    if smi is not None:
+    if jax.default_backend() == "gpu" and shutil.which("nvidia-smi"):  # the clocks, as found
+        query = "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm"
+        smi = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True)
         record.put(nvidia_smi=smi.stdout.strip() or smi.stderr.strip())
     record.put(bf16_tflops=matmul_tflops(sizes.peak_n, jnp.bfloat16))
     record.put(fp32_tflops=matmul_tflops(sizes.peak_n, jnp.float32))  # JAX's default precision
@@ -314,11 +313,11 @@ def stage_nanogpt(record: Record, sizes: Sizes, args) -> None:
     from common import flops_per_token
     from vs_pytorch import check_same_work, export
 
-    from eqx_gpt import GPT, PRESETS, TrainConfig, loss_fn
+    from eqx_gpt import GPT, loss_fn
 
     # nanoGPT's GPU recipe computes in bf16 (autocast); so does our side here.
     config = char_config(sizes, "bfloat16")
-    train_config = TrainConfig(**{**PRESETS["shakespeare-char"].train, "batch_size": sizes.char_batch})
+    train_config = train_config_of("shakespeare-char", sizes.char_batch)
     batches = random_batches(65, sizes.char_batch, config.context_length + 1)
     model = GPT(config, key=jax.random.key(0))
     with jax.default_matmul_precision("highest"):  # against torch's loss in full fp32
@@ -381,6 +380,18 @@ def gpt2_config(sizes: Sizes, compute_dtype: str = "float32"):
     )
     model = {**PRESETS["gpt2-124m"].model, **shape, "compute_dtype": compute_dtype}
     return GPTConfig(vocab_size=GPT2_VOCAB, **model)
+
+
+# The training configs timed: each preset's, with gradient clipping off for GPT-2 as on transformers'
+# side (`vs_transformers.hf_training`). The stages that time the same model and dtype build the same
+# program, so the run's compilation cache compiles it once.
+STEP_CHANGES = {"shakespeare-char": {}, "gpt2-124m": {"grad_clip": 0.0}}
+
+
+def train_config_of(preset: str, batch_size: int):
+    from eqx_gpt import PRESETS, TrainConfig
+
+    return TrainConfig(**{**PRESETS[preset].train, "batch_size": batch_size, **STEP_CHANGES[preset]})
 
 
 def gpt2_folder(sizes: Sizes, directory: Path):
@@ -449,13 +460,11 @@ def compare_training(record: Record, sizes: Sizes, directory: Path, reference) -
     """A bf16 training step (AdamW, no clipping on either side) of whole-context sequences."""
     from common import flops_per_token
 
-    from eqx_gpt import PRESETS, TrainConfig, load_gpt2
+    from eqx_gpt import load_gpt2
 
     model = load_gpt2(directory, compute_dtype="bfloat16")
     config = model.config
-    train_config = TrainConfig(
-        **{**PRESETS["gpt2-124m"].train, "batch_size": sizes.gpt2_batch, "grad_clip": 0.0}
-    )
+    train_config = train_config_of("gpt2-124m", sizes.gpt2_batch)
     batches = random_batches(GPT2_VOCAB, sizes.gpt2_batch, config.context_length + 1)
     ours = EqxStep(model, train_config, batches)
     record.put(
@@ -516,7 +525,7 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
     import jax
     from common import flops_per_token
 
-    from eqx_gpt import GPT, PRESETS, TrainConfig
+    from eqx_gpt import GPT
 
     cases = {
         "shakespeare-char": (lambda dtype: char_config(sizes, dtype), sizes.char_batch),
@@ -524,7 +533,7 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
     }
     peaks = peaks_of(record.path.parent)
     for name, (make_config, batch) in cases.items():
-        train_config = TrainConfig(**{**PRESETS[name].train, "batch_size": batch})
+        train_config = train_config_of(name, batch)
         steps = {}
         for dtype in ("float32", "bfloat16"):
             config = make_config(dtype)
