@@ -185,7 +185,7 @@ def summary(report: dict) -> str:
     for name, r in report["stages"].items():
         status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
         try:
-            figures = headline(name, r)
+            figures = "" if r["status"] == "skipped" else headline(name, r)
         except Exception as e:  # a figure of an unexpected kind: the JSON still holds it
             figures = f"(see gpu_check.json: {type(e).__name__})"
         lines.append(f"{name:8s} {status:22s} {r.get('seconds', 0):6.1f}  {figures}")

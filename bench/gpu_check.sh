@@ -6,7 +6,8 @@
 #   bash bench/gpu_check.sh --out "$OUT"                   # on a GPU, with .gpu-wheels carried
 #   JAX_PLATFORMS=cpu bash bench/gpu_check.sh --dry-run    # tiny sizes on the CPU: every stage
 #
-# Options: --wheels DIR (default .gpu-wheels; nothing is installed where it is absent), --out DIR,
+# Options: --wheels DIR (default .gpu-wheels: the wheels it holds are installed, and its
+# tiktoken-cache/ is GPT-2's BPE files; nothing is installed where it is absent), --out DIR,
 # --dry-run, --budget S, --stages NAME..., --commit SHA (the rest go to bench/gpu_check.py).
 # Python: $PYTHON, else the repo's .venv, else python3 (the GPU image's, with JAX and CUDA).
 set -uo pipefail
@@ -19,7 +20,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) wheels=${2:?--wheels needs a folder}; shift 2 ;;
     --out) out=${2:?--out needs a folder}; args+=(--out "$2"); shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) args+=("$1"); shift ;;
   esac
 done
@@ -57,10 +58,20 @@ else
   echo "  $prepare"
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$py" -c "import eqx_gpt" 2>/dev/null; then
-  echo "gpu_check: $py cannot import eqx_gpt:" >&2
-  "$py" -c "import eqx_gpt" 2>&1 | tail -1 >&2
-  echo "gpu_check: bring what is missing as wheels: $prepare" >&2
+# GPT-2's BPE files, for the tests that read them (without them they skip; there is no network).
+if [[ -z "${TIKTOKEN_CACHE_DIR:-}" && -d "$wheels/tiktoken-cache" ]]; then
+  TIKTOKEN_CACHE_DIR=$(cd "$wheels/tiktoken-cache" && pwd)
+  export TIKTOKEN_CACHE_DIR
+  echo "gpu_check: GPT-2's BPE files from $wheels/tiktoken-cache"
+elif [[ -z "${TIKTOKEN_CACHE_DIR:-}" ]]; then
+  echo "gpu_check: no $wheels/tiktoken-cache: the tests that read GPT-2's BPE files skip. To carry them:"
+  echo "  cp -r ../shared/data/tiktoken-cache $wheels/"
+fi
+# eqx_gpt's dependencies (pyproject.toml), looked up without importing them.
+missing=$("$py" -c 'import importlib.util as u, sys; print(*(m for m in sys.argv[1:] if not u.find_spec(m)))' \
+  jax equinox optax jaxtyping beartype tiktoken matplotlib numpy safetensors)
+if [[ -n "$missing" ]]; then
+  echo "gpu_check: $py lacks $missing; bring it as wheels, as for beartype: $prepare" >&2
 fi
 
 mkdir -p "$out"
