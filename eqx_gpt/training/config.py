@@ -26,6 +26,11 @@ class TrainConfig(DictConfig):
         "the field of .jsonl records, and the column of .parquet and .arrow tables, that holds the text",
         default="text",
     )
+    split: str | None = described(
+        "the split to train on of a folder of splits: a Hugging Face DatasetDict (dataset_dict.json), or "
+        "a folder of train/validation/test files or folders; 'all' reads every split (default: train)",
+        default=None,
+    )
     tokenizer: str = described(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
     )
@@ -149,6 +154,12 @@ class TrainConfig(DictConfig):
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ConfigError(
                 f"text_field must be a field name (a non-empty string), got {self.text_field!r}"
+            )
+        if self.split is not None and (
+            not isinstance(self.split, str) or not self.split or "/" in self.split
+        ):
+            raise ConfigError(
+                f"split must be a split's name such as 'train' or 'test', or None, got {self.split!r}"
             )
         if self.tracker is not None and not isinstance(self.tracker, str):
             raise ConfigError(
