@@ -69,8 +69,8 @@ def parse_args(argv=None, prog: str = "evaluate.py") -> argparse.Namespace:
         p.error("--text scores a file, --split a split of the run's folder of splits; pass one of them")
     if args.stride is not None and not (args.whole_split or args.text is not None or args.split is not None):
         p.error(
-            "--stride sets the windows of --whole-split, --text or --split; add one (the default reads the "
-            "windows the run's final validation read)"
+            "--stride sets the windows of --whole-split or --text, or of --split; add one (the default reads "
+            "the windows the run's final validation read)"
         )
     return args
 
