@@ -317,7 +317,18 @@ def test_a_folder_of_splits_reads_one_split_train_unless_another_is_named(tmp_pa
         "read 1 file (1 .raw) of split validation (splits test, train, validation); "
         "skipped 1 (1 outside the splits)"
     )
-    assert _text(_prepare(wiki, tmp_path, split="all")).split("\n\n") == ["TEST", "TEST", "TRAIN", "VALID"]
+    assert _text(_prepare(wiki, tmp_path, split="all")).split("\n\n") == [
+        "# card",
+        "TEST",
+        "TEST",
+        "TRAIN",
+        "VALID",
+    ]
+    code = tmp_path / "code"  # train.py beside test.py: a folder of code, not of splits
+    code.mkdir()
+    for name in ("train.py", "test.py", "model.py"):
+        (code / name).write_text(f"# {name}")
+    assert _prepare(code, tmp_path).summary == "read 3 files (3 .py)"
     (tmp_path / "one.txt").write_text(TEXT)
     _refused(
         tmp_path / "one.txt", "is one corpus, with no splits; --split test", tmp_path / "x", split="test"

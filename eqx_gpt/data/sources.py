@@ -9,11 +9,12 @@ files by bytes is refused. Symbolic links are followed, to files and to folders 
 back to a folder it is in (a loop) is refused.
 
 A folder of splits is not one corpus: one split is read, `train` unless `split` names another
-(`"all"`: every split). Such a folder is a `datasets` `DatasetDict` (`dataset_dict.json` names its
-splits, a folder each), or any folder whose entries name two splits or more the way Hugging Face
-does (`train/`, `test.jsonl`, `validation-00000-of-00001.parquet`, `wiki.valid.raw`: the keywords
-of `SPLIT_KEYWORDS` between `-._ ` or digits); there the other splits are left out, and files of
-no split are skipped and counted. A folder without the split asked for is refused, naming its
+(`"all"`: every file, as if it had none). Such a folder is a `datasets` `DatasetDict`
+(`dataset_dict.json` names its splits, a folder each), or any folder whose folders and data files
+(`SPLIT_DATA`: not `train.py` beside `test.py`) name two splits or more the way Hugging Face does
+(`train/`, `test.jsonl`, `validation-00000-of-00001.parquet`, `wiki.valid.raw`: the keywords of
+`SPLIT_KEYWORDS` between `-._ ` or digits); there the other splits are left out, and files of no
+split are skipped and counted. A folder without the split asked for is refused, naming its
 splits. The summary says which split of which folder was read, and from how many folders.
 
 A file's format is told by its name (`formats.py`): a `*.jsonl` holds one JSON object per line
@@ -48,7 +49,7 @@ BINARY_PROBE = 8192  # bytes looked at for a NUL byte (git's test for a binary f
 SCAN = 1 << 20  # bytes read at a time when looking for the newline that ends a range
 MAX_RECORD = 1 << 28  # the longest .jsonl line read (256 MiB: a few GB of memory while tokenized)
 BOM = "\ufeff"
-ALL_SPLITS = "all"  # the `split` that reads every split of a folder of splits
+ALL_SPLITS = "all"  # the `split` that reads every file of a folder of splits
 DEFAULT_SPLIT = "train"
 # Hugging Face's split keywords (`datasets.data_files`), by the split they name.
 SPLIT_KEYWORDS = {
@@ -56,6 +57,7 @@ SPLIT_KEYWORDS = {
     "validation": ("validation", "valid", "val", "dev"),
     "test": ("test", "testing", "eval", "evaluation"),
 }
+SPLIT_DATA = {"txt", "text", "raw", "tokens", "jsonl", "json", "parquet", "arrow", "csv", "tsv"}
 _KEYWORD = {k: split for split, keywords in SPLIT_KEYWORDS.items() for k in keywords}
 _SPLIT_NAME = re.compile(r"(?:^|[-._ 0-9])(" + "|".join(_KEYWORD) + r")(?=[-._ 0-9]|$)")
 
@@ -341,6 +343,15 @@ def split_of(name: str) -> str | None:
     return _KEYWORD[found.group(1)] if found else None
 
 
+def _split_data(entry: os.DirEntry) -> bool:
+    """Whether a folder entry may be a split's data by its name: a folder, or a file of data (not
+    `train.py` and `test.py` in a folder of code)."""
+    try:
+        return entry.is_dir() or formats.label(Path(entry.name)).split(".")[1] in SPLIT_DATA
+    except (OSError, IndexError):
+        return False
+
+
 def _dataset_dict_splits(folder: Path) -> list[str]:
     """The splits `dataset_dict.json` in `folder` names (`{"splits": [...]}`)."""
     path = folder / "dataset_dict.json"
@@ -369,7 +380,7 @@ def _single_split(folder: Path) -> str | None:
 
 class _Walk:
     """A walk of a corpus folder that reads the split `split` of each folder of splits in it
-    (None: train; `ALL_SPLITS`: every split); `parts` says in words what it read of them."""
+    (None: train; `ALL_SPLITS`: every file); `parts` says in words what it read of them."""
 
     def __init__(self, split: str | None):
         self.asked = split
@@ -428,22 +439,22 @@ class _Walk:
             split_of_entry = {n: n if n in splits and (folder / n).is_dir() else None for n in names}
             other = "metadata"
         else:
-            split_of_entry = {n: split_of(n) for n in names}
+            split_of_entry = {e.name: split_of(e.name) if _split_data(e) else None for e in entries}
             splits = sorted({x for x in split_of_entry.values() if x is not None})
             other = "outside the splits"
             if len(splits) < 2:
                 return {}
         shown = ", ".join(sorted(splits))
         where = f" of {prefix}" if prefix else ""
-        if self.split == ALL_SPLITS:
+        if self.split == ALL_SPLITS:  # every file, as if it had no splits
             self.parts.append(f"all splits{where} ({shown})")
-            return {n: None if s is not None else other for n, s in split_of_entry.items()}
+            return {}
         wanted = self.split if self.split in splits else _KEYWORD.get(self.split, self.split)
         if wanted not in splits:
             default = " (the split read by default)" if self.asked is None else ""
             raise DataError(
                 f"data folder {folder} holds the splits {shown}, and no {self.split}{default}; pass "
-                f"--split NAME to read one of them (--split all: every split)"
+                f"--split NAME to read one of them (--split all: every file)"
             )
         self.chosen = wanted
         self.parts.append(f"split {wanted}{where} (splits {shown})")
