@@ -162,6 +162,8 @@ class TrainConfig(DictConfig):
                 "adam_weight_decay",
                 "muon_momentum",
                 "decay_fraction",
+                "lora_alpha",
+                "lora_dropout",
                 *(("adam_lr",) if self.adam_lr is not None else ()),
             ),
         )
