@@ -20,21 +20,19 @@ CHECKPOINT = {
 def test_a_fresh_run_is_defaults_then_preset_then_settings():
     options = resolve_options({"preset": "cpu-adamw", "lr": 0.01, "n_layers": 2})
     assert options.train == TrainConfig(**{**PRESETS["cpu-adamw"].train, "lr": 0.01})
-    assert "vocab_size" not in options.model  # the tokenizer's, known once the data is read
-    assert (
-        options.model["n_layers"] == 2 and options.model["d_model"] == PRESETS["cpu-adamw"].model["d_model"]
-    )
+    assert not hasattr(options.model, "vocab_size")  # the tokenizer's, known once the data is read
+    assert options.model.n_layers == 2 and options.model.d_model == PRESETS["cpu-adamw"].model["d_model"]
     assert options.preset == "cpu-adamw" and options.checkpoint is None
     default = resolve_options({})
     assert default.preset == "cpu" and default.train == TrainConfig(**PRESETS["cpu"].train)
     bare = resolve_options({"preset": None, "max_steps": 5})  # no preset: the dataclass defaults
-    assert bare.train == TrainConfig(max_steps=5) and bare.model["d_model"] == GPTConfig(vocab_size=1).d_model
+    assert bare.train == TrainConfig(max_steps=5) and bare.model.d_model == GPTConfig(vocab_size=1).d_model
 
 
 def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     options = resolve_options({"max_steps": 30_000, "log_interval": 5}, CHECKPOINT)
     assert options.train == TrainConfig(**{**PRESETS["cpu"].train, "max_steps": 30_000, "log_interval": 5})
-    assert options.model == {k: v for k, v in CHECKPOINT["model_config"].items() if k != "vocab_size"}
+    assert options.model.config(65) == GPTConfig(**CHECKPOINT["model_config"])
     assert options.preset == "cpu" and options.checkpoint is CHECKPOINT
     cpu_lr = PRESETS["cpu"].train["lr"]
     assert resolve_options({"lr": cpu_lr}, CHECKPOINT).train.lr == cpu_lr  # agrees: fine

@@ -197,7 +197,7 @@ def step_figures(loss: Float[Array, ""], grads: PyTree) -> dict[str, Float[Array
     """What a step reports, by name: the loss, and the global norm of the gradient before clipping.
     A figure added here reaches metrics.jsonl, the trackers, `TrainResult.history` and the
     callbacks' `on_step` with nothing else changed (name its tracker tag in `trackers.TAGS`)."""
-    return {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads)}  # as `clip_by_global_norm` computes it
 
 
 def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool, loss):
@@ -235,11 +235,9 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
 def make_train_step(
     optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
 ):
-    """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, figures)`, jitted.
-
-    `figures` are the step's figures by name, 0-d arrays: `figures["loss"]`, the batch's mean
-    next-token loss before the update, and `figures["grad_norm"]`, the global norm of its gradient
-    before clipping (`step_figures`; more may be added, never fewer).
+    """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted: `loss`
+    is the batch's mean next-token loss before the update (a 0-d array). The trainer's own steps
+    (`make_train_steps`) return every figure of `step_figures` by name, the gradient norm too.
 
     `batch` is `(batch_size, context_length + 1)` token ids; `step` (int32) and `lr` (float32) are
     0-d arrays, so every step runs the same compiled program. The model and optimiser buffers are
@@ -254,7 +252,8 @@ def make_train_step(
     # The first argument (the inputs) is not donated: callers may reuse a batch.
     @eqx.filter_jit(donate="all-except-first")
     def step_fn(inputs, model, opt_state):
-        return body(model, opt_state, *inputs)
+        model, opt_state, figures = body(model, opt_state, *inputs)
+        return model, opt_state, figures["loss"]
 
     def train_step(model, opt_state, batch, step, lr):
         return step_fn((batch, step, lr), model, opt_state)
@@ -267,7 +266,7 @@ def make_train_steps(
 ):
     """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, figures)`: the
     first `n` of a stack of `make_train_step` steps in one dispatch; `figures[name]` is `(k,)`,
-    step `i`'s figure at `i`.
+    step `i`'s figure at `i`: the figures of `step_figures`, `loss` first and the others by name.
 
     `batches` is `(k, batch_size, context_length + 1)`, `steps` and `lrs` are `(k,)`, and `n <= k`
     is a 0-d int32 array, so one compiled program serves any count up to `k`; a figure at
@@ -298,7 +297,8 @@ def make_train_steps(
         return eqx.combine(params, static), opt_state, figures
 
     def train_steps(model, opt_state, batches, steps, lrs, n):
-        return steps_fn((batches, steps, lrs, n), model, opt_state)
+        model, opt_state, figures = steps_fn((batches, steps, lrs, n), model, opt_state)
+        return model, opt_state, {"loss": figures["loss"], **figures}  # JAX returns a dict's keys sorted
 
     return train_steps
 
