@@ -6,7 +6,7 @@ import pytest
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.options import ConfigError, resolve_options
+from eqx_gpt.training.options import INIT_FROM_OPTIONS, ConfigError, ModelSettings, resolve_options
 from eqx_gpt.training.presets import PRESETS
 
 CHECKPOINT = {
@@ -101,3 +101,24 @@ def test_a_checkpoint_that_is_not_a_gpts_is_refused_before_anything_is_compared(
         with pytest.raises(ConfigError, match="latest.json has an invalid model config: ") as error:
             resolve_options({}, broken)
         assert "\n" not in str(error.value)
+
+
+def test_the_model_settings_are_every_gptconfig_field_but_the_vocabulary():
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    assert {f.name: f.type for f in dataclasses.fields(ModelSettings)} == fields
+    settings = resolve_options({"preset": None, "d_model": 64, "n_heads": 4}).model
+    assert settings.config(65) == GPTConfig(vocab_size=65, d_model=64, n_heads=4)
+    assert settings.gpt2_options() == {k: getattr(settings, k) for k in INIT_FROM_OPTIONS}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.d_model = 32  # type: ignore[misc]
+
+
+def test_the_first_lines_name_the_settings_laid_over_the_preset():
+    assert resolve_options({}).describe() == "settings: the cpu preset"
+    given = resolve_options({"max_steps": 40, "optimizer": "muon", "n_layers": 2}).describe()
+    assert given == "settings: the cpu preset, with max_steps=40, n_layers=2 given"  # muon is the preset's
+    bare = resolve_options({"preset": None, "lr": 0.01}).describe()
+    assert bare == "settings: the dataclass defaults (no preset), with lr=0.01 given"
+    resumed = resolve_options({"max_steps": 30_000, "lr": PRESETS["cpu"].train["lr"]}, CHECKPOINT).describe()
+    assert resumed == "settings: the checkpoint's, with max_steps=30000 given"
+    assert resolve_options({"tracker": "tensorboard, wandb"}).trackers == ("tensorboard", "wandb")
