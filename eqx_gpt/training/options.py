@@ -94,11 +94,10 @@ class RunOptions:
     checkpoint: dict | None = None
     from_preset: dict = dataclasses.field(default_factory=dict)
     overrides: dict = dataclasses.field(default_factory=dict)
+    trackers: tuple[str, ...] = dataclasses.field(init=False)
 
-    @property
-    def trackers(self) -> tuple[str, ...]:
-        """The trackers the run writes to, by name (`train.tracker`'s comma list)."""
-        return parse_trackers(self.train.tracker)
+    def __post_init__(self):
+        object.__setattr__(self, "trackers", parse_trackers(self.train.tracker))
 
     def explain(self, message: str) -> str:
         """`message` about an invalid value, saying which of the values it names the preset set, so
