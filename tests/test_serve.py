@@ -96,8 +96,8 @@ def test_seeded_text_is_the_same_served_alone_or_in_company(run):
 def test_streaming_sends_the_same_text_as_events_ending_in_done(client):
     body = dict(prompt="To be", max_tokens=30, temperature=0.9, seed=11)
     whole = complete(client, **body)["choices"][0]["text"]
-    with client.stream("POST", "/v1/completions", json={"model": "tiny", "stream": True, **body,
-                                                         "stream_options": {"include_usage": True}}) as r:  # fmt: skip
+    streamed = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True}, **body}
+    with client.stream("POST", "/v1/completions", json=streamed) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
