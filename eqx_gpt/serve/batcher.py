@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,7 +111,10 @@ class Batcher:
         self.steps = 0  # decode steps run (each advances every live slot by one token)
 
     def _empty_cache(self):
-        return self._model.unstack().init_cache(batch=len(self.slots))
+        """Zeros in the layout of the unstacked model's batched cache (its shapes alone: no copy
+        of the weights is made to learn them)."""
+        shapes = eqx.filter_eval_shape(lambda m: m.unstack().init_cache(batch=len(self.slots)), self._model)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     @property
     def waiting(self) -> int:

@@ -16,7 +16,6 @@ setting that keeps every token (`top_k = vocab_size`, `top_p = 1`), which leaves
 bit for bit as they were.
 """
 
-import functools
 from typing import Any
 
 import equinox as eqx
@@ -118,38 +117,34 @@ def _decode(
     return cache, chosen, token_logprobs(logits, chosen)
 
 
+# Module-level, so every batcher of a model of the same structure shares the compiled programs: the
+# static half of the model (its config and flags) is a static argument, hashed, and the weights and
+# the cache are arguments (the cache donated).
+_prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=2, static_argnames="prompt_logprobs")
+_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2, static_argnames=("use_top_k", "use_top_p"))
+
+
 class Programs:
-    """The jitted prefill and decode step for one model, its weights held once and closed over as
-    arguments (not constants): `prefill` runs the stacked model (fast to compile), `decode` the
-    unstacked one (fast to run; see `GPT.unstack`)."""
+    """The jitted prefill and decode step for one model: `prefill` runs the stacked model (fast to
+    compile), `decode` the unstacked one (fast to run; see `GPT.unstack`)."""
 
     def __init__(self, model: GPT):
         model = eqx.nn.inference_mode(model)
-        self.stacked, stacked_static = eqx.partition(model, eqx.is_array)
-        self.unstacked, unstacked_static = eqx.partition(model.unstack(), eqx.is_array)
-        self._prefill = jax.jit(
-            functools.partial(_prefill, stacked_static),
-            donate_argnums=1,
-            static_argnames="prompt_logprobs",
-        )
-        self._decode = jax.jit(
-            functools.partial(_decode, unstacked_static),
-            donate_argnums=1,
-            static_argnames=("use_top_k", "use_top_p"),
-        )
+        self.stacked, self.stacked_static = eqx.partition(model, eqx.is_array)
+        self.unstacked, self.unstacked_static = eqx.partition(model.unstack(), eqx.is_array)
 
     def prefill(
         self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs
     ):
-        return self._prefill(
-            self.stacked, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p,
-            prompt_logprobs=prompt_logprobs,
+        return _prefill_jit(
+            self.stacked_static, self.stacked, cache, slot, padded, length, produced, key_data,
+            temperature, top_k, top_p, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def decode(
         self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p
     ):
-        return self._decode(
-            self.unstacked, cache, tokens, starts, produced, key_data, temperature, top_k, top_p,
-            use_top_k=use_top_k, use_top_p=use_top_p,
+        return _decode_jit(
+            self.unstacked_static, self.unstacked, cache, tokens, starts, produced, key_data,
+            temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
         )  # fmt: skip
