@@ -34,8 +34,8 @@ from common import CONFIGS, MatmulPeak, add_malloc_argument, flops_per_token, se
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.training.config import OPTIMIZERS, TrainConfig
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.step import (
     init_optimizer_state,
     make_optimizer,

@@ -40,8 +40,8 @@ from common import CONFIGS, MatmulPeak, cpu_description, mfu  # bench/common.py
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.step import (
     count_params,
     init_optimizer_state,

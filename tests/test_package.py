@@ -77,7 +77,7 @@ def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     from eqx_gpt.__main__ import main
 
     assert main([]) == 2
-    assert "usage: python -m eqx_gpt {train,sample,evaluate,export}" in capsys.readouterr().err
+    assert "usage: python -m eqx_gpt {train,sample,evaluate,export,serve}" in capsys.readouterr().err
     assert main(["fly"]) == 2
     assert "unknown command 'fly'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
