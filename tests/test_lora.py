@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import eqx_gpt.training.run as run_module
 from eqx_gpt import (
     ConfigError,
     Linear,
@@ -30,6 +29,7 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+from eqx_gpt.training import loop as loop_module
 from eqx_gpt.training.data import load_text
 from eqx_gpt.training.step import loss_fn
 
@@ -206,7 +206,7 @@ def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
 def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
     tmp_path, corpus, lora_run, monkeypatch
 ):
-    out, real_save = tmp_path / "killed", run_module.save
+    out, real_save = tmp_path / "killed", loop_module.save
 
     class Killed(BaseException):
         pass
@@ -216,10 +216,10 @@ def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
         if name == LATEST and run.state.step == 2:
             raise Killed  # as SIGKILL would, right after the checkpoint at step 2
 
-    monkeypatch.setattr(run_module, "save", save_then_die)
+    monkeypatch.setattr(loop_module, "save", save_then_die)
     with pytest.raises(Killed):
         _train(out, corpus, **LORA)
-    monkeypatch.setattr(run_module, "save", real_save)
+    monkeypatch.setattr(loop_module, "save", real_save)
     assert read_metadata(checkpoint_file(out, LATEST))["step"] == 2
     result = _train(out, resume=True)
     assert result.step == 4 and not result.interrupted
