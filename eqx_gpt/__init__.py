@@ -21,7 +21,6 @@ from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, 
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
 from eqx_gpt.gpt2 import load_gpt2, save_gpt2
-from eqx_gpt.lora_peft import load_adapters, save_adapters
 from eqx_gpt.model.attention import (
     KVCache,
     MultiHeadAttention,
@@ -47,6 +46,7 @@ from eqx_gpt.serve import Batcher, create_app
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.callbacks import Callback, StopTraining
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.peft import load_adapters, save_adapters
 from eqx_gpt.training.presets import PRESETS
 from eqx_gpt.training.records import EvaluationRecord, FinalRecord, StepRecord
 from eqx_gpt.training.result import TrainResult

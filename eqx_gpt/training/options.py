@@ -24,11 +24,11 @@ from pathlib import Path
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.gpt2 import read_gpt2_config
-from eqx_gpt.lora_peft import adapter_targets, base_directory, is_adapter_directory, read_adapter_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.lora import check_lora
 from eqx_gpt.trackers import parse_trackers
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.peft import adapter_targets, base_directory, is_adapter_directory, read_adapter_config
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")

@@ -4,8 +4,8 @@ validation loss (files named and written atomically by `eqx_gpt.checkpoint`)."""
 import math
 
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, save_checkpoint
-from eqx_gpt.lora_peft import save_run_adapters
 from eqx_gpt.model.lora import has_lora
+from eqx_gpt.training.peft import save_run_adapters
 from eqx_gpt.training.running import Run
 
 

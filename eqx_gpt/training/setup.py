@@ -23,7 +23,6 @@ from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
-from eqx_gpt.lora_peft import base_identity, check_base, describe, load_adapters
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import apply_lora
@@ -33,6 +32,7 @@ from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
 from eqx_gpt.training.options import ModelSettings, RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
+from eqx_gpt.training.peft import base_identity, check_base, describe, load_adapters
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
 from eqx_gpt.training.step import count_params, init_optimizer_state, make_optimizer, make_train_steps
