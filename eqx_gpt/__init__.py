@@ -17,6 +17,7 @@ from eqx_gpt.errors import (
     TrainingError,
 )
 from eqx_gpt.evaluation import Evaluation, evaluate, evaluate_text
+from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
@@ -78,7 +79,8 @@ __all__ = [
     "CharTokenizer",
     "GPT2Tokenizer",
     "tokenizer_from_dict",
-    # Generation
+    # Generation: from a GPT or any model that follows the Decoder protocol
+    "Decoder",
     "generate",
     "generate_batch",
     "stream_batch",

@@ -105,6 +105,16 @@ class GPT(eqx.Module):
         return (x + jax.lax.dynamic_slice_in_dim(table, start, tokens.shape[-1])).astype(c.compute_dtype)
 
     @property
+    def context_length(self) -> int:
+        """`config.context_length`: the most positions a window, and a cache, holds."""
+        return self.config.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        """`config.vocab_size`: the logits per position (the padding ids sliced off)."""
+        return self.config.vocab_size
+
+    @property
     def head_weight(self) -> Float[Array, "d_model padded_vocab"]:
         """The output projection: `head`, or `embed.T` with tied embeddings."""
         return self.embed.T if self.head is None else self.head
