@@ -5,7 +5,13 @@ jaxtyping shape annotations checked by beartype when JAX traces the call. Every 
 importable from here (module paths are not API); `__all__` lists them by what they are for.
 """
 
-from eqx_gpt.checkpoint import find_checkpoint, load_checkpoint, load_model, save_checkpoint
+from eqx_gpt.checkpoint import (
+    delete_checkpoints,
+    find_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
 from eqx_gpt.data.prepare import Corpus, prepare
 from eqx_gpt.errors import (
     CheckpointError,
@@ -109,6 +115,7 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "find_checkpoint",
+    "delete_checkpoints",
     # Hugging Face GPT-2 folders
     "load_gpt2",
     "save_gpt2",
