@@ -41,6 +41,7 @@ from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.loss import chunked_cross_entropy
 from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
@@ -57,6 +58,7 @@ from eqx_gpt.training.step import (
     loss_fn,
     make_optimizer,
     make_train_step,
+    make_train_steps,
 )
 
 __all__ = [
@@ -104,7 +106,9 @@ __all__ = [
     "make_optimizer",
     "init_optimizer_state",
     "make_train_step",
+    "make_train_steps",
     "loss_fn",
+    "chunked_cross_entropy",
     "learning_rate",
     # Evaluation
     "evaluate",

@@ -12,9 +12,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from doc_blocks import DOCS, python_blocks
 
 import eqx_gpt
-from doc_blocks import DOCS, python_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
