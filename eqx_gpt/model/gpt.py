@@ -188,7 +188,7 @@ class GPT(eqx.Module):
         `__call__` turns into logits: `model(tokens) == model.logits(model.features(tokens))`.
 
         Same arguments as `__call__`. A loss over a large vocabulary takes these and the
-        `head_weight` (`eqx_gpt.model.loss.chunked_cross_entropy`) rather than every logit at once.
+        `head_weight` (`eqx_gpt.chunked_cross_entropy`) rather than every logit at once.
         """
         seq = tokens.shape[-1]
         self._check_length(seq)
