@@ -81,7 +81,7 @@ def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     from eqx_gpt.__main__ import main
 
     assert main([]) == 2
-    assert "usage: python -m eqx_gpt {train,sample,evaluate,export}" in capsys.readouterr().err
+    assert "usage: python -m eqx_gpt {train,sample,evaluate,export,serve}" in capsys.readouterr().err
     assert main(["fly"]) == 2
     assert "unknown command 'fly'" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
@@ -147,6 +147,10 @@ def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(insta
     )
 
 
+# What the docs' Python imports beside eqx_gpt and its dependencies: the client of `eqx-gpt serve`.
+DOC_CLIENTS = ("openai",)
+
+
 @pytest.mark.slow
 def test_the_wheel_is_typed_and_the_docs_python_passes_pyright_downstream(installed_wheel, tmp_path):
     # A downstream project: every ```python block of the README and the guide in one file, checked
@@ -157,6 +161,14 @@ def test_the_wheel_is_typed_and_the_docs_python_passes_pyright_downstream(instal
     blocks = [f"# {doc.name}, block {i}\n{block}" for doc in DOCS
               for i, block in enumerate(python_blocks(doc.read_text(encoding="utf-8")))]  # fmt: skip
     assert len(blocks) >= 10
+    # The project also installs the clients the blocks use, at the versions uv.lock holds.
+    constraints = tmp_path / "constraints.txt"
+    export = ["export", "--frozen", "--all-groups", "--all-extras", "--no-emit-project", "--no-hashes"]
+    install = ["pip", "install", "--quiet", "--python", str(python), "-c", str(constraints)]
+    for args in ([*export, "-o", str(constraints)], [*install, *DOC_CLIENTS]):
+        proc = subprocess.run(["uv", *args], cwd=ROOT, env=_user_env(), capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
     (tmp_path / "docs_snippets.py").write_text("\n\n".join(blocks), encoding="utf-8")
     config = {"typeCheckingMode": "standard", "reportMissingTypeStubs": "error"}
     (tmp_path / "pyrightconfig.json").write_text(json.dumps(config), encoding="utf-8")

@@ -5,7 +5,8 @@
     sample     stream text from a checkpoint
     evaluate   a checkpoint's loss over a whole text
     export     a GPT-2-shaped checkpoint as a Hugging Face GPT-2 folder
+    serve      an OpenAI-compatible completions API and a page (needs the `serve` extra)
     cli        what they share: the one place errors are caught, the parser, the flags' types
 """
 
-COMMANDS = ("train", "sample", "evaluate", "export")
+COMMANDS = ("train", "sample", "evaluate", "export", "serve")
