@@ -85,8 +85,8 @@ def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
 
         def advance(model, opt_state, first):
             steps = np.arange(first, first + k, dtype=np.int32)
-            model, opt_state, losses = steps_fn(model, opt_state, batches, steps, np.full(k, lr), np.int32(k))
-            return model, opt_state, losses[-1]
+            model, opt_state, out = steps_fn(model, opt_state, batches, steps, np.full(k, lr), np.int32(k))
+            return model, opt_state, out["loss"][-1]
 
     return config, model, opt_state, advance
 

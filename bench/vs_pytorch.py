@@ -97,7 +97,7 @@ def jax_side(model, batches, train_config, steps_per_call: int):
         for _ in range(n_calls):
             start = time.perf_counter()
             steps = np.arange(counter[0], counter[0] + k, dtype=np.int32)
-            model, opt_state, losses = steps_fn(*state, stack, steps, lrs, np.int32(k))
+            model, opt_state, _ = steps_fn(*state, stack, steps, lrs, np.int32(k))
             state, counter[0] = jax.block_until_ready((model, opt_state)), counter[0] + k
             times.append((time.perf_counter() - start) / k)
         return times
