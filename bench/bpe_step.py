@@ -16,6 +16,7 @@ The first step's loss is printed too: the variants train the same model from the
 """
 
 import argparse
+import dataclasses
 import os
 import resource
 import statistics
@@ -29,15 +30,18 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402
+from common import GPT2_VOCAB_SIZE, add_malloc_argument, cpu_description, preset_configs, set_malloc  # noqa: E402
 
-from eqx_gpt.model.config import GPTConfig  # noqa: E402
-from eqx_gpt.model.gpt import GPT  # noqa: E402
-from eqx_gpt.model.loss import chunked_cross_entropy, default_block  # noqa: E402
-from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE  # noqa: E402
-from eqx_gpt.training.config import TrainConfig  # noqa: E402
-from eqx_gpt.training.options import MODEL_FIELDS, preset_values  # noqa: E402
-from eqx_gpt.training.step import init_optimizer_state, loss_fn, make_optimizer, make_train_step  # noqa: E402
+from eqx_gpt import (  # noqa: E402
+    GPT,
+    GPTConfig,
+    TrainConfig,
+    chunked_cross_entropy,
+    init_optimizer_state,
+    loss_fn,
+    make_optimizer,
+    make_train_step,
+)
 
 
 def plain_loss(model, batch, keys=None):
@@ -65,11 +69,8 @@ def gradient_memory_mb(model: GPT, batch, loss) -> float:
     return float("nan") if analysis is None else analysis.temp_size_in_bytes / 1e6
 
 
-def make_advance(values: dict, loss):
-    """`advance() -> loss`: one real training step of the preset with `values`, with `loss`."""
-    config = TrainConfig(**{k: v for k, v in values.items() if k not in MODEL_FIELDS})
-    model_values = {k: v for k, v in values.items() if k in MODEL_FIELDS}
-    model_config = GPTConfig(vocab_size=GPT2_VOCAB_SIZE, **model_values)
+def make_advance(model_config: GPTConfig, config: TrainConfig, loss):
+    """`advance() -> loss`: one real training step of the preset's configs, with `loss`."""
     optimizer = make_optimizer(config)
     step_fn = make_train_step(optimizer, config, dropout=model_config.dropout > 0, loss=loss)
     state = [GPT(model_config, key=jax.random.key(0))]
@@ -95,16 +96,14 @@ def main() -> None:
     add_malloc_argument(p)
     args = p.parse_args()
     print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}; {set_malloc(args)}")
-    values = preset_values("cpu")
+    model_config, config = preset_configs("cpu", GPT2_VOCAB_SIZE)
     if args.batch_size is not None:
-        values["batch_size"] = args.batch_size
-    step_tokens = values["batch_size"] * values["context_length"]
-    default = default_block(step_tokens, GPTConfig(vocab_size=GPT2_VOCAB_SIZE).padded_vocab_size)
-    variants = {"plain loss": plain_loss, f"chunked loss ({default} columns)": loss_fn}
-    variants |= {f"chunked loss ({c} columns)": chunked_loss(c) for c in args.blocks if c != default}
+        config = dataclasses.replace(config, batch_size=args.batch_size)
+    variants = {"plain loss": plain_loss, "chunked loss (default block)": loss_fn}
+    variants |= {f"chunked loss ({c} columns)": chunked_loss(c) for c in args.blocks}
     runs = {}
     for name, loss in variants.items():
-        advance, tokens, memory = make_advance(values, loss)
+        advance, tokens, memory = make_advance(model_config, config, loss)
         start = time.perf_counter()
         value = advance()  # compiles
         print(

@@ -1,5 +1,6 @@
-"""What the training benches share: their configs, model FLOPs per token, and a matmul peak timed
-in-process (the last two are the halves of an MFU figure).
+"""What the training benches share: their configs, model FLOPs per token, a matmul peak timed
+in-process (the last two are the halves of an MFU figure), and the trainer's data-parallel
+placement written out with `jax.sharding` (the benches use eqx_gpt's public names only).
 
 Model FLOPs per token (forward; training is 3x: the backward pass costs two forwards), counted
 from the config, as in PaLM's appendix B and nanoGPT's `estimate_mfu`:
@@ -18,11 +19,52 @@ import platform
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt import PRESETS, GPTConfig, TrainConfig
+
+DEFAULT_PRESET = "cpu"  # what `train.py` and `train()` use unless told otherwise
+STEPS_PER_CALL = 8  # the trainer's optimiser steps per dispatch (`make_train_steps`)
+OPTIMIZERS = ("adamw", "muon")  # TrainConfig.optimizer's choices
+GPT2_VOCAB_SIZE = 50257  # GPT-2's BPE ids
+
+
+def preset_configs(name: str, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
+    """The model and training configs of preset `name`: the dataclass defaults, then the preset."""
+    preset = PRESETS[name]
+    return GPTConfig(vocab_size=vocab_size, **preset.model), TrainConfig(**preset.train)
+
+
+def count_params(model) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def data_mesh() -> Mesh:
+    """A one-axis mesh named `data` over every device (one process), as the trainer's."""
+    return Mesh(np.asarray(jax.devices()), ("data",))
+
+
+def check_batch(mesh: Mesh, batch_size: int, grad_accum: int = 1) -> None:
+    if batch_size % (grad_accum * mesh.size):
+        raise SystemExit(
+            f"batch {batch_size} / grad_accum {grad_accum} does not split over {mesh.size} devices"
+        )
+
+
+def replicate(tree, mesh: Mesh):
+    """Every array of `tree` whole on every device; other leaves (flags) as they are."""
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    return jax.tree.map(lambda x: put(x) if isinstance(x, jax.Array | np.ndarray) else x, tree)
+
+
+def shard_batch(batch, mesh: Mesh, batch_axis: int = 0) -> jax.Array:
+    """`batch` split along `batch_axis` over the mesh's devices."""
+    return jax.device_put(batch, NamedSharding(mesh, PartitionSpec(*([None] * batch_axis), "data")))
+
 
 CONFIGS = {
     # name: (GPTConfig fields except vocab_size, batch size)

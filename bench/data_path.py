@@ -30,8 +30,7 @@ from train_default import cpu_model  # noqa: E402
 
 PREPARE = """
 import sys, time
-from eqx_gpt.data.prepare import prepare
-from eqx_gpt.tokenizer import GPT2Tokenizer
+from eqx_gpt import GPT2Tokenizer, prepare
 kind = sys.argv[2]
 t0 = time.perf_counter()
 c = prepare(sys.argv[1], {"kind": "char"} if kind == "char" else GPT2Tokenizer().to_dict())
@@ -106,7 +105,7 @@ def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
 
 def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -> None:
     os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
-    from eqx_gpt.training.run import train
+    from eqx_gpt import train
 
     rates = {"1 GB corpus read from its shards": [], "bundled corpus in memory": []}
     for r in range(rounds):
@@ -122,7 +121,7 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
                 "eval_interval": steps,
                 "eval_tokens": 4096,
             }
-            train(settings, out, sample_tokens=0, log=lambda _: None, progress=False)
+            train(out_dir=out, sample_tokens=0, log=lambda _: None, progress=False, **settings)
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             rates[name] += [x["tokens_per_s"] for x in records if "tokens_per_s" in x and x["step"] > 40]
     for name, values in rates.items():

@@ -2,29 +2,28 @@
 
     uv run python bench/recipe_step.py [--rounds 3] [--seconds 4]
 
-Builds the real step of `train.py` (`setup.optimizer_and_step`: the optimiser and
-`make_train_steps`, several steps per dispatch) for the `cpu` preset and for the preset with one
+Builds the real step of `train.py` (`make_optimizer` and `make_train_steps`, several steps per
+dispatch) for the `cpu` preset and for the preset with one
 change undone at a time, then times them in interleaved rounds so that a busy or throttled machine
 slows all alike. Prints the CPU model, each variant's median ms per step and tokens/s, and their
 ratios to the preset's. Loss is not measured here: see docs/PERFORMANCE.md for the runs.
 """
 
 import argparse
+import dataclasses
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.gpt import GPT
-from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.loop import STEPS_PER_CALL
-from eqx_gpt.training.options import MODEL_FIELDS, preset_values
-from eqx_gpt.training.setup import optimizer_and_step
-from eqx_gpt.training.step import init_optimizer_state
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import STEPS_PER_CALL, preset_configs  # noqa: E402 (bench/common.py)
+
+from eqx_gpt import GPT, GPTConfig, TrainConfig, init_optimizer_state, make_optimizer, make_train_steps  # noqa: E402
 
 VOCAB = 65
 # Each variant: the preset with these values instead (issue 33's changes undone one at a time, then
@@ -49,12 +48,10 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
-def make_advance(values: dict):
-    """`advance()`: one dispatch of STEPS_PER_CALL real training steps of the preset with `values`."""
-    model_values = {k: v for k, v in values.items() if k in MODEL_FIELDS}
-    config = TrainConfig(**{k: v for k, v in values.items() if k not in MODEL_FIELDS})
-    model_config = GPTConfig(vocab_size=VOCAB, **model_values)
-    optimizer, steps_fn = optimizer_and_step(config, dropout=model_config.dropout > 0)
+def make_advance(model_config: GPTConfig, config: TrainConfig):
+    """`advance()`: one dispatch of STEPS_PER_CALL real training steps of these configs."""
+    optimizer = make_optimizer(config)
+    steps_fn = make_train_steps(optimizer, config, dropout=model_config.dropout > 0)
     state = [GPT(model_config, key=jax.random.key(0))]
     state.append(init_optimizer_state(optimizer, state[0]))
     k, window = STEPS_PER_CALL, model_config.context_length + 1
@@ -74,10 +71,10 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per variant per round")
     args = p.parse_args()
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load {os.getloadavg()}; jax {jax.__version__}")
-    preset = preset_values("cpu")
+    model_config, train_config = preset_configs("cpu", VOCAB)
     runs = {}
     for name, change in VARIANTS.items():
-        advance, tokens = make_advance({**preset, **change})
+        advance, tokens = make_advance(model_config, dataclasses.replace(train_config, **change))
         advance(), advance()  # compile, then one warm call
         runs[name] = (advance, tokens, [])
     for _ in range(args.rounds):

@@ -45,16 +45,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqx_gpt import GPT, GPTConfig, SamplingOptions, sample_next_token
-from eqx_gpt.generation.generate import generate, prompt_bucket
-from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
+from eqx_gpt import GPT, PRESETS, GPTConfig, SamplingOptions, generate, sample_next_token
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from oracles import naive_generate, naive_step  # noqa: E402  (the naive method is the tests' oracle)
+from oracles import naive_generate, naive_step, prompt_bucket  # noqa: E402  (the tests' oracle)
 
 sys.path.insert(0, str(ROOT / "bench"))
-from common import cpu_description  # noqa: E402
+from common import DEFAULT_PRESET, cpu_description  # noqa: E402
 
 SHAPES = {
     "6L-384-ctx256": dict(context_length=256, d_model=384, n_heads=6, n_layers=6),

@@ -12,9 +12,9 @@ alike and the ratio stays meaningful; there is no datasheet number anywhere.
 
 Model FLOPs per token and the peak are `bench/common.py`'s (see its docstring for what is counted).
 
-The timed steps are `train.py`'s: `eqx_gpt.training.step.make_train_steps`, `--steps-per-call` steps
-per dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an
-argument, buffer donation, and the batches placed by `eqx_gpt.training.parallel`. `--steps-per-call 1`
+The timed steps are `train.py`'s: `eqx_gpt.make_train_steps`, `--steps-per-call` steps per
+dispatch (default: the trainer's `STEPS_PER_CALL`), with AdamW, the schedule's lr as an argument,
+buffer donation, and the batches placed over the devices as the trainer places them. `--steps-per-call 1`
 times one step per dispatch (`make_train_step`), to show what several per call buy.
 """
 
@@ -29,14 +29,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import CONFIGS, MatmulPeak, add_malloc_argument, flops_per_token, set_malloc  # bench/common.py
+from common import (  # bench/common.py
+    CONFIGS,
+    OPTIMIZERS,
+    STEPS_PER_CALL,
+    MatmulPeak,
+    add_malloc_argument,
+    check_batch,
+    data_mesh,
+    flops_per_token,
+    replicate,
+    set_malloc,
+    shard_batch,
+)
 
-from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.gpt import GPT
-from eqx_gpt.training.config import OPTIMIZERS, TrainConfig
-from eqx_gpt.training.loop import STEPS_PER_CALL
-from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.training.step import (
+from eqx_gpt import (
+    GPT,
+    GPTConfig,
+    TrainConfig,
     init_optimizer_state,
     make_optimizer,
     make_train_step,

@@ -35,19 +35,27 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from common import CONFIGS, MatmulPeak, cpu_description, mfu  # bench/common.py
-
-from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.model.positions import sinusoidal_positions
-from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.loop import STEPS_PER_CALL
-from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch
-from eqx_gpt.training.step import (
+from common import (  # bench/common.py
+    CONFIGS,
+    STEPS_PER_CALL,
+    MatmulPeak,
     count_params,
+    cpu_description,
+    data_mesh,
+    mfu,
+    replicate,
+    shard_batch,
+)
+
+from eqx_gpt import (
+    GPT,
+    GPTConfig,
+    TrainConfig,
     init_optimizer_state,
     loss_fn,
     make_optimizer,
     make_train_steps,
+    sinusoidal_positions,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ both sides hold the same weights; their logits are compared before any timing. T
 eqx_gpt and transformers for `--rounds` rounds:
 
 - generation: batch 1, a 64-token prompt, 256 new tokens, greedy; `transformers`' KV-cached
-  `generate(do_sample=False)` against `eqx_gpt.generation.generate` (cached, jitted). Tokens per second.
+  `generate(do_sample=False)` against `eqx_gpt.generate` (cached, jitted). Tokens per second.
   Then the same sampled as nanoGPT's `sample.py` does by default (temperature 0.8, top-k 200), where
   the tokens drawn differ but the work per token is the same.
 - fine-tuning: one AdamW step (forward, backward, update) on 4 x 256 tokens; the trainer's step
@@ -38,11 +38,15 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402 (bench/common.py)
 
-from eqx_gpt.generation.generate import generate  # noqa: E402
-from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
-from eqx_gpt.gpt2 import load_gpt2  # noqa: E402
-from eqx_gpt.training.config import TrainConfig  # noqa: E402
-from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_train_step  # noqa: E402
+from eqx_gpt import (  # noqa: E402
+    SamplingOptions,
+    TrainConfig,
+    generate,
+    init_optimizer_state,
+    load_gpt2,
+    make_optimizer,
+    make_train_step,
+)
 
 PROMPT, NEW_TOKENS, BATCH, SEQ, LR = 64, 256, 4, 256, 3e-5
 

@@ -5,7 +5,13 @@ jaxtyping shape annotations checked by beartype when JAX traces the call. Every 
 importable from here (module paths are not API); `__all__` lists them by what they are for.
 """
 
-from eqx_gpt.checkpoint import find_checkpoint, load_checkpoint, load_model, save_checkpoint
+from eqx_gpt.checkpoint import (
+    delete_checkpoints,
+    find_checkpoint,
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+)
 from eqx_gpt.data.prepare import Corpus, prepare
 from eqx_gpt.errors import (
     CheckpointError,
@@ -17,6 +23,7 @@ from eqx_gpt.errors import (
     TrainingError,
 )
 from eqx_gpt.evaluation import Evaluation, evaluate, evaluate_text
+from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.generate import generate, generate_batch, stream_batch, stream_text
 from eqx_gpt.generation.sampling import SamplingOptions, sample_next_token, top_k_filter, top_p_filter
 from eqx_gpt.generation.translate import translate
@@ -36,6 +43,7 @@ from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.lora import LoRALinear, apply_lora, lora_trainable, merge_lora
+from eqx_gpt.model.loss import chunked_cross_entropy
 from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
@@ -57,6 +65,7 @@ from eqx_gpt.training.step import (
     loss_fn,
     make_optimizer,
     make_train_step,
+    make_train_steps,
 )
 
 __all__ = [
@@ -86,7 +95,8 @@ __all__ = [
     "CharTokenizer",
     "GPT2Tokenizer",
     "tokenizer_from_dict",
-    # Generation
+    # Generation: from a GPT or any model that follows the Decoder protocol
+    "Decoder",
     "generate",
     "generate_batch",
     "stream_batch",
@@ -116,7 +126,9 @@ __all__ = [
     "make_optimizer",
     "init_optimizer_state",
     "make_train_step",
+    "make_train_steps",
     "loss_fn",
+    "chunked_cross_entropy",
     "learning_rate",
     # Evaluation
     "evaluate",
@@ -127,6 +139,7 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "find_checkpoint",
+    "delete_checkpoints",
     # Serving (`eqx-gpt serve`): the OpenAI-compatible app (needs the `serve` extra) and its batcher
     "create_app",
     "Batcher",

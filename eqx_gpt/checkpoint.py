@@ -25,7 +25,7 @@ import hashlib
 import io
 import json
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, Protocol, overload
 
 import equinox as eqx
 import jax
@@ -95,22 +95,30 @@ def _serialise(model: Any, opt_state: Any) -> bytes:
     return buffer.getvalue()
 
 
+class Describable(Protocol):
+    """What `save_checkpoint` needs of a tokenizer: its JSON-ready description."""
+
+    def to_dict(self) -> dict: ...
+
+
 def save_checkpoint(
     out_dir: str | Path,
     name: str,
-    model: GPT,
+    model: GPT | Transformer,
     opt_state: Any,
     *,
     step: int,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | Describable,
     train_config: dict,
     **metadata: Any,
 ) -> Path:
     """Write checkpoint `name` ("latest", "best") of a run into `out_dir`; return its JSON path.
 
     `model` is a `GPT` or a `Transformer`; its class and config are recorded, its mode
-    (`inference`) is not. `metadata` holds any further JSON-ready values (losses, the schedule
-    length, ...).
+    (`inference`) is not. `tokenizer` is eqx_gpt's (`CharTokenizer`, `GPT2Tokenizer`) or, for a
+    `Transformer`, any object whose `to_dict()` describes it (`load_model` then returns None for
+    it, and its description as `metadata["tokenizer"]`). `metadata` holds any further JSON-ready
+    values (losses, the schedule length, ...).
     """
     if not isinstance(model, GPT | Transformer):
         raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")

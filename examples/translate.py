@@ -19,32 +19,39 @@ reloads it and translates. Bad input prints one line and exits with code 2.
 import argparse
 import datetime as dt
 import functools
+import importlib
+import math
 import os
 import random
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from matplotlib.figure import Figure
 
-from eqx_gpt import SamplingOptions, Transformer, TransformerConfig, load_model, save_checkpoint, translate
-from eqx_gpt.checkpoint import delete_checkpoints, holds_run
-from eqx_gpt.commands.cli import OneLineParser, finite_float, seed_number, whole_number
-from eqx_gpt.gpt2 import is_gpt2_directory
-from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.report import Progress, clock
-from eqx_gpt.training.step import (
-    count_params,
+from eqx_gpt import (
+    CheckpointError,
+    SamplingOptions,
+    TrainConfig,
+    Transformer,
+    TransformerConfig,
+    delete_checkpoints,
+    find_checkpoint,
     init_optimizer_state,
     learning_rate,
+    load_model,
     make_optimizer,
     make_train_step,
+    save_checkpoint,
+    translate,
 )
-from eqx_gpt.training.time_plan import TimePlan
 
 PAD, BOS, EOS = 0, 1, 2
 BUCKET = 16  # sequences are padded to a multiple of this: few shapes, few compiles
@@ -190,9 +197,29 @@ def translation_loss(model: Transformer, batch, keys=None, *, src_len: int):
 # Training and evaluation
 
 
+def clock(seconds: float) -> str:
+    """`m:ss` of a duration in seconds."""
+    seconds = int(max(0, seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def show_progress(text: str) -> None:
+    """One line of progress on stderr, redrawn in place on a terminal (left out elsewhere); an
+    empty `text` clears it."""
+    if sys.stderr.isatty():
+        print("\r" + text.ljust(80) + ("" if text else "\r"), end="", file=sys.stderr, flush=True)
+
+
+def steps_that_fit(step: int, since_first: float, left: float, max_steps: int) -> int:
+    """The run's length at the pace so far: `step` steps took `since_first` seconds after the first
+    (which compiled), and `left` seconds remain; never past `max_steps`, never before `step + 1`."""
+    per_step = since_first / max(step, 1)
+    return max(step + 1, min(max_steps, step + int(left / max(per_step, 1e-9))))
+
+
 def train(model, pairs, vocabs, args, log=print, now=time.monotonic):
     """Train under eqx_gpt's AdamW, schedule and jitted step, the schedule fitted to --minutes as
-    measured by the clock `now`."""
+    measured by the clock `now`: refitted every 100 steps, so that its cosine ends with the time."""
     config = TrainConfig(
         batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10, warmup_steps=100, weight_decay=0.01,
         max_steps=args.max_steps, max_minutes=args.minutes, beta2=0.98, seed=args.seed,
@@ -206,24 +233,29 @@ def train(model, pairs, vocabs, args, log=print, now=time.monotonic):
         )
     )  # fmt: skip
     rng, t_start = random.Random(args.seed), now()
-    # Kept for translating the held-out set after training: 10 s (less in a short run).
-    plan = TimePlan(config.max_minutes, config.max_steps, t_start, reserve_s=min(10.0, 6 * args.minutes))
-    horizon, bar = config.max_steps, Progress()
+    # The time budget, less what translating the held-out set takes afterwards: 10 s (less in a short run).
+    deadline = t_start + 60 * args.minutes - min(10.0, 6 * args.minutes) if args.minutes > 0 else math.inf
+    horizon, t_first, loss = config.max_steps, t_start, jnp.zeros(())
+    src_vocab, tgt_vocab = vocabs
     for step in range(config.max_steps):
         if step >= horizon:
             break
-        batch, src_len = make_batch(rng.sample(pairs, config.batch_size), *vocabs, model.config.max_len)
+        chosen = rng.sample(pairs, config.batch_size)
+        batch, src_len = make_batch(chosen, src_vocab, tgt_vocab, model.config.max_len)
         lr = np.float32(learning_rate(step, config, horizon))
         model, opt_state, loss = steps_for(src_len)(model, opt_state, batch, np.int32(step), lr)
         if step == 0:
             loss.block_until_ready()
-            plan.start_timing(1, now())
+            t_first = now()
         elif step % 100 == 0:
-            horizon = plan.fit(step, horizon, now(), config.max_steps, 0)
-            bar.update(f"step {step}/{horizon} | loss {float(loss):.4f} | {clock(now() - t_start)}")
-        if plan.out_of_time(now()):
+            float(loss)  # wait for the step, so the pace counts computing, not dispatching
+            t = now()
+            if deadline < math.inf:
+                horizon = steps_that_fit(step, t - t_first, deadline - t, config.max_steps)
+            show_progress(f"step {step}/{horizon} | loss {float(loss):.4f} | {clock(t - t_start)}")
+        if now() >= deadline:
             horizon = step + 1
-    bar.clear()
+    show_progress("")
     log(f"trained {horizon} steps in {clock(now() - t_start)}; last batch loss {float(loss):.4f}")
     return model, opt_state, horizon
 
@@ -241,23 +273,66 @@ def translate_all(model, sources, vocabs, max_len: int, batch: int = 500) -> lis
 
 
 def draw_cross_attention(model, source: str, target: str, vocabs, path: Path) -> None:
-    from eqx_gpt.visualize import plot_attention, token_labels
-
+    """One heatmap per decoder layer and head: target characters down, source characters across."""
     src_vocab, tgt_vocab = vocabs
     src, tgt = src_vocab.encode(source), [BOS, *tgt_vocab.encode(target)]
     weights = jax.jit(Transformer.cross_attention_weights)(model, jnp.asarray(src), jnp.asarray(tgt))
-    plot_attention(
-        np.asarray(weights), token_labels(["<bos>", *target]), path, key_labels=token_labels(list(source)),
-        title="cross-attention (target ↓, source →)",
-    )  # fmt: skip
+    weights = np.asarray(weights)  # (layers, heads, target, source)
+    n_layers, n_heads = weights.shape[:2]
+    visible = lambda text: [{" ": "␣"}.get(ch, ch) for ch in text]
+    fig = Figure(figsize=(3.2 * n_heads + 0.8, 3.2 * n_layers + 0.6), layout="constrained")
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    images = []
+    for (layer, head), ax in np.ndenumerate(axes):
+        image = ax.imshow(weights[layer, head], cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+        ax.set_title(f"layer {layer} head {head}", fontsize=8)
+        ax.set_xticks(range(len(src)), visible(source), fontsize=6)
+        ax.set_yticks(range(len(tgt)), ["<bos>", *visible(target)], fontsize=6)
+        ax.tick_params(length=0, labeltop=True, labelbottom=False)
+        images.append(image)
+    fig.colorbar(images[-1], ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle("cross-attention (target ↓, source →)")
+    fig.savefig(path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------------
 # The command
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit code 2 (argparse would print the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def whole_number(low: int, high: int = 2**31 - 1):
+    """An integer in `[low, high]` (JAX holds counts and sizes as int32)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text}")
+        return value
+
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(prog="translate.py", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="translate.py", description=(__doc__ or "").splitlines()[0])
     p.add_argument(
         "--pairs", type=Path, help="Tatoeba/Anki english<TAB>french file (default: the dates task)"
     )
@@ -278,7 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--held-out", type=whole_number(1), default=1000, help="pairs kept out of training and scored"
     )
-    p.add_argument("--seed", type=seed_number, default=0)
+    p.add_argument("--seed", type=whole_number(0, 2**63 - 1), default=0)
     p.add_argument("--out-dir", type=Path, default=Path("out-translate"), help="its checkpoint goes here")
     p.add_argument(
         "--overwrite", action="store_true", help="replace the run already in --out-dir (else it is refused)"
@@ -322,12 +397,21 @@ def check_settings(args) -> None:
             f"--held-out {args.held_out} leaves none of the {N_DAYS:,} dates of 1950-2049 for training; "
             f"pass at most {N_DAYS - 1:,}"
         )
-    if args.out_dir.is_dir() and (holds_run(args.out_dir) or is_gpt2_directory(args.out_dir)):
-        if not args.overwrite or is_gpt2_directory(args.out_dir) and not holds_run(args.out_dir):
+    if args.out_dir.is_dir() and any(args.out_dir.iterdir()):
+        if not args.overwrite or not holds_run(args.out_dir):
             raise ValueError(
-                f"{args.out_dir}/ already holds a model; pass another --out-dir, or --overwrite to replace "
-                f"the run there"
+                f"{args.out_dir}/ already holds a model or other files; pass another --out-dir, or "
+                f"--overwrite to replace the eqx_gpt run there"
             )
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether `folder` holds an eqx_gpt run (its checkpoints), which --overwrite may replace."""
+    try:
+        find_checkpoint(folder)
+    except CheckpointError:
+        return False
+    return True
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -380,14 +464,14 @@ def main(argv=None) -> int:
         return 0
     try:
         check_settings(args)
-        if args.attention_png is not None:
-            from eqx_gpt.visualize import check_figure_path
-
-            check_figure_path(args.attention_png, "--attention-png")
+        if args.attention_png is not None and not (
+            args.attention_png.suffix == ".png" and args.attention_png.parent.is_dir()
+        ):
+            raise ValueError(f"--attention-png {args.attention_png}: pass a .png file in an existing folder")
         train_pairs, held_out = load_data(args)
         check_batch(args, len(train_pairs))
         if args.pairs is not None:
-            import sacrebleu  # noqa: F401  (checked before training: the run would be wasted without it)
+            importlib.import_module("sacrebleu")  # checked before training, which would be wasted
     except ModuleNotFoundError as e:
         print(
             f"translate.py: error: {e.name} is needed for --pairs; run with `uv run --group bleu`",
@@ -405,7 +489,8 @@ def main(argv=None) -> int:
     )  # fmt: skip
     model = Transformer(config, key=jax.random.key(args.seed))
     layers = f"{args.layers}+{args.layers} layers, d_model {args.d_model}"
-    size = f"{count_params(model) / 1e6:.2f}M parameters ({layers})"
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    size = f"{n_params / 1e6:.2f}M parameters ({layers})"
     print(
         f"{len(train_pairs):,} training pairs, {len(held_out):,} held out; model {size}, post-norm LayerNorm"
     )
@@ -423,8 +508,7 @@ def main(argv=None) -> int:
         draw_cross_attention(model, held_out[0][0], predictions[0], vocabs, args.attention_png)
         print(f"wrote {args.attention_png}")
     if args.pairs is not None:
-        import sacrebleu
-
+        sacrebleu = importlib.import_module("sacrebleu")  # an optional group: `uv run --group bleu`
         bleu = sacrebleu.corpus_bleu(predictions, [[t for _, t in held_out]])
         print(f"held-out BLEU {bleu.score:.1f} (sacrebleu, n={len(held_out)})")
     exact = np.mean([guess == target for (_, target), guess in zip(held_out, predictions, strict=True)])

@@ -116,3 +116,37 @@ def test_no_module_imports_a_private_name_of_another():
         if module.startswith("eqx_gpt") and name.startswith("_") and not name.startswith("__")
     ]
     assert not wrong, wrong
+
+
+def _exported() -> set[str]:
+    """The names in `eqx_gpt.__all__`, read from the source."""
+    for node in ast.parse((LIBRARY / "__init__.py").read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("eqx_gpt/__init__.py defines no __all__")
+
+
+# Benchmarks that time a part of the library no user calls, by the module that holds it. Each is
+# a benchmark of that part, so it cannot use a version of its own; no example is ever here.
+TIMES_AN_INTERNAL = {
+    "bench/trackers.py": "eqx_gpt.trackers",  # the trainer's TensorBoard and W&B writers, per record
+}
+
+
+def test_the_examples_and_benchmarks_import_only_what_eqx_gpt_exports():
+    # Module paths are not API: what the repo's own runnable code reaches for, a user may too.
+    exported, wrong = _exported(), []
+    scripts = sorted([*(LIBRARY.parent / "examples").glob("*.py"), *(LIBRARY.parent / "bench").glob("*.py")])
+    assert len(scripts) >= 5, scripts
+    for path in scripts:
+        where = path.relative_to(LIBRARY.parent)
+        for module, names in _imports(path):
+            if module == TIMES_AN_INTERNAL.get(str(where)):
+                continue
+            if module.startswith("eqx_gpt."):
+                wrong.append(f"{where} imports {module}")
+            elif module == "eqx_gpt":
+                wrong += [
+                    f"{where} imports eqx_gpt.{n}, which is not exported" for n in names if n not in exported
+                ]
+    assert not wrong, "\n".join(wrong)

@@ -8,9 +8,11 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
+from doc_blocks import DOCS, python_blocks
 
 import eqx_gpt
 
@@ -41,6 +43,12 @@ def test_every_public_name_resolves_and_nothing_private_or_a_test_oracle_is_expo
     assert wanted <= set(eqx_gpt.__all__)
     errors = [getattr(eqx_gpt, name) for name in eqx_gpt.__all__ if name.endswith("Error")]
     assert all(isinstance(e, type) and issubclass(e, eqx_gpt.EqxGptError) for e in errors), errors
+
+
+def test_the_readme_lists_every_public_name():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("## Public API") :].split("\n## ", 1)[0]
+    assert not [name for name in eqx_gpt.__all__ if f"`{name}`" not in table]
 
 
 def test_train_takes_typed_configs_and_no_dict():
@@ -86,13 +94,20 @@ def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     assert capsys.readouterr().out.startswith("usage: python -m eqx_gpt train")
 
 
-@pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv")
-@pytest.mark.slow
-def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(tmp_path):
-    dist, venv, work = tmp_path / "dist", tmp_path / "venv", tmp_path / "elsewhere"
-    work.mkdir()
+def _user_env() -> dict:
     env = _env()
     env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """`(wheel, python)`: the wheel built from this checkout, installed with the locked versions of
+    its dependencies (uv's cache holds them) into a fresh environment on this Python."""
+    if shutil.which("uv") is None:
+        pytest.skip("needs uv")
+    tmp = tmp_path_factory.mktemp("wheel")
+    dist, venv, env = tmp / "dist", tmp / "venv", _user_env()
 
     def uv(*args: str) -> None:
         proc = subprocess.run(["uv", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -100,12 +115,19 @@ def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(tmp_p
 
     uv("build", "--wheel", "--out-dir", str(dist))
     (wheel,) = dist.glob("eqx_gpt-*.whl")
-    # The locked versions of the dependencies (uv's cache holds them), on this Python.
-    requirements = str(tmp_path / "requirements.txt")
+    requirements = str(tmp / "requirements.txt")
     uv("export", "--frozen", "--no-default-groups", "--no-emit-project", "--no-hashes", "-o", requirements)
     uv("venv", "--quiet", "--python", sys.executable, str(venv))
     python = venv / "bin" / "python"
     uv("pip", "install", "--quiet", "--python", str(python), "-r", requirements, str(wheel))
+    return wheel, python
+
+
+@pytest.mark.slow
+def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(installed_wheel, tmp_path):
+    _, python = installed_wheel
+    venv, work, env = python.parents[1], tmp_path / "elsewhere", _user_env()
+    work.mkdir()
 
     def command(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(python), "-m", "eqx_gpt", *args], cwd=work, env=env, capture_output=True,
@@ -127,3 +149,34 @@ def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(tmp_p
     assert script.returncode == 0 and "the validation split of Tiny Shakespeare" in script.stdout, (
         script.stderr
     )
+
+
+# What the docs' Python imports beside eqx_gpt and its dependencies: the client of `eqx-gpt serve`.
+DOC_CLIENTS = ("openai",)
+
+
+@pytest.mark.slow
+def test_the_wheel_is_typed_and_the_docs_python_passes_pyright_downstream(installed_wheel, tmp_path):
+    # A downstream project: every ```python block of the README and the guide in one file, checked
+    # by pyright (standard, and a missing stub an error) against the installed wheel, not this
+    # checkout. Without py.typed pyright would report eqx_gpt as untyped ("Stub file not found").
+    wheel, python = installed_wheel
+    assert "eqx_gpt/py.typed" in zipfile.ZipFile(wheel).namelist()
+    blocks = [f"# {doc.name}, block {i}\n{block}" for doc in DOCS
+              for i, block in enumerate(python_blocks(doc.read_text(encoding="utf-8")))]  # fmt: skip
+    assert len(blocks) >= 10
+    # The project also installs the clients the blocks use, at the versions uv.lock holds.
+    constraints = tmp_path / "constraints.txt"
+    export = ["export", "--frozen", "--all-groups", "--all-extras", "--no-emit-project", "--no-hashes"]
+    install = ["pip", "install", "--quiet", "--python", str(python), "-c", str(constraints)]
+    for args in ([*export, "-o", str(constraints)], [*install, *DOC_CLIENTS]):
+        proc = subprocess.run(["uv", *args], cwd=ROOT, env=_user_env(), capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / "docs_snippets.py").write_text("\n\n".join(blocks), encoding="utf-8")
+    config = {"typeCheckingMode": "standard", "reportMissingTypeStubs": "error"}
+    (tmp_path / "pyrightconfig.json").write_text(json.dumps(config), encoding="utf-8")
+    pyright = Path(sys.executable).with_name("pyright")
+    proc = subprocess.run([str(pyright), "--pythonpath", str(python), "docs_snippets.py"], cwd=tmp_path,
+                          env=_user_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "0 errors" in proc.stdout, proc.stdout[-3000:]

@@ -1,22 +1,25 @@
-"""Autoregressive generation with a key/value cache.
+"""Autoregressive generation with a key/value cache, for `GPT` or any model that follows the
+`Decoder` protocol (`eqx_gpt.generation.decoder`: `context_length`, `vocab_size`, `init_cache`,
+`decode`).
 
-How the cached loop works:
+How the cached loop works (`GPT`'s, and the same calls on any decoder):
 
 1. **Prefill.** The prompt (cropped to its last `context_length` tokens) is padded to a
    power-of-two *bucket* (at least 16, at most `context_length`) and run once through
-   `GPT.decode` at position 0, filling a fixed-size per-layer `KVCache` of `context_length`
+   `decode` at position 0, filling a fixed-size per-layer `KVCache` of `context_length`
    slots. Padded slots hold junk that the causal mask hides and that later tokens overwrite, so
    only a handful of prompt shapes (log2 of the context) are ever compiled. The same program
    samples the first new token, so it can be shown before the decode loop has compiled.
-2. **Decode.** Each step runs `GPT.decode` on the latest token at the next position and samples
+2. **Decode.** Each step runs `decode` on the latest token at the next position and samples
    the following token from its logits: one position of work per token, not a whole window. Steps run
    inside one jitted loop (`jax.lax.fori_loop`) of up to `chunk_size` tokens that carries the
    cache; the number of steps is a traced value, so one compiled program serves every chunk,
-   prompt length, temperature, top-k and top-p value. This loop runs the model unstacked
+   prompt length, temperature, top-k and top-p value. This loop runs a GPT unstacked
    (`GPT.unstack`: a Python loop over separate per-layer weights and caches, updated in place),
    because one token's work is a chain of matrix-vector products bound by memory traffic, and a
    `scan` over the stacked layers would copy every layer's weights and cache once more per token.
-3. **Sliding past the context.** The model has absolute (sinusoidal) positions, so cached keys
+   Another decoder runs as it is.
+3. **Sliding past the context.** GPT has absolute (sinusoidal) positions, so cached keys
    belong to the positions they were computed at and a ring buffer would not be exact. Instead,
    when the window already holds `context_length` tokens and one more arrives, the window is cut
    to its most recent `keep` tokens (default `max(1, context_length // 2)`, the new token included),
@@ -41,9 +44,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt.generation.decoder import Decoder, check_decoder
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
     SamplingOptions,
@@ -51,21 +55,21 @@ from eqx_gpt.generation.sampling import (
     sampling_arrays,
     with_settings,
 )
-from eqx_gpt.model.attention import KVCache
 from eqx_gpt.model.gpt import GPT
 
 
 class GenerationState(eqx.Module):
     """What the decode loop carries between tokens, for a batch of rows sharing one length.
 
-    cache: per-layer `KVCache`s (a tuple), each with a leading `batch` axis.
+    cache: the decoder's cache (a GPT's: a tuple of per-layer `KVCache`s), every array with a
+        leading `batch` axis.
     window: `(batch, context_length)` token ids at the cache positions (valid up to `length`).
     length: number of positions in the window (the same for every row).
     next_token: `(batch,)` the latest sampled token, not yet fed to the model.
     produced: how many tokens have been sampled so far (the index of the next one to sample).
     """
 
-    cache: tuple[KVCache, ...]
+    cache: PyTree
     window: Int[Array, "batch context"]
     length: Int[Array, ""]
     next_token: Int[Array, " batch"]
@@ -77,9 +81,23 @@ def prompt_bucket(length: int, context_length: int) -> int:
     return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
 
 
+def _loop_model(model: Decoder) -> Decoder:
+    """The model the decode loop runs: a GPT's layers unstacked (see the module docstring),
+    any other decoder as it is."""
+    return model.unstack() if isinstance(model, GPT) else model
+
+
+def _loop_cache(model: Decoder, cache: PyTree) -> PyTree:
+    """The prefill's cache in the form `_loop_model(model)` reads: a stacked GPT's split into one
+    buffer per layer."""
+    if isinstance(model, GPT) and not isinstance(cache, tuple):
+        return model.blocks.split(cache)
+    return cache
+
+
 @eqx.filter_jit
 def _prefill(
-    model: GPT,
+    model: Decoder,
     padded: Int[Array, "batch bucket"],
     length: Int[Array, ""],
     produced: Int[Array, ""],
@@ -89,23 +107,22 @@ def _prefill(
     top_p: Float[Array, ""] | None,
 ) -> GenerationState:
     """Run the first `length` tokens of `padded` at position 0 into a fresh cache and sample
-    token number `produced` from the last one's logits. `model` is stacked (a `scan` over layers
-    compiles fast, and the first token waits for this compile).
+    token number `produced` from the last one's logits. A GPT is stacked here (a `scan` over
+    layers compiles fast, and the first token waits for this compile).
 
     Sampling here lets the first token be shown before the decode loop is even compiled.
     """
     batch, bucket = padded.shape
-    logits, cache = model.decode(padded, model.init_cache(batch=batch), 0)
-    if not isinstance(cache, tuple):  # stacked: one buffer per layer, for the unstacked decode loop
-        cache = model.blocks.split(cache)
+    logits, cache = model.decode(padded, model.init_cache(batch=batch), jnp.zeros((), jnp.int32))
+    cache = _loop_cache(model, cache)
     token = sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
-    window = jnp.zeros((batch, model.config.context_length), jnp.int32).at[:, :bucket].set(padded)
+    window = jnp.zeros((batch, model.context_length), jnp.int32).at[:, :bucket].set(padded)
     return GenerationState(cache, window, length, token, produced + 1)
 
 
 @eqx.filter_jit
 def _decode_steps(
-    model: GPT,
+    model: Decoder,
     state: GenerationState,
     key: PRNGKeyArray,
     temperature: Float[Array, ""],
@@ -115,7 +132,7 @@ def _decode_steps(
     n_steps: int,
 ) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
     """`n_valid <= n_steps` steps per row: feed `next_token` in, sample the one after it.
-    `model` is unstacked (`GPT.unstack`).
+    `model` is in the loop's form (`_loop_model`: a GPT unstacked).
 
     Returns the newly sampled tokens; columns past `n_valid` are padding. The caller keeps
     `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
@@ -153,15 +170,14 @@ def _cut_window(state: GenerationState, keep: int, bucket: int) -> Int[Array, "b
 
 
 def check_generation_args(
-    model: GPT, prompts, max_new_tokens: int, options: SamplingOptions
+    model: Decoder, prompts, max_new_tokens: int, options: SamplingOptions
 ) -> tuple[np.ndarray, int]:
     """Check the arguments of a generation; return `(prompts (batch, seq) int32 cropped to the
     context, keep)`, or raise a one-line `ValueError`/`TypeError` naming the bad one."""
-    if not isinstance(model, GPT):
-        raise TypeError(f"generation takes a GPT, got {type(model).__name__}")
+    check_decoder(model)
     if not isinstance(options, SamplingOptions):
         raise TypeError(f"options must be a SamplingOptions, got {type(options).__name__}")
-    context = model.config.context_length
+    context = model.context_length
     keep = options.window_keep(context)
     if not is_whole(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens must be an integer in [0, {INT32_MAX}], got {max_new_tokens!r}")
@@ -177,16 +193,16 @@ def check_generation_args(
         raise ValueError("generate_batch/stream_batch need at least one prompt row, got shape (0, seq)")
     if not np.issubdtype(prompts.dtype, np.integer):
         raise ValueError(f"prompt tokens must be integers, got dtype {prompts.dtype}")
-    if prompts.min() < 0 or prompts.max() >= model.config.vocab_size:
+    if prompts.min() < 0 or prompts.max() >= model.vocab_size:
         raise ValueError(
-            f"prompt token ids must be in [0, vocab_size={model.config.vocab_size}), "
+            f"prompt token ids must be in [0, vocab_size={model.vocab_size}), "
             f"got ids from {prompts.min()} to {prompts.max()}"
         )
     return prompts[:, -context:].astype(np.int32), keep
 
 
 def stream_batch(
-    model: GPT,
+    model: Decoder,
     prompts: Int[Array, "batch seq"] | np.ndarray,
     max_new_tokens: int,
     *,
@@ -211,14 +227,14 @@ def stream_batch(
     if max_new_tokens == 0:
         return
     model = eqx.nn.inference_mode(model)
-    context = model.config.context_length
+    context = model.context_length
     batch, length = prompts.shape
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
     sampling = sampling_arrays(options)
     state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
     yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
-    unstacked = model.unstack() if max_new_tokens > 1 else model
+    loop_model = _loop_model(model) if max_new_tokens > 1 else model
     produced, pending = 1, []
     while produced < max_new_tokens:
         if length == context:  # full: cut to the last `keep` tokens (the pending one included)
@@ -229,7 +245,7 @@ def stream_batch(
         else:
             n = min(chunk_size, context - length, max_new_tokens - produced)
             state, tokens = _decode_steps(
-                unstacked, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
+                loop_model, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
             )
             pending.append((tokens, n))
             length, produced = length + n, produced + n
@@ -241,7 +257,7 @@ def stream_batch(
 
 
 def generate_batch(
-    model: GPT,
+    model: Decoder,
     prompts: Int[Array, "batch seq"] | np.ndarray,
     max_new_tokens: int,
     *,
@@ -270,7 +286,7 @@ def generate_batch(
 
 
 def generate(
-    model: GPT,
+    model: Decoder,
     prompt_tokens: Int[Array, " seq"] | np.ndarray | list[int],
     max_new_tokens: int,
     *,
@@ -298,7 +314,7 @@ def generate(
 
 
 def stream_text(
-    model: GPT,
+    model: Decoder,
     tokenizer,
     prompt_tokens: list[int],
     max_new_tokens: int,

@@ -105,6 +105,16 @@ class GPT(eqx.Module):
         return (x + jax.lax.dynamic_slice_in_dim(table, start, tokens.shape[-1])).astype(c.compute_dtype)
 
     @property
+    def context_length(self) -> int:
+        """`config.context_length`: the most positions a window, and a cache, holds."""
+        return self.config.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        """`config.vocab_size`: the logits per position (the padding ids sliced off)."""
+        return self.config.vocab_size
+
+    @property
     def head_weight(self) -> Float[Array, "d_model padded_vocab"]:
         """The output projection's matrix: `head.weight`, or `embed.T` with tied embeddings."""
         return self.embed.T if self.head is None else self.head.weight
@@ -179,7 +189,7 @@ class GPT(eqx.Module):
         `__call__` turns into logits: `model(tokens) == model.logits(model.features(tokens))`.
 
         Same arguments as `__call__`. A loss over a large vocabulary takes these and the
-        `head_weight` (`eqx_gpt.model.loss.chunked_cross_entropy`) rather than every logit at once.
+        `head_weight` (`eqx_gpt.chunked_cross_entropy`) rather than every logit at once.
         """
         seq = tokens.shape[-1]
         self._check_length(seq)

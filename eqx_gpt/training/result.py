@@ -10,8 +10,10 @@ from eqx_gpt.training.records import Record
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What `train` returns: the model as the run ended (the final step's weights; the best
-    checkpoint is `load_model(out_dir)`), its tokenizer, and the run's figures.
+    """What `train` returns: the model as the run ended, its tokenizer, and the run's figures.
+
+    `model` holds the LAST step's weights, not the best: the weights of the lowest periodic
+    validation loss (`best_val_loss`) are the `best` checkpoint, `load_model(out_dir, kind="GPT")`.
 
     `history` holds the records of the whole run, in order, as `metrics.jsonl` holds them (a
     resumed run's too, read back from the file): a `StepRecord` every `log_interval` steps and at
@@ -19,7 +21,7 @@ class TrainResult:
     finished. Every step's figures, logged or not, go to `Callback.on_step`.
     """
 
-    model: GPT
+    model: GPT  # the last step's weights (the best: `load_model(out_dir, kind="GPT")`)
     tokenizer: Tokenizer
     step: int  # optimiser steps done
     val_loss: float | None  # the final validation's loss (interrupted: the last evaluation's)

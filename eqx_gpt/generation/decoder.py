@@ -1,0 +1,61 @@
+"""The decoder protocol: what `generate` needs of a model to sample from it with a KV cache."""
+
+from typing import Protocol
+
+from jaxtyping import Array, Float, Int, PyTree
+
+# What a decoder must have, by name: `check_decoder` names the first one missing.
+MEMBERS = ("context_length", "vocab_size", "init_cache", "decode")
+
+
+class Decoder(Protocol):
+    """A causal language model that `generate`, `generate_batch`, `stream_batch` and
+    `stream_text` sample from, KV-cached: prefill a cache with the prompt, then decode one
+    position at a time. `GPT` follows it; so does any model of your own with these four members
+    (a `typing.Protocol`: no base class to inherit, pyright checks a model against it by its
+    members). Make it an `eqx.Module` (any PyTree works), so that `jit` sees its arrays.
+
+    - `context_length`: the most positions a window, and a cache, holds.
+    - `vocab_size`: the number of logits per position, all of them ids the model may produce.
+    - `init_cache(batch=...)`: an empty cache for `batch` sequences, holding `context_length`
+      positions each. Any PyTree of arrays (`KVCache`s, a tuple of them, ...) whose arrays all
+      have the batch as their leading axis.
+    - `decode(tokens, cache, start)`: the logits `(batch, new, vocab_size)` of `tokens`
+      `(batch, new)` at positions `start, ..., start + new - 1` (`start` an int32 array, the
+      same for every row), attending to the positions before them held in `cache`, and the
+      cache with the new positions written in. It also takes one sequence: `tokens` `(new,)`
+      with the cache of one row (each array indexed `[0]`) gives `(new, vocab_size)`, as every
+      eqx_gpt module does; the decode loop runs a single sequence that way, because XLA:CPU then
+      updates the cache in place.
+
+    `generate` calls `decode` twice over: once on the whole prompt at `start = 0` (padded at its
+    end to a power-of-two length; the padding's logits and cache slots are ignored and later
+    overwritten, so a causal model must not let a position see the ones after it), then on one
+    token at each next position inside a jitted loop. When a window is full it re-prefills the
+    most recent tokens at position 0 into a fresh cache (`SamplingOptions.keep`). Dropout is off:
+    the model is put in inference mode (`eqx.nn.inference_mode`) first. The cache is state
+    threaded through: passed in, returned updated, of a fixed capacity so that `jit` compiles once.
+    """
+
+    @property
+    def context_length(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def init_cache(self, *, batch: int) -> PyTree: ...
+
+    def decode(
+        self, tokens: Int[Array, "*batch new"], cache: PyTree, start: Int[Array, ""], /
+    ) -> tuple[Float[Array, "*batch new vocab"], PyTree]: ...
+
+
+def check_decoder(model: object) -> None:
+    """Refuse, in one line, a model that lacks a member of `Decoder` (the runtime half of what
+    pyright checks statically; the members' signatures are its part)."""
+    missing = [name for name in MEMBERS if not hasattr(model, name)]
+    if missing:
+        raise TypeError(
+            f"generation takes a decoder (eqx_gpt.Decoder: {', '.join(MEMBERS)}, as GPT has); "
+            f"{type(model).__name__} lacks {', '.join(missing)}"
+        )
