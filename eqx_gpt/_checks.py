@@ -127,8 +127,10 @@ def takes_token_ids(**vocab_fields: str | None):
             bound = signature.bind(self, *args, **kwargs)
             for name, field in vocab_fields.items():
                 if name in bound.arguments:
-                    owner = type(self).__name__
-                    what = f"{owner if method.__name__ == '__call__' else owner + '.' + method.__name__}'s {name}"
+                    where = type(self).__name__
+                    if method.__name__ != "__call__":
+                        where += f".{method.__name__}"
+                    what = f"{where}'s {name}"
                     vocab = None if field is None else (field, getattr(self.config, field))
                     bound.arguments[name] = as_token_ids(bound.arguments[name], what, vocab)
             return method(*bound.args, **bound.kwargs)

@@ -32,7 +32,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.checkpoint import (
     BEST,
     LATEST,
@@ -49,6 +48,7 @@ from eqx_gpt.model.gpt import GPT
 from eqx_gpt.streams import TRAIN_BATCHES
 from eqx_gpt.tokenizer import Tokenizer
 from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, parse_trackers, require_trackers
+from eqx_gpt.training.arguments import check_train_arguments, resume_in_python
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import batch_reader, window_starts
 from eqx_gpt.training.evaluate import evaluate_run, final_evaluations, final_validation
@@ -60,7 +60,6 @@ from eqx_gpt.training.run_dir import (
     Metrics,
     RunDirLock,
     check_run_dir,
-    check_writable,
     kept_records,
 )
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
@@ -145,14 +144,14 @@ def train(
     if preset != AUTO:
         settings["preset"] = preset
     return _train(
-        settings, Path(out_dir), resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now,
+        settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
+        progress=progress, now=now, resume_with=resume_in_python,
     )  # fmt: skip
 
 
 def _train(
     settings: dict,
-    out_dir: Path,
+    out_dir: str | Path,
     *,
     resume: bool,
     overwrite: bool,
@@ -160,19 +159,21 @@ def _train(
     log: Callable[[str], None],
     progress: bool,
     now: Callable[[], float],
+    resume_with: Callable[[Path], str],
 ) -> TrainResult:
-    """`train` with its settings by name (`options.resolve_options`)."""
+    """`train` with its settings by name (`options.resolve_options`) and its arguments checked
+    (`check_train_arguments`); `resume_with` says how the caller resumes an interrupted run
+    (`train.py` calls this with its command line's)."""
+    out_dir = check_train_arguments(
+        out_dir=out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
+        progress=progress, now=now,
+    )  # fmt: skip
     t_start = now()
-    if not is_whole(sample_tokens, 0):  # checked here, not after the run when the sample is drawn
-        raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
-    if resume and overwrite:
-        raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
     if log is print:  # a path its lines cannot print: refused now, not at the line that names it
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     if options is not None:  # a missing extra is refused before anything is written
         require_trackers(parse_trackers(options.train.tracker))
-    check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
         records = []
@@ -205,7 +206,8 @@ def _train(
         ):  # fmt: skip
             _describe_start(report, setup, state)
             with _StopFlag() as stop:
-                return train_loop(Run(setup, state, report, plan, stopping=lambda: stop.set), sample_tokens)
+                run = Run(setup, state, report, plan, stopping=lambda: stop.set, resume_with=resume_with)
+                return train_loop(run, sample_tokens)
 
 
 def _open_trackers(setup: RunSetup, records: list[dict]) -> Trackers:
@@ -255,6 +257,7 @@ class Run:
     report: Report
     plan: TimePlan
     stopping: Callable[[], bool] = lambda: False
+    resume_with: Callable[[Path], str] = resume_in_python  # how the caller resumes it
 
 
 def _describe_start(report: Report, setup: RunSetup, state: TrainState) -> None:
@@ -459,7 +462,7 @@ def interrupted(run: Run) -> TrainResult:
         save(run, LATEST)
     report.log(
         f"interrupted at step {state.step}; saved {checkpoint_file(out_dir, LATEST)}. Resume with: "
-        f"uv run train.py --resume --out-dir {out_dir}"
+        f"{run.resume_with(out_dir)}"
     )
     val = state.last_eval[1] if state.last_eval is not None else None
     return _result(run, val_loss=val, interrupted=True, sample=None)

@@ -165,6 +165,11 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
         return TrainState(model, opt_state, step=0, schedule_steps=options.schedule_steps)
+    if options.schedule_steps < meta["step"]:  # a schedule that ends before the run's step
+        raise TrainingError(
+            f"max_steps={options.schedule_steps} ends before step {meta['step']}, where the run in "
+            f"{out_dir}/ is; pass a --max-steps of at least {meta['step']} to go on, or leave it out"
+        )
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, model_template(model_config))
     model, opt_state, _, meta = load_checkpoint(meta, opt_like)
     start, schedule_steps = meta["step"], options.schedule_steps
