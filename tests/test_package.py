@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -72,14 +73,43 @@ def test_the_readme_example_trains_from_python_in_an_empty_folder(tmp_path):
 def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     from eqx_gpt.__main__ import main
 
-    assert main([]) == 2
-    assert "usage: python -m eqx_gpt {train,sample,evaluate,export}" in capsys.readouterr().err
-    assert main(["fly"]) == 2
-    assert "unknown command 'fly'" in capsys.readouterr().err
+    assert main([], prog="python -m eqx_gpt") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m eqx_gpt [--version] [--help] <command>")
+    assert "error: name a command: train, sample, evaluate, export" in err
+    assert main(["fly"], prog="python -m eqx_gpt") == 2
+    assert capsys.readouterr().err == (
+        "python -m eqx_gpt: error: unknown command 'fly'; choose one of train, sample, evaluate, export "
+        "(see --help)\n"
+    )
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "--help"])
+        main(["train", "--help"], prog="python -m eqx_gpt")
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m eqx_gpt train")
+
+
+def test_the_console_script_calls_itself_eqx_gpt_and_has_help_and_version(capsys, monkeypatch):
+    """Issue 53: `eqx-gpt` named itself `python -m eqx_gpt`, took `--version` for a command and
+    said nothing of what its commands do."""
+    from eqx_gpt.__main__ import main
+    from eqx_gpt.commands import COMMANDS
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/eqx-gpt", "--help"])
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: eqx-gpt [--version] [--help] <command> [flags]\n")
+    for name, line in COMMANDS.items():  # one line each, as `git --help` lists its commands
+        assert any(row.split()[:1] == [name] and row.endswith(line) for row in out.splitlines()), name
+    assert "--version" in out and "python -m" not in out
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out == f"eqx_gpt {metadata.version('eqx_gpt')}\n"
+    assert main(["fly"]) == 2
+    assert capsys.readouterr().err.startswith("eqx-gpt: error: unknown command 'fly'")
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "eqx-gpt sample: error: unrecognized arguments: --bogus (see --help)\n"
 
 
 @pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv")
