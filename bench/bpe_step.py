@@ -29,7 +29,13 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402
+from common import (  # noqa: E402
+    add_malloc_argument,
+    add_smoke_argument,
+    cpu_description,
+    set_malloc,
+    smoke_shape,
+)
 
 from eqx_gpt.model.config import GPTConfig  # noqa: E402
 from eqx_gpt.model.gpt import GPT  # noqa: E402
@@ -93,9 +99,12 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--blocks", type=int, nargs="*", default=[], help="other block widths (columns) to time")
     add_malloc_argument(p)
+    add_smoke_argument(p)
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.seconds, args.batch_size = 1, 0.0, 2
     print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}; {set_malloc(args)}")
-    values = preset_values("cpu")
+    values = smoke_shape(preset_values("cpu")) if args.smoke else preset_values("cpu")
     if args.batch_size is not None:
         values["batch_size"] = args.batch_size
     step_tokens = values["batch_size"] * values["context_length"]
@@ -115,7 +124,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for advance, _, times, faults in runs.values():
             end = time.perf_counter() + args.seconds
-            while time.perf_counter() < end:
+            while not times or time.perf_counter() < end:  # one step at least
                 start, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 advance()
                 times.append(time.perf_counter() - start)

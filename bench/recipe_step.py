@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from common import add_smoke_argument, smoke_shape  # bench/common.py
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
@@ -72,9 +73,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per variant per round")
+    add_smoke_argument(p)
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.seconds = 1, 0.0
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load {os.getloadavg()}; jax {jax.__version__}")
-    preset = preset_values("cpu")
+    preset = smoke_shape(preset_values("cpu")) if args.smoke else preset_values("cpu")
     runs = {}
     for name, change in VARIANTS.items():
         advance, tokens = make_advance({**preset, **change})
@@ -83,7 +87,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for advance, _, times in runs.values():
             end = time.perf_counter() + args.seconds
-            while time.perf_counter() < end:
+            while not times or time.perf_counter() < end:  # one call at least
                 start = time.perf_counter()
                 advance()
                 times.append((time.perf_counter() - start) / STEPS_PER_CALL)
