@@ -153,3 +153,29 @@ def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(tmp_p
     assert script.returncode == 0 and "the validation split of Tiny Shakespeare" in script.stdout, (
         script.stderr
     )
+
+
+def test_the_readmes_start_up_lines_are_what_train_py_prints(tmp_path, monkeypatch, capsys):
+    """README's output block starts with the `data:` and `model:` lines of `uv run train.py`; they
+    must be the code's (issue 53: a `data:` line the code no longer printed)."""
+    import importlib.util
+
+    import eqx_gpt.training.run as run_module
+
+    class Started(Exception):
+        pass
+
+    def stop(run, sample_tokens):
+        raise Started
+
+    monkeypatch.setattr(run_module, "train_loop", stop)  # the start-up lines only, no step
+    spec = importlib.util.spec_from_file_location("train_cli_readme", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    with pytest.raises(Started):
+        train_cli.main(["--out-dir", str(tmp_path / "out")])
+    printed = capsys.readouterr().out.splitlines()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    for start in ("data: ", "model: "):
+        line = next(line for line in printed if line.startswith(start))
+        assert line in readme, (line, [r for r in readme if r.startswith(start)])
