@@ -8,6 +8,8 @@ import functools
 import inspect
 import math
 import numbers
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,14 @@ def check_eps(eps, what: str) -> float:
     if not (eps > 0 and math.isfinite(eps)):
         raise ValueError(f"{what} eps must be a finite number > 0, got {eps!r}")
     return eps
+
+
+def as_path(value, what: str):
+    """`value` as a `pathlib.Path` if it is a path (a `str` or an `os.PathLike`, not bytes or
+    empty), else a one-line `TypeError` naming `what`: not pathlib's own, which names neither."""
+    if isinstance(value, bytes) or not isinstance(value, str | os.PathLike) or str(value) == "":
+        raise TypeError(f"{what} must be a path (a non-empty str or pathlib.Path), got {value!r}")
+    return Path(value)
 
 
 def check_size(value, what: str, low: int = 1) -> int:

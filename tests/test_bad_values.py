@@ -27,9 +27,12 @@ from eqx_gpt import (
     dropout,
     generate,
     generate_batch,
+    load_gpt2,
+    load_model,
     pad_vocab,
     padding_mask,
     sample_next_token,
+    save_checkpoint,
     sinusoidal_positions,
     top_k_filter,
     top_p_filter,
@@ -141,6 +144,16 @@ CASES = {
         lambda: jax.jit(lambda b, x: b(x))(Block(8, 2, 16, key=KEY, dropout=0.1, inference=True), X[:, :2]),
         TypeError,
         "use eqx.filter_jit",
+    ),
+    # paths: one line naming the argument, not pathlib's "expected str, bytes or os.PathLike object"
+    "load_model 5": (lambda: load_model(5), TypeError, "a checkpoint's path must be a path"),
+    "load_gpt2 None": (lambda: load_gpt2(None), TypeError, "a GPT-2 directory must be a path"),
+    "save_checkpoint 5": (
+        lambda: save_checkpoint(
+            5, "latest", _gpt(), None, step=0, tokenizer=CharTokenizer("abc"), train_config={}
+        ),
+        TypeError,
+        "out_dir must be a path",
     ),
     # logits of one position
     "sample empty logits": (lambda: sample_next_token(jnp.zeros(0), KEY), ValueError, "got shape (0,)"),

@@ -1,11 +1,10 @@
 """`train()`'s own arguments, checked before anything touches the disk: each mistake of a Python
 caller is one line naming the argument, its value and what would be accepted."""
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
-from eqx_gpt._checks import INT32_MAX, is_whole
+from eqx_gpt._checks import INT32_MAX, as_path, is_whole
 from eqx_gpt.errors import TrainingError
 
 
@@ -21,10 +20,9 @@ def check_train_arguments(
 ) -> Path:
     """Refuse a wrong `train()` argument in one line (a `TypeError` for a wrong type, a
     `TrainingError` for a wrong value); return `out_dir` as a `Path`."""
-    if isinstance(out_dir, bytes) or not isinstance(out_dir, str | os.PathLike):
-        raise TypeError(f"out_dir must be a folder's path (a str or pathlib.Path), got {out_dir!r}")
-    if str(out_dir) == "" or "\0" in str(out_dir):
-        raise TrainingError(f"out_dir must be a folder's path, not empty and without NUL, got {out_dir!r}")
+    out_path = as_path(out_dir, "out_dir")
+    if "\0" in str(out_dir):
+        raise TrainingError(f"out_dir must be a folder's path, without NUL, got {out_dir!r}")
     for name, value in (("resume", resume), ("overwrite", overwrite), ("progress", progress)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
@@ -35,7 +33,7 @@ def check_train_arguments(
     for name, value, takes in (("log", log, "a line (str)"), ("now", now, "nothing and returns seconds")):
         if not callable(value):
             raise TypeError(f"{name} must be a function that takes {takes}, got {value!r}")
-    return Path(out_dir)
+    return out_path
 
 
 def resume_in_python(out_dir: Path) -> str:
