@@ -20,7 +20,7 @@ from eqx_gpt import GPT, GPTConfig
 
 def compile_seconds(n_layers: int, batch: int, smoke: bool = False) -> float:
     shape = dict(context_length=256, d_model=384, n_heads=6)
-    config = GPTConfig(vocab_size=65, **(smoke_shape(shape) if smoke else shape), n_layers=n_layers)
+    config = GPTConfig(vocab_size=65, **{**(smoke_shape(shape) if smoke else shape), "n_layers": n_layers})
     model = GPT(config, key=jax.random.key(0))
     tokens = jnp.zeros((batch, config.context_length), jnp.int32)
 

@@ -225,13 +225,8 @@ def main(argv=None) -> int:
     malloc = set_malloc(args)  # before JAX starts its threads
     args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)
     if args.smoke:  # every config tiny, one group of 2 steps each; the compile comparison too
-        args.steps_per_call, args.warmup, args.seconds, args.min_samples, args.group_seconds = (
-            2,
-            0,
-            0.0,
-            1,
-            0.0,
-        )
+        args.steps_per_call, args.warmup, args.min_samples = 2, 1, 1
+        args.seconds = args.group_seconds = 0.0
         args.compile_layers, args.compile_reps, args.compile_batch, args.peak_size = True, 1, 2, SMOKE_PEAK
     elif args.peak_size < 2048:
         p.error("--peak-size must be at least 2048 (a small matmul underestimates the peak)")
