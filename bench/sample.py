@@ -16,8 +16,8 @@ The cached method slides its window differently (see `eqx_gpt.generation.generat
 token for token only until the first slide.
 
 Floor: a cached token must at least read every weight matrix once. Each repetition also times a bare
-jitted chain of the model's matrix-vector products (each layer's `w_qkv`, `w_out`, MLP `w_in`,
-`w_out`, then the head; no attention, norms or sampling) and prints the ratio that such a
+jitted chain of the model's matrix-vector products (each layer's `attn.qkv`, `attn.out`, MLP `up`,
+`down`, then the head; no attention, norms or sampling) and prints the ratio that such a
 decode step would reach against the naive timing above: the ceiling for this machine.
 
 Choice (`--choice`): one token's choice from GPT-2's 50,257 logits, jitted, per setting
@@ -83,7 +83,9 @@ def compile_naive(model, key):
 def matvec_chain(model: GPT, tokens: int):
     """A jitted function running `tokens` steps of the model's weight matrix-vector products alone."""
     layers = model.unstack().blocks.layers
-    layer_matrices = [w for b in layers for w in (b.attn.w_qkv, b.attn.w_out, b.mlp.w_in, b.mlp.w_out)]
+    layer_matrices = [
+        w for b in layers for w in (b.attn.qkv.weight, b.attn.out.weight, b.mlp.up.weight, b.mlp.down.weight)
+    ]
 
     def run(x, layer_matrices, head):
         def one_token(_, h):
@@ -95,7 +97,7 @@ def matvec_chain(model: GPT, tokens: int):
 
     chain = jax.jit(run)
     x = jnp.ones(model.config.d_model) * 1e-3
-    return lambda: chain(x, layer_matrices, model.head).block_until_ready()
+    return lambda: chain(x, layer_matrices, model.head_weight).block_until_ready()
 
 
 def bench_shape(name, shape, new_tokens, reps, prompt_len):

@@ -62,10 +62,10 @@ def export(model: GPT, batches: np.ndarray, path: Path) -> None:
     """Our initial weights (stacked layers split per name) and the batches, for the torch side."""
     b, layers = model.blocks.layers, model.config.n_layers
     arrays = {
-        "embed": model.embed, "head": model.head, "final_norm": model.final_norm.scale,
-        "blocks.attn_norm": b.attn_norm.scale, "blocks.w_qkv": b.attn.w_qkv,
-        "blocks.w_attn_out": b.attn.w_out, "blocks.mlp_norm": b.mlp_norm.scale, "blocks.w_in": b.mlp.w_in,
-        "blocks.w_mlp_out": b.mlp.w_out, "batches": batches,
+        "embed": model.embed, "head": model.head_weight, "final_norm": model.final_norm.scale,
+        "blocks.attn_norm": b.attn_norm.scale, "blocks.w_qkv": b.attn.qkv.weight,
+        "blocks.w_attn_out": b.attn.out.weight, "blocks.mlp_norm": b.mlp_norm.scale,
+        "blocks.w_in": b.mlp.up.weight, "blocks.w_mlp_out": b.mlp.down.weight, "batches": batches,
         "positions": sinusoidal_positions(model.config.context_length, model.config.d_model),
     }  # fmt: skip
     assert all(np.asarray(arrays[k]).shape[0] == layers for k in arrays if k.startswith("blocks."))

@@ -34,6 +34,7 @@ from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
@@ -62,6 +63,7 @@ __all__ = [
     "LayerStack",
     "MultiHeadAttention",
     "KVCache",
+    "Linear",
     "MLP",
     "LayerNorm",
     "RMSNorm",

@@ -5,7 +5,7 @@ GPT-2 is the `GPT` with `positions="learned"`, `bias=True`, `norm="layer"` (pre-
 LayerNorm), the tanh GELU and `tie_embeddings=True`. Its tensors map one to one onto ours
 (`TENSORS`). Hugging Face stores the projections as `Conv1D` weights of shape `(in, out)`, which
 is our `x @ w` layout, so nothing is transposed; `c_attn` holds the query, key and value weights
-side by side as our `w_qkv` does. The token table is padded with zero rows to
+side by side as our attention's `qkv` does. The token table is padded with zero rows to
 `padded_vocab_size`, and `GPT` never returns the padding's logits, so they are never sampled.
 
 Files are read with the `safetensors` package's NumPy API (no torch, and nothing that could run
@@ -30,20 +30,22 @@ from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME = "config.json", "model.safetensors", "model.safetensors.index.json"
 
+# Hugging Face's `Conv1D` modules (per block after "h.{i}.") and the `Linear` each is in a `GPT`
+# (LoRA's targets use these names too). A `Conv1D`'s weight is stored `(in, out)`, as `Linear`'s is.
+BLOCK_LINEARS = {
+    "attn.c_attn": lambda b: b.attn.qkv,
+    "attn.c_proj": lambda b: b.attn.out,
+    "mlp.c_fc": lambda b: b.mlp.up,
+    "mlp.c_proj": lambda b: b.mlp.down,
+}
 # Hugging Face's tensor names (per block after "h.{i}.") and where each lives in a `GPT`.
 BLOCK_TENSORS = {
     "ln_1.weight": lambda b: b.attn_norm.scale,
     "ln_1.bias": lambda b: b.attn_norm.bias,
-    "attn.c_attn.weight": lambda b: b.attn.w_qkv,
-    "attn.c_attn.bias": lambda b: b.attn.qkv_bias,
-    "attn.c_proj.weight": lambda b: b.attn.w_out,
-    "attn.c_proj.bias": lambda b: b.attn.out_bias,
     "ln_2.weight": lambda b: b.mlp_norm.scale,
     "ln_2.bias": lambda b: b.mlp_norm.bias,
-    "mlp.c_fc.weight": lambda b: b.mlp.w_in,
-    "mlp.c_fc.bias": lambda b: b.mlp.in_bias,
-    "mlp.c_proj.weight": lambda b: b.mlp.w_out,
-    "mlp.c_proj.bias": lambda b: b.mlp.out_bias,
+    **{f"{name}.weight": (lambda b, get=get: get(b).weight) for name, get in BLOCK_LINEARS.items()},
+    **{f"{name}.bias": (lambda b, get=get: get(b).bias) for name, get in BLOCK_LINEARS.items()},
 }
 TENSORS = {
     "wpe.weight": lambda m: m.pos_embed,
@@ -232,7 +234,7 @@ def load_gpt2(directory: str | Path, **options) -> GPT:
     arrays[-1][: config.vocab_size] = wte
     if not config.tie_embeddings:
         head = _tensor(tensors, "lm_head.weight", (config.vocab_size, config.d_model), directory)
-        getters.append(lambda m: m.head)
+        getters.append(lambda m: m.head.weight)
         arrays.append(np.zeros((config.d_model, config.padded_vocab_size), np.float32))
         arrays[-1][:, : config.vocab_size] = head.T
     return eqx.tree_at(lambda m: [get(m) for get in getters], template, [jnp.asarray(a) for a in arrays])
@@ -282,7 +284,7 @@ def save_gpt2(model: GPT, directory: str | Path) -> Path:
         else:
             tensors[name] = array
     if model.head is not None:
-        tensors["lm_head.weight"] = np.asarray(model.head)[:, :v].T
+        tensors["lm_head.weight"] = np.asarray(model.head.weight)[:, :v].T
     data = save({("" if k == "lm_head.weight" else "transformer.") + k: np.ascontiguousarray(a, np.float32)
                  for k, a in tensors.items()}, metadata={"format": "pt"})  # fmt: skip
     atomic_write_bytes(directory / WEIGHTS_NAME, data)

@@ -25,7 +25,7 @@ def make_model(seed):
     model = GPT(CFG, key=jax.random.key(seed))
     # Random init gives near-uniform logits; a larger head makes choices clear-cut (and argmax
     # ties from float rounding implausible) so the comparison tests something.
-    return eqx.tree_at(lambda m: m.head, model, model.head * 50)
+    return eqx.tree_at(lambda m: m.head.weight, model, model.head.weight * 50)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_stream_yields_chunks_that_add_up(model):
 
 def test_padded_vocabulary_ids_are_never_produced(model):
     assert CFG.padded_vocab_size > CFG.vocab_size
-    rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
+    rigged = eqx.tree_at(lambda m: m.head.weight, model, model.head.weight.at[:, CFG.vocab_size :].set(1e4))
     out = generate(
         rigged, random_prompt(2, 4), 40, key=jax.random.key(0), options=SamplingOptions(temperature=5.0)
     )

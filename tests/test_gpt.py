@@ -40,13 +40,13 @@ def test_changing_token_t_never_changes_earlier_logits(model):
 def test_logits_cover_exactly_the_real_vocabulary(model):
     assert CFG.padded_vocab_size == 128
     assert model.embed.shape == (128, CFG.d_model)
-    assert model.head.shape == (CFG.d_model, 128)
+    assert model.head.weight.shape == (CFG.d_model, 128)
     assert model(jnp.arange(8)).shape == (8, CFG.vocab_size)
 
 
 def test_padded_ids_never_win_even_with_huge_head_weights(model):
     # Make every padding column of the head dominate: they must still not be predictable.
-    rigged = eqx.tree_at(lambda m: m.head, model, model.head.at[:, CFG.vocab_size :].set(1e4))
+    rigged = eqx.tree_at(lambda m: m.head.weight, model, model.head.weight.at[:, CFG.vocab_size :].set(1e4))
     logits = logits_of(rigged, jnp.arange(8))
     assert logits.shape[-1] == CFG.vocab_size
     assert int(jnp.argmax(logits, -1).max()) < CFG.vocab_size
@@ -54,7 +54,7 @@ def test_padded_ids_never_win_even_with_huge_head_weights(model):
 
 
 def test_layers_start_different(model):
-    w = model.blocks.layers.attn.w_qkv
+    w = model.blocks.layers.attn.qkv.weight
     assert w.shape[0] == CFG.n_layers
     assert not np.allclose(w[0], w[1])
 
@@ -106,7 +106,9 @@ def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
 def test_an_unstacked_model_is_the_same_function(model):
     unstacked = model.unstack()
     assert not unstacked.blocks.stacked and len(unstacked.blocks.layers) == CFG.n_layers
-    np.testing.assert_array_equal(unstacked.blocks.layers[1].mlp.w_in, model.blocks.layers.mlp.w_in[1])
+    np.testing.assert_array_equal(
+        unstacked.blocks.layers[1].mlp.up.weight, model.blocks.layers.mlp.up.weight[1]
+    )
     tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
     np.testing.assert_allclose(logits_of(unstacked, tokens), logits_of(model, tokens), atol=1e-6)
     weights = eqx.filter_jit(GPT.attention_weights)
@@ -147,7 +149,7 @@ def test_attention_pictures_are_the_weights_each_block_attends_with(norm_positio
         def attend(h, block=block, weights=pictures[layer]):
             _, _, v = block.attn.project_qkv(h)  # (seq, heads, d_head)
             heads = jnp.einsum("hqk,khd->qhd", weights, v)
-            return heads.reshape(seq, d) @ block.attn.w_out
+            return heads.reshape(seq, d) @ block.attn.out.weight
 
         if norm_position == "pre":
             h = x + attend(block.attn_norm(x))

@@ -54,7 +54,7 @@ def test_the_default_model_has_no_parameter_of_the_options():
     model = GPT(CFG, key=jax.random.key(0))
     attn, mlp = model.blocks.layers.attn, model.blocks.layers.mlp
     assert model.pos_embed is None and model.head is not None
-    assert attn.qkv_bias is None and attn.out_bias is None and mlp.in_bias is None and mlp.out_bias is None
+    assert attn.qkv.bias is None and attn.out.bias is None and mlp.up.bias is None and mlp.down.bias is None
     assert not attn.rope and mlp.activation == "gelu_tanh"
 
 
@@ -113,11 +113,11 @@ def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
     with_bias, without = model_with(bias=True), model_with()
     attn, mlp = with_bias.blocks.layers.attn, with_bias.blocks.layers.mlp
     n = CFG.n_layers
-    assert attn.qkv_bias.shape == (n, 3 * CFG.d_model) and attn.out_bias.shape == (n, CFG.d_model)
-    assert mlp.in_bias.shape == (n, CFG.d_hidden) and mlp.out_bias.shape == (n, CFG.d_model)
+    assert attn.qkv.bias.shape == (n, 3 * CFG.d_model) and attn.out.bias.shape == (n, CFG.d_model)
+    assert mlp.up.bias.shape == (n, CFG.d_hidden) and mlp.down.bias.shape == (n, CFG.d_model)
     # Biases start at zero and draw no random numbers, so the weights are those of `without`.
     np.testing.assert_allclose(with_bias(TOKENS), without(TOKENS), atol=1e-6)
-    shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.out_bias, with_bias, mlp.out_bias + 0.5)
+    shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.down.bias, with_bias, mlp.down.bias + 0.5)
     assert not np.allclose(shifted(TOKENS), without(TOKENS), atol=1e-3)
 
 
@@ -126,10 +126,10 @@ def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
     params = eqx.filter(model, eqx.is_inexact_array)
     labels, mask = muon_labels(params), decay_mask(params)
     attn, mlp = labels.blocks.layers.attn, labels.blocks.layers.mlp
-    assert attn.qkv_bias == attn.out_bias == mlp.in_bias == mlp.out_bias == "adamw"
-    assert attn.w_qkv == mlp.w_in == "muon" and labels.pos_embed == "adamw"
-    assert not mask.blocks.layers.attn.qkv_bias and not mask.blocks.layers.mlp.out_bias
-    assert mask.pos_embed and mask.blocks.layers.attn.w_qkv
+    assert attn.qkv.bias == attn.out.bias == mlp.up.bias == mlp.down.bias == "adamw"
+    assert attn.qkv.weight == mlp.up.weight == "muon" and labels.pos_embed == "adamw"
+    assert not mask.blocks.layers.attn.qkv.bias and not mask.blocks.layers.mlp.down.bias
+    assert mask.pos_embed and mask.blocks.layers.attn.qkv.weight
 
 
 def test_activation_is_the_named_function():
@@ -138,7 +138,7 @@ def test_activation_is_the_named_function():
                       ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True)),
                       ("relu2", lambda h: jnp.maximum(h, 0) ** 2)):  # fmt: skip
         mlp = model_with(activation=name).unstack().blocks.layers[0].mlp
-        np.testing.assert_allclose(mlp(x), act(x @ mlp.w_in) @ mlp.w_out, atol=1e-6)
+        np.testing.assert_allclose(mlp(x), act(x @ mlp.up.weight) @ mlp.down.weight, atol=1e-6)
 
 
 def test_tied_embeddings_make_the_head_the_embedding():
@@ -166,14 +166,18 @@ def test_a_gpt2_shaped_model_trains():
         model, opt_state, loss = step(model, opt_state, batch, jnp.int32(i), jnp.float32(train.lr))
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5
-    assert float(jnp.abs(model.blocks.layers.attn.qkv_bias).max()) > 0
+    assert float(jnp.abs(model.blocks.layers.attn.qkv.bias).max()) > 0
 
 
 def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
     model = model_with(zero_init=True)
     layers = model.blocks.layers
-    assert not np.any(layers.attn.w_out) and not np.any(layers.mlp.w_out) and not np.any(model.head)
-    assert np.any(layers.attn.w_qkv) and np.any(layers.mlp.w_in)  # the rest as before
+    assert (
+        not np.any(layers.attn.out.weight)
+        and not np.any(layers.mlp.down.weight)
+        and not np.any(model.head.weight)
+    )
+    assert np.any(layers.attn.qkv.weight) and np.any(layers.mlp.up.weight)  # the rest as before
     np.testing.assert_array_equal(model(TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
     # Training moves the zeroed matrices: the first step the head (nothing flows back through a zero
     # head), the second the output projections.
@@ -183,7 +187,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
     batch, state = jnp.stack([TOKENS[:9], TOKENS[3:]]), init_optimizer_state(optimizer, model)
     for i in range(2):
         model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(1e-2))
-    assert np.any(model.blocks.layers.mlp.w_out) and np.any(model.head)
+    assert np.any(model.blocks.layers.mlp.down.weight) and np.any(model.head.weight)
 
 
 def test_the_logit_softcap_bounds_the_logits_and_keeps_their_order():

@@ -75,5 +75,5 @@ def test_fused_attention_matches_the_per_head_vmap_path():
     x = jax.random.normal(jax.random.key(1), (12, 64))
     q, k, v = attn.project_qkv(x)
     mask = causal_mask(12)
-    fused = fused_attention(q, k, v, mask).reshape(12, 64) @ attn.w_out
+    fused = fused_attention(q, k, v, mask).reshape(12, 64) @ attn.out.weight
     np.testing.assert_allclose(fused, attn(x, mask=mask), atol=1e-5, rtol=1e-5)

@@ -78,7 +78,7 @@ def test_rmsnorm_matches_reference_and_learns_a_scale():
 def test_mlp_matches_reference():
     mlp = MLP(8, 32, key=jax.random.key(0))
     x = np.random.default_rng(1).normal(size=(6, 8)).astype(np.float32)
-    w_in, w_out = np.asarray(mlp.w_in), np.asarray(mlp.w_out)
+    w_in, w_out = np.asarray(mlp.up.weight), np.asarray(mlp.down.weight)
     ref = np_gelu_tanh(x @ w_in) @ w_out
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
 
@@ -96,7 +96,7 @@ def test_multi_head_attention_matches_reference(masked):
     x = np.random.default_rng(3).normal(size=(seq, d_model)).astype(np.float32)
     mask = np.asarray(causal_mask(seq)) if masked else None
     out = attn(jnp.asarray(x), mask=None if mask is None else jnp.asarray(mask))
-    ref = np_multi_head_attention(x, np.asarray(attn.w_qkv), np.asarray(attn.w_out), n_heads, mask)
+    ref = np_multi_head_attention(x, np.asarray(attn.qkv.weight), np.asarray(attn.out.weight), n_heads, mask)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
 
 

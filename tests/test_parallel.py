@@ -48,8 +48,8 @@ WORKER = textwrap.dedent(
         return {
             "losses": losses,
             "batch_devices": len(batch.sharding.device_set),
-            "param_devices": len(model.head.sharding.device_set),
-            "head": np.asarray(model.head).tolist(),
+            "param_devices": len(model.head.weight.sharding.device_set),
+            "head": np.asarray(model.head.weight).tolist(),
             # Bytes of parameters and optimiser state held by the first device.
             "bytes_on_one_device": sum(
                 x.addressable_shards[0].data.nbytes
@@ -280,4 +280,4 @@ def test_two_processes_train_and_checkpoint_with_and_without_fsdp(tmp_path):
     # Each host wrote whole checkpoints that load back to the same model.
     replicated = load_model(tmp_path / "fsdp0-process0")[0]
     split = load_model(tmp_path / "fsdp1-process1")[0]
-    np.testing.assert_allclose(replicated.head, split.head, atol=1e-5)
+    np.testing.assert_allclose(replicated.head.weight, split.head.weight, atol=1e-5)

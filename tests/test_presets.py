@@ -29,5 +29,5 @@ def test_gpt2_124m_resolves_to_gpt2_small_and_nanogpts_adamw():
     assert learning_rate(2_000, c, c.max_steps) == 6e-4 and learning_rate(c.max_steps, c, c.max_steps) == 6e-5
     # Weight decay on the matrices and the (tied) embedding, not on biases and LayerNorms.
     mask = decay_mask(model)
-    assert mask.embed and not mask.blocks.layers.attn.qkv_bias and not mask.final_norm.scale
+    assert mask.embed and not mask.blocks.layers.attn.qkv.bias and not mask.final_norm.scale
     assert describe_optimizer(c, c.max_steps).startswith("AdamW, lr warm-up 0 -> 0.0006 over 2000 steps")

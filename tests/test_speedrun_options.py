@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from eqx_gpt import GPT, GPTConfig
+from eqx_gpt import GPT, GPTConfig, MultiHeadAttention
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.step import (
@@ -33,14 +33,14 @@ def model_with(**options) -> GPT:
 def first_qkv_update(config: TrainConfig) -> np.ndarray:
     """The first layer's `w_qkv` update of one training step at the peak rate, from init."""
     model = GPT(CFG, key=jax.random.key(0))
-    before = np.array(model.blocks.layers.attn.w_qkv[0])
+    before = np.array(model.blocks.layers.attn.qkv.weight[0])
     optimizer = make_optimizer(config)
     step = make_train_step(optimizer, config, dropout=False)
     batch = jax.random.randint(jax.random.key(1), (config.batch_size, CFG.context_length + 1), 0, 50)
     model, _, _ = step(
         model, init_optimizer_state(optimizer, model), batch, jnp.int32(0), jnp.float32(config.lr)
     )
-    return np.asarray(model.blocks.layers.attn.w_qkv[0]) - before
+    return np.asarray(model.blocks.layers.attn.qkv.weight[0]) - before
 
 
 def test_split_qkv_gives_queries_and_keys_updates_as_large_as_the_values():
@@ -70,8 +70,10 @@ def test_the_compiled_step_is_shared_only_by_configs_that_step_alike():
         assert optimizer_and_step(dataclasses.replace(MUON, **option), dropout=False) is not shared
 
 
-class _Fused(eqx.Module):
-    w_qkv: jax.Array
+def _fused(qkv_weight):
+    """An attention's parameters whose fused `qkv` weight is `qkv_weight` `(layers, 8, 24)`."""
+    attn = MultiHeadAttention(8, 2, key=jax.random.key(1))
+    return eqx.filter(eqx.tree_at(lambda a: a.qkv.weight, attn, qkv_weight), eqx.is_inexact_array)
 
 
 def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_its_own():
@@ -79,12 +81,14 @@ def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_it
     # the three (layers, d, d) thirds as separate matrices.
     grads = jax.random.normal(jax.random.key(0), (2, 8, 24))
     split = split_qkv(optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(True)))
-    fused_update, _ = split.update(_Fused(grads), split.init(_Fused(grads)), _Fused(grads))
+    fused_update, _ = split.update(_fused(grads), split.init(_fused(grads)), _fused(grads))
     thirds = [grads[..., 8 * i : 8 * (i + 1)] for i in range(3)]
     alone = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
     separate, _ = alone.update(thirds, alone.init(thirds), thirds)
-    np.testing.assert_allclose(fused_update.w_qkv, jnp.concatenate(separate, axis=-1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        fused_update.qkv.weight, jnp.concatenate(separate, axis=-1), rtol=1e-4, atol=1e-5
+    )
     # Fused, the thirds share one orthogonalisation, which is another update.
     whole = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
-    together, _ = whole.update(_Fused(grads), whole.init(_Fused(grads)), _Fused(grads))
-    assert not np.allclose(together.w_qkv, fused_update.w_qkv, atol=1e-3)
+    together, _ = whole.update(_fused(grads), whole.init(_fused(grads)), _fused(grads))
+    assert not np.allclose(together.qkv.weight, fused_update.qkv.weight, atol=1e-3)

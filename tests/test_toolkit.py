@@ -54,7 +54,7 @@ def test_cross_attention_matches_numpy_with_other_lengths_and_padding():
     attn = MultiHeadAttention(32, 4, key=jax.random.key(0), init_std=0.2)
     x = np.random.default_rng(0).normal(size=(7, 32)).astype(np.float32)
     context = np.random.default_rng(1).normal(size=(11, 32)).astype(np.float32)
-    w_qkv, w_out = np.asarray(attn.w_qkv), np.asarray(attn.w_out)
+    w_qkv, w_out = np.asarray(attn.qkv.weight), np.asarray(attn.out.weight)
     out = attn(jnp.asarray(x), jnp.asarray(context))
     assert out.shape == (7, 32)
     np.testing.assert_allclose(out, np_cross_attention(x, context, w_qkv, w_out, 4), atol=2e-5)

@@ -25,7 +25,12 @@ def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():
     model = GPT(CONFIG, key=jax.random.key(0))
     assert model.blocks.layers.attn_norm.scale.ndim == 2  # stacked over layers: ndim alone cannot decide
     mask = decay_mask(eqx.filter(model, eqx.is_inexact_array))
-    assert mask.embed and mask.head and mask.blocks.layers.attn.w_qkv and mask.blocks.layers.mlp.w_out
+    assert (
+        mask.embed
+        and mask.head.weight
+        and mask.blocks.layers.attn.qkv.weight
+        and mask.blocks.layers.mlp.down.weight
+    )
     assert (
         not mask.blocks.layers.attn_norm.scale
         and not mask.blocks.layers.mlp_norm.scale
@@ -154,8 +159,14 @@ MUON = TrainConfig(batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_l
 def test_muon_takes_the_block_matrices_and_adamw_the_embedding_head_and_norm_scales():
     labels = muon_labels(eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array))
     blocks = labels.blocks.layers
-    assert blocks.attn.w_qkv == blocks.attn.w_out == blocks.mlp.w_in == blocks.mlp.w_out == "muon"
-    assert labels.embed == labels.head == labels.final_norm.scale == "adamw"
+    assert (
+        blocks.attn.qkv.weight
+        == blocks.attn.out.weight
+        == blocks.mlp.up.weight
+        == blocks.mlp.down.weight
+        == "muon"
+    )
+    assert labels.embed == labels.head.weight == labels.final_norm.scale == "adamw"
     assert blocks.attn_norm.scale == blocks.mlp_norm.scale == "adamw"
 
 
@@ -166,8 +177,8 @@ def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
     optimizer = make_optimizer(config)
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    for name in ("w_qkv", "w_out"):
-        stacked = getattr(updates.blocks.layers.attn, name)
+    for name in ("qkv", "out"):
+        stacked = getattr(updates.blocks.layers.attn, name).weight
         fan_in, fan_out = stacked.shape[-2:]
         scale = max(1.0, fan_out / fan_in) ** 0.5  # optax's shape scaling, from the axes we name
         for layer in np.asarray(stacked):  # one orthogonalisation per layer: singular values near 1
@@ -202,7 +213,9 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
         *fresh(), batches[0], steps[0], lrs[0]
     )
     single, _, _ = step(*fresh(), batches[0], steps[0], lrs[0])
-    np.testing.assert_allclose(accumulated.blocks.layers.mlp.w_in, single.blocks.layers.mlp.w_in, atol=2e-5)
+    np.testing.assert_allclose(
+        accumulated.blocks.layers.mlp.up.weight, single.blocks.layers.mlp.up.weight, atol=2e-5
+    )
 
 
 def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_but_not_norm_scales():
@@ -213,7 +226,7 @@ def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_b
     updates, _ = optimizer.update(zeros, optimizer.init(params), params)
     ratio = 3e-3 / 0.02  # the AdamW group's share of the scheduled rate
     np.testing.assert_allclose(updates.embed, -ratio * 0.5 * params.embed, rtol=1e-5)
-    np.testing.assert_allclose(updates.head, -ratio * 0.5 * params.head, rtol=1e-5)
+    np.testing.assert_allclose(updates.head.weight, -ratio * 0.5 * params.head.weight, rtol=1e-5)
     assert not np.any(updates.final_norm.scale) and not np.any(updates.blocks.layers.attn_norm.scale)
 
 
@@ -231,10 +244,10 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
             TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": momentum})
         )
         _, state = optimizer.update(g1, optimizer.init(params), params)
-        return optimizer.update(g2, state, params)[0].blocks.layers.mlp.w_in, optimizer
+        return optimizer.update(g2, state, params)[0].blocks.layers.mlp.up.weight, optimizer
 
     memoryless, optimizer = second_update(0.0)
-    alone = optimizer.update(g2, optimizer.init(params), params)[0].blocks.layers.mlp.w_in
+    alone = optimizer.update(g2, optimizer.init(params), params)[0].blocks.layers.mlp.up.weight
     np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
     remembering, _ = second_update(0.95)
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)

@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, check_size, is_traced, is_whole, typechecked
 from eqx_gpt.model.dropout import check_rate, dropout, dropout_active
-from eqx_gpt.model.linear import linear
+from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.positions import rotary_embedding
 from eqx_gpt.streams import keys_per_sequence
 
@@ -208,28 +208,27 @@ class MultiHeadAttention(eqx.Module):
     separate query, key and value inputs, and adds KV-cached decoding (`decode`) and RoPE.
 
     Queries come from `x`; keys and values from `x` too (self-attention) or from another sequence,
-    the `context` (cross-attention: a decoder attending to its encoder's output). A fused
-    projection `w_qkv` holds the query, key and value weights side by side, so self-attention
-    projects all three in one matrix multiply and cross-attention splits it into the query part
-    and the key/value part. `multi_head_attention` runs the per-head core (`head_attention`) over
-    every head; the concatenated heads are projected back to `d_model`. Without a `mask` every
-    position attends everywhere (an encoder); pass `causal_mask(seq)` for a decoder,
-    `padding_mask(...)` to hide padding, or both combined (see `padding_mask`).
+    the `context` (cross-attention: a decoder attending to its encoder's output). One fused
+    projection, the `Linear` `qkv` (`d_model -> 3 * d_model`), holds the query, key and value
+    weights side by side, so self-attention projects all three in one matrix multiply and
+    cross-attention splits it into the query part and the key/value part (`Linear.columns`).
+    `multi_head_attention` runs the per-head core (`head_attention`) over every head; the `Linear`
+    `out` projects the concatenated heads back to `d_model`. Without a `mask` every position
+    attends everywhere (an encoder); pass `causal_mask(seq)` for a decoder, `padding_mask(...)` to
+    hide padding, or both combined (see `padding_mask`).
 
     Dropout on the attention weights follows `eqx.nn.Dropout`'s contract: with `dropout > 0` and
     `inference=False` (training mode, as built) a call needs a `key`; `eqx.nn.inference_mode`
     sets `inference=True` (no dropout, any key or none), and `__call__(..., inference=...)`
     overrides it for one call.
 
-    Options: `bias=True` adds a bias to both projections (GPT-2's; zeros at first). `rope=True`
-    rotates the queries and keys of self-attention by their positions (`rotary_embedding`), so the
-    heads see relative positions; cross-attention is never rotated.
+    Options: `bias=True` adds a bias to both projections, `qkv` and `out` (GPT-2's; zeros at
+    first). `rope=True` rotates the queries and keys of self-attention by their positions
+    (`rotary_embedding`), so the heads see relative positions; cross-attention is never rotated.
     """
 
-    w_qkv: Float[Array, "d_model 3*d_model"]
-    qkv_bias: Float[Array, " 3*d_model"] | None
-    w_out: Float[Array, "d_model d_model"]
-    out_bias: Float[Array, " d_model"] | None
+    qkv: Linear  # d_model -> 3 * d_model: queries, keys, values side by side
+    out: Linear  # d_model -> d_model: the concatenated heads back to the residual stream
     inference: bool
     d_model: int = eqx.field(static=True)
     n_heads: int = eqx.field(static=True)
@@ -259,10 +258,8 @@ class MultiHeadAttention(eqx.Module):
         k_qkv, k_out = jax.random.split(key)
         self.d_model, self.n_heads, self.dropout = d_model, n_heads, dropout
         self.inference = inference
-        self.w_qkv = init_std * jax.random.normal(k_qkv, (d_model, 3 * d_model), jnp.float32)
-        self.w_out = init_std * jax.random.normal(k_out, (d_model, d_model), jnp.float32)
-        self.qkv_bias = jnp.zeros((3 * d_model,), jnp.float32) if bias else None
-        self.out_bias = jnp.zeros((d_model,), jnp.float32) if bias else None
+        self.qkv = Linear(d_model, 3 * d_model, key=k_qkv, use_bias=bias, init_std=init_std)
+        self.out = Linear(d_model, d_model, key=k_out, use_bias=bias, init_std=init_std)
         if rope and self.d_head % 2:
             raise ValueError(f"rope needs an even d_head (feature pairs), got {self.d_head}")
         self.rope = rope
@@ -276,10 +273,9 @@ class MultiHeadAttention(eqx.Module):
         return x.reshape(*x.shape[:-1], n, self.n_heads, self.d_head)
 
     def project_q(self, x):
-        """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `w_qkv`)."""
+        """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `qkv`)."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        bias = None if self.qkv_bias is None else self.qkv_bias[: self.d_model]
-        return self._heads(linear(x, self.w_qkv[:, : self.d_model], bias), 1)[..., 0, :, :]
+        return self._heads(self.qkv.columns(0, self.d_model)(x), 1)[..., 0, :, :]
 
     def _project(self, x, context, start: Int[Array, ""] | int = 0):
         """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`.
@@ -302,7 +298,7 @@ class MultiHeadAttention(eqx.Module):
     ]:
         """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        qkv = self._heads(linear(x, self.w_qkv, self.qkv_bias), 3)
+        qkv = self._heads(self.qkv(x), 3)
         return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
     @typechecked
@@ -312,8 +308,7 @@ class MultiHeadAttention(eqx.Module):
         """Keys and values of `context` for cross-attention. A decoder computes them once per
         source sequence and passes them to `attend` at every step."""
         check_last_dim(context, self.d_model, "MultiHeadAttention context", "d_model")
-        bias = None if self.qkv_bias is None else self.qkv_bias[self.d_model :]
-        kv = self._heads(linear(context, self.w_qkv[:, self.d_model :], bias), 2)
+        kv = self._heads(self.qkv.columns(self.d_model, 3 * self.d_model)(context), 2)
         return kv[..., 0, :, :], kv[..., 1, :, :]
 
     def _full_mask(self, mask, q_shape, kv_seq: int):
@@ -348,7 +343,7 @@ class MultiHeadAttention(eqx.Module):
         rate = self._rate(key, inference)
         q = self.project_q(x)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key, rate), self.w_out, self.out_bias)
+        return self.out(self._attend(q, k, v, mask, key, rate))
 
     def _attend(self, q, k, v, mask, key, rate: float, cached: bool = False):
         """All heads' outputs `(*batch, seq, d_model)`, attention weights dropped out at `rate`:
@@ -389,7 +384,7 @@ class MultiHeadAttention(eqx.Module):
         rate = self._rate(key, inference)
         q, k, v = self._project(x, context)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return linear(self._attend(q, k, v, mask, key, rate), self.w_out, self.out_bias)
+        return self.out(self._attend(q, k, v, mask, key, rate))
 
     @typechecked
     def weights(
@@ -431,4 +426,4 @@ class MultiHeadAttention(eqx.Module):
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
         out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, 0.0, cached=True)
-        return linear(out, self.w_out, self.out_bias), KVCache(k=k_all, v=v_all)
+        return self.out(out), KVCache(k=k_all, v=v_all)

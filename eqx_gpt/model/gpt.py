@@ -12,7 +12,7 @@ from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout, dropout_active
-from eqx_gpt.model.linear import linear
+from eqx_gpt.model.linear import Linear, linear
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
@@ -48,7 +48,7 @@ class GPT(eqx.Module):
     pos_embed: Float[Array, "context d_model"] | None  # positions="learned" only
     blocks: LayerStack  # of Blocks
     final_norm: RMSNorm | LayerNorm | None  # None with post-norm blocks: their output is normed
-    head: Float[Array, "d_model padded_vocab"] | None  # None with tie_embeddings: `embed.T`
+    head: Linear | None  # d_model -> padded_vocab; None with tie_embeddings: `embed.T`
     inference: bool  # the embeddings' dropout; each block holds its own (`eqx.nn.inference_mode`)
     config: GPTConfig = eqx.field(static=True)
 
@@ -80,14 +80,14 @@ class GPT(eqx.Module):
         # write into the residual stream by 1/sqrt(2 * n_layers).
         scale = 0.0 if c.zero_init else 1.0 / math.sqrt(2 * c.n_layers)
         self.blocks = eqx.tree_at(
-            lambda s: (s.layers.attn.w_out, s.layers.mlp.w_out),
+            lambda s: (s.layers.attn.out.weight, s.layers.mlp.down.weight),
             blocks,
-            (blocks.layers.attn.w_out * scale, blocks.layers.mlp.w_out * scale),
+            (blocks.layers.attn.out.weight * scale, blocks.layers.mlp.down.weight * scale),
         )
         self.final_norm = make_norm(c.norm, c.d_model, c.norm_eps) if c.norm_position == "pre" else None
         tied = c.tie_embeddings
         head_std = 0.0 if c.zero_init else 0.02
-        self.head = None if tied else head_std * jax.random.normal(k_head, (c.d_model, c.padded_vocab_size))
+        self.head = None if tied else Linear(c.d_model, c.padded_vocab_size, key=k_head, init_std=head_std)
         self.inference = inference
 
     def _embed(self, tokens, start, table_length: int):
@@ -106,13 +106,14 @@ class GPT(eqx.Module):
 
     @property
     def head_weight(self) -> Float[Array, "d_model padded_vocab"]:
-        """The output projection: `head`, or `embed.T` with tied embeddings."""
-        return self.embed.T if self.head is None else self.head
+        """The output projection's matrix: `head.weight`, or `embed.T` with tied embeddings."""
+        return self.embed.T if self.head is None else self.head.weight
 
     def logits(self, features: Float[Array, "*rows d_model"]) -> Float[Array, "*rows vocab"]:
         """float32 logits of `vocab_size` ids for `features` (from `GPT.features`): the head, the
         padding ids sliced off, then `logit_softcap` if set."""
-        logits = linear(features, self.head_weight)[..., : self.config.vocab_size].astype(jnp.float32)
+        projected = linear(features, self.embed.T) if self.head is None else self.head(features)
+        logits = projected[..., : self.config.vocab_size].astype(jnp.float32)
         cap = self.config.logit_softcap
         return logits if cap is None else cap * jnp.tanh(logits / cap)
 

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, check_size, typechecked
 from eqx_gpt.model.config import ACTIVATION_KINDS
-from eqx_gpt.model.linear import linear
+from eqx_gpt.model.linear import Linear
 
 
 @jax.custom_vjp
@@ -55,24 +55,23 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(
 
 
 class MLP(eqx.Module):
-    """`act(x @ w_in + in_bias) @ w_out + out_bias`, applied to every position independently.
+    """`down(act(up(x)))`, two `Linear`s around a non-linearity, applied to every position
+    independently.
 
     Not `eqx.nn.MLP`: this is the transformer's two-layer feed-forward network, built from
     `(d_model, d_hidden)` (no `depth`, `in_size`/`out_size` or activation function argument), and
     acting on a whole sequence `(seq, d_model)` rather than one vector. It has no dropout (the
     `Block` drops out its output).
 
-    Weights are stored `(in, out)` so that a whole sequence (or batch of sequences) is one matrix
-    multiply. Biases are optional (`bias=True`, GPT-2's; zeros at first): by default there are
-    none, since the norm before the MLP makes them nearly redundant. `activation` names the
-    non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu", "relu" or "relu2", relu
-    squared). Weights start as N(0, init_std^2).
+    `up` maps `d_model -> d_hidden`, `down` maps back; each is a `Linear`, one matrix multiply for
+    a whole sequence (or batch of sequences). Biases are optional (`bias=True`, GPT-2's; zeros at
+    first): by default there are none, since the norm before the MLP makes them nearly redundant.
+    `activation` names the non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu", "relu"
+    or "relu2", relu squared). Weights start as N(0, init_std^2).
     """
 
-    w_in: Float[Array, "d_model d_hidden"]
-    in_bias: Float[Array, " d_hidden"] | None
-    w_out: Float[Array, "d_hidden d_model"]
-    out_bias: Float[Array, " d_model"] | None
+    up: Linear  # d_model -> d_hidden
+    down: Linear  # d_hidden -> d_model
     d_model: int = eqx.field(static=True)
     d_hidden: int = eqx.field(static=True)
     activation: str = eqx.field(static=True)
@@ -95,14 +94,11 @@ class MLP(eqx.Module):
             raise ValueError(f"MLP activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
         k_in, k_out = jax.random.split(key)
         self.d_model, self.d_hidden, self.activation = d_model, d_hidden, activation
-        self.w_in = init_std * jax.random.normal(k_in, (d_model, d_hidden), jnp.float32)
-        self.w_out = init_std * jax.random.normal(k_out, (d_hidden, d_model), jnp.float32)
-        self.in_bias = jnp.zeros((d_hidden,), jnp.float32) if bias else None
-        self.out_bias = jnp.zeros((d_model,), jnp.float32) if bias else None
+        self.up = Linear(d_model, d_hidden, key=k_in, use_bias=bias, init_std=init_std)
+        self.down = Linear(d_hidden, d_model, key=k_out, use_bias=bias, init_std=init_std)
 
     @typechecked
     def __call__(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
         """Map `x` of shape `(seq, d_model)` (or a batch `(batch, seq, d_model)`) to the same shape."""
         check_last_dim(x, self.d_model, "MLP", "d_model")
-        hidden = ACTIVATIONS[self.activation](linear(x, self.w_in, self.in_bias))
-        return linear(hidden, self.w_out, self.out_bias)
+        return self.down(ACTIVATIONS[self.activation](self.up(x)))

@@ -23,7 +23,7 @@ from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import NORM_KINDS, NORM_POSITIONS
 from eqx_gpt.model.dropout import dropout, dropout_active
-from eqx_gpt.model.linear import linear
+from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
@@ -82,7 +82,7 @@ class Transformer(eqx.Module):
     decoder: LayerStack  # of Blocks with cross-attention
     encoder_norm: RMSNorm | LayerNorm | None  # pre-norm only: the blocks' output is not normalised
     decoder_norm: RMSNorm | LayerNorm | None
-    head: Float[Array, "d_model tgt_vocab"]
+    head: Linear  # d_model -> tgt_vocab
     inference: bool  # the embeddings' dropout; each block holds its own
     config: TransformerConfig = eqx.field(static=True)
 
@@ -106,7 +106,7 @@ class Transformer(eqx.Module):
         pre = c.norm_position == "pre"
         self.encoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
         self.decoder_norm = make_norm(c.norm, c.d_model, c.norm_eps) if pre else None
-        self.head = 0.02 * jax.random.normal(k_head, (c.d_model, c.tgt_vocab_size))
+        self.head = Linear(c.d_model, c.tgt_vocab_size, key=k_head)
         self.inference = inference
 
     def _embed(self, table, ids, positions, key, inference: bool):
@@ -176,7 +176,7 @@ class Transformer(eqx.Module):
             return block(x, memory, mask=mask, context_mask=context_mask, key=k, inference=inference), None
 
         x, _ = self.decoder.run(layer, x, layer_keys)
-        return linear(x if self.decoder_norm is None else self.decoder_norm(x), self.head)
+        return self.head(x if self.decoder_norm is None else self.decoder_norm(x))
 
     @takes_token_ids(src="src_vocab_size", tgt="tgt_vocab_size")
     @typechecked
@@ -241,7 +241,7 @@ class Transformer(eqx.Module):
             return block.decode(x, cache_i, start, kv_i, context_mask)
 
         x, cache = self.decoder.run(layer, x, (cache, memory_kv))
-        return linear(x if self.decoder_norm is None else self.decoder_norm(x), self.head), cache
+        return self.head(x if self.decoder_norm is None else self.decoder_norm(x)), cache
 
     @takes_token_ids(src="src_vocab_size", tgt="tgt_vocab_size")
     @typechecked

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqx_gpt.model.attention import MultiHeadAttention
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
@@ -61,77 +63,85 @@ def learning_rate(step: int, config: TrainConfig, schedule_steps: int) -> float:
 
 
 def decay_mask(params: PyTree) -> PyTree:
-    """True for the leaves AdamW decays: weight matrices and embeddings, not norm scales and biases.
+    """True for the leaves AdamW decays: every `Linear`'s weight and the embeddings, not norm scales
+    and biases.
 
-    Decided by what owns a leaf and by its name (the projections' `*_bias` fields) rather than by
-    `ndim`: the blocks are stacked with a leading `n_layers` axis, so their norm scales and biases
-    are 2-D too.
+    Decided by type (what owns a leaf) rather than by `ndim`: the blocks are stacked with a leading
+    `n_layers` axis, so their norm scales and biases are 2-D too.
     """
 
     def mark(node):
+        if isinstance(node, Linear):
+            return _only_weight(node, True, False)
         if isinstance(node, RMSNorm | LayerNorm):
             return jax.tree.map(lambda _: False, node)
         return True
 
-    mask = jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, RMSNorm | LayerNorm))
-    return jax.tree_util.tree_map_with_path(lambda path, decays: decays and not _is_bias(path), mask)
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, Linear | RMSNorm | LayerNorm))
 
 
-def _field_name(path) -> str | None:
-    """The name of the field a leaf at `path` is (None for a list item or a dict entry)."""
-    last = path[-1] if path else None
-    return getattr(last, "name", None) if isinstance(last, jax.tree_util.GetAttrKey) else None
-
-
-def _is_bias(path) -> bool:
-    name = _field_name(path)
-    return name is not None and name.endswith("bias")
+def _only_weight(linear: Linear, weight_value, rest_value) -> PyTree:
+    """`linear`'s tree with `weight_value` at its weight and `rest_value` at every other leaf (a
+    bias; a subclass's own arrays). A weight already filtered out (None, or optax's masked node)
+    stays as it is."""
+    marks = jax.tree.map(lambda _: rest_value, linear)
+    return eqx.tree_at(lambda m: m.weight, marks, weight_value) if eqx.is_array(linear.weight) else marks
 
 
 def muon_labels(params: PyTree) -> PyTree:
-    """ "muon" for the hidden weight matrices (inside the blocks, not norm scales), "adamw" for the
-    rest: the embedding, the head and every norm scale, as the speedruns do."""
+    """ "muon" for the weights of the `Linear`s inside the blocks, "adamw" for the rest: the
+    embedding, the head, every bias and every norm scale, as the speedruns do."""
+
+    def inside_block(node):
+        if isinstance(node, Linear):
+            return _only_weight(node, "muon", "adamw")
+        return jax.tree.map(lambda _: "adamw", node)
 
     def label(node):
         if isinstance(node, Block):
-            matrices = decay_mask(node)
-            return jax.tree.map(lambda is_matrix: "muon" if is_matrix else "adamw", matrices)
+            return jax.tree.map(inside_block, node, is_leaf=lambda n: isinstance(n, Linear))
         return jax.tree.map(lambda _: "adamw", node)
 
     return jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
+
+
+def fused_qkv_mask(params: PyTree) -> PyTree:
+    """True at each `MultiHeadAttention.qkv` weight (queries, keys and values side by side)."""
+
+    def mark(node):
+        if isinstance(node, MultiHeadAttention):
+            marks = jax.tree.map(lambda _: False, node)
+            return eqx.tree_at(lambda a: a.qkv, marks, _only_weight(node.qkv, True, False))
+        return False
+
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, MultiHeadAttention))
 
 
 def matrix_axes(split_qkv: bool):
     """Muon's axes for our `x @ W` layout: the input (reduction) axis is `-2`, the output axis
     `-1`, and a leading `n_layers` axis of the stacked blocks is a batch axis of the
     orthogonalisation (each layer's matrix is orthogonalised on its own). Under `split_qkv` a
-    `w_qkv` arrives as `(..., d_model, 3, d_model)`, its `3` one more batch axis."""
+    fused `qkv` weight arrives as `(..., d_model, 3, d_model)`, its `3` one more batch axis."""
 
-    def axes(path, w):
-        reduction = w.ndim - 3 if split_qkv and _is_qkv(path) else w.ndim - 2
+    def axes(w, fused: bool):
+        reduction = w.ndim - 3 if split_qkv and fused else w.ndim - 2
         return optax.contrib.MuonDimensionNumbers(reduction, w.ndim - 1)
 
-    return lambda params: jax.tree_util.tree_map_with_path(axes, params)
-
-
-def _is_qkv(path) -> bool:
-    return _field_name(path) == "w_qkv"
+    return lambda params: jax.tree.map(axes, params, fused_qkv_mask(params))
 
 
 def split_qkv(inner: optax.GradientTransformation) -> optax.GradientTransformation:
-    """`inner` seeing each fused `w_qkv` `(..., d_model, 3 * d_model)` as three matrices
+    """`inner` seeing each fused `qkv` weight `(..., d_model, 3 * d_model)` as three matrices
     `(..., d_model, 3, d_model)`: Muon then orthogonalises the query, key and value projections
     each on its own (the `3` is a batch axis of `matrix_axes`), as it would separate layers."""
 
     def apart(tree):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: x.reshape(*x.shape[:-1], 3, x.shape[-1] // 3) if _is_qkv(p) else x, tree
-        )
+        split = lambda x, fused: x.reshape(*x.shape[:-1], 3, x.shape[-1] // 3) if fused else x
+        return jax.tree.map(split, tree, fused_qkv_mask(tree))
 
     def together(tree):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: x.reshape(*x.shape[:-2], -1) if _is_qkv(p) else x, tree
-        )
+        join = lambda x, fused: x.reshape(*x.shape[:-2], -1) if fused else x
+        return jax.tree.map(join, tree, fused_qkv_mask(tree))
 
     def init(params):
         return inner.init(apart(params))
