@@ -10,6 +10,7 @@ refuses a script without a row, so none is added without being run.
 
 import importlib.util
 import os
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -78,10 +79,14 @@ def test_the_script_runs_in_its_smallest_setting(script, tmp_path):
             f"{script} needs {', '.join(absent)}, which the project does not install (a throwaway env)"
         )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(
         [sys.executable, script, *(a.replace("{tmp}", str(tmp_path)) for a in arguments)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(f"{script}: {cpu_s:.1f} CPU seconds")  # what it costs CI, whatever else the machine runs
     assert proc.returncode == 0, (
         f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
