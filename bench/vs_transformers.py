@@ -61,18 +61,19 @@ def eqx_generation(model, prompt, sampled: bool = False):
     return lambda: generate(model, prompt, NEW_TOKENS, key=jax.random.key(0), options=options)
 
 
-def hf_generation(model, prompt, sampled: bool = False):
-    ids = torch.from_numpy(prompt[None]).long()
+def hf_generation(model, prompt, sampled: bool = False, new_tokens: int = NEW_TOKENS):
+    """`transformers`' KV-cached `generate` of `new_tokens` after `prompt`, on the model's device."""
+    ids = torch.from_numpy(prompt[None]).long().to(model.device)
     mask = torch.ones_like(ids)
     how = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
 
     def run():
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                 use_cache=True, pad_token_id=0, **how,
             )  # fmt: skip
-        return out[0, PROMPT:].numpy()
+        return out[0, len(prompt) :].cpu().numpy()
 
     return run
 
@@ -110,13 +111,17 @@ def eqx_training(model, batch):
     return run
 
 
-def hf_training(model, batch):
+def hf_training(model, batch, autocast: str | None = None):
+    """One AdamW step of `model` on `batch`, on the model's device; `autocast` ("bfloat16") runs the
+    forward under `torch.autocast`, as nanoGPT trains on a GPU."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
-    ids = torch.from_numpy(batch).long()
+    ids = torch.from_numpy(batch).long().to(model.device)
+    dtype = getattr(torch, autocast) if autocast else None
 
     def run():
-        loss = model(ids[:, :-1], labels=ids[:, :-1]).loss  # transformers shifts the labels itself
+        with torch.autocast(model.device.type, dtype=dtype, enabled=dtype is not None):
+            loss = model(ids[:, :-1], labels=ids[:, :-1]).loss  # transformers shifts the labels itself
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

@@ -41,6 +41,7 @@ from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
+from eqx_gpt.serve import Batcher, create_app
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import PRESETS
@@ -109,6 +110,9 @@ __all__ = [
     "load_checkpoint",
     "load_model",
     "find_checkpoint",
+    # Serving (`eqx-gpt serve`): the OpenAI-compatible app (needs the `serve` extra) and its batcher
+    "create_app",
+    "Batcher",
     # Hugging Face GPT-2 folders
     "load_gpt2",
     "save_gpt2",

@@ -39,6 +39,24 @@ def checked_ids(ids: Iterable[int], vocab_size: int, vocabulary: str) -> list[in
     return values.tolist()
 
 
+class UnknownCharacters(TokenizerError):
+    """A text with characters a `CharTokenizer` does not know (`characters`, sorted). The message
+    names the text by what it is (`what`): the tokenizer calls it "the text"; a caller that knows
+    better names it again (`naming`): "the prompt", "--text notes.txt", "data file a.txt"."""
+
+    def __init__(self, characters: list[str], what: str = "the text"):
+        self.characters, self.what = characters, what
+        shown = ", ".join(map(repr, characters[:20])) + (", ..." if len(characters) > 20 else "")
+        super().__init__(
+            f"{what} has characters the tokenizer does not know: {shown}; a character vocabulary knows "
+            f"only those of the corpus it was built from: remove or replace them"
+        )
+
+    def naming(self, what: str) -> "UnknownCharacters":
+        """The same error, naming the text `what`."""
+        return UnknownCharacters(self.characters, what)
+
+
 def _is_integer(value) -> bool:
     """Whether one id is an integer scalar (Python, NumPy or a 0-d array), not a bool."""
     dtype = np.asarray(value).dtype
@@ -76,10 +94,7 @@ class CharTokenizer:
         try:
             return [ids[c] for c in text]
         except KeyError:
-            unknown = sorted({c for c in text if c not in ids})
-            raise TokenizerError(
-                "prompt has characters the tokenizer does not know: " + ", ".join(map(repr, unknown))
-            ) from None
+            raise UnknownCharacters(sorted({c for c in text if c not in ids})) from None
 
     def encode_array(self, text: str) -> np.ndarray:
         """`encode(text)` as a `uint32` array, computed in numpy (a corpus is millions of characters)."""

@@ -1,15 +1,56 @@
-"""Shared test set-up: offline GPT-2 BPE files when ../shared is beside the checkout; how XLA
+"""Shared test set-up: offline GPT-2 BPE files when ../shared is beside the checkout, and a skip
+with a reason for every test that needs them (marked `gpt2_bpe`) where they are not; how XLA
 compiles for the tests; how many test processes `-n auto` starts."""
 
+import functools
 import os
 import shutil
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+import tiktoken.load
+
 _SHARED_TIKTOKEN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tiktoken-cache"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TIKTOKEN.is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_TIKTOKEN)
+
+
+def _no_download(blobpath: str) -> bytes:
+    """No test may need the network: tiktoken reads its files from its cache or fails (a user's
+    clone without ../shared beside it skips the tests that need them, `gpt2_bpe`)."""
+    raise OSError(f"the tests never download {blobpath}")
+
+
+tiktoken.load.read_file = _no_download  # what tiktoken calls for a file not in its cache
+
+
+@functools.cache
+def gpt2_bpe_missing() -> str | None:
+    """Why GPT-2's BPE files cannot be loaded here (None: they can), tried once per process."""
+    from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+
+    try:
+        GPT2Tokenizer()
+    except TokenizerError as error:
+        return (
+            f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR to a folder holding them, such as "
+            f"../shared/data/tiktoken-cache): {error}"
+        )
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpt2_bpe: needs GPT-2's BPE files; skipped with the reason without them"
+    )
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpt2_bpe") is not None and (reason := gpt2_bpe_missing()) is not None:
+        pytest.skip(reason)
+
 
 # The suite's time is XLA compiling small programs, not running them. Tests assert what a program
 # computes, which the optimisation level does not change (exactness tests compare one program with

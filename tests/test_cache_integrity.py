@@ -175,8 +175,8 @@ def test_a_source_that_vanishes_or_changes_after_listing_is_one_line_naming_it(t
     (folder / "b.txt").write_text(TEXT)
     find = eqx_gpt.data.prepare.find_sources
 
-    def listed_then_deleted(path):
-        found = find(path)
+    def listed_then_deleted(path, split=None):
+        found = find(path, split)
         (folder / "b.txt").unlink()
         return found
 

@@ -74,3 +74,42 @@ def test_train_py_says_one_line_and_exits_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err and err.startswith("train.py: error:"), err
     assert not any(p.suffix in (".json", ".jsonl", ".eqx") for p in (tmp_path / "out").iterdir())
+
+
+def test_off_a_terminal_a_refusal_after_progress_is_one_line_on_stderr(tmp_path, monkeypatch, capsys):
+    import errno
+    import os
+
+    import eqx_gpt.data.prepare
+
+    monkeypatch.setenv("EQX_GPT_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(eqx_gpt.data.prepare, "IN_MEMORY_BYTES", 0)
+    monkeypatch.setattr(eqx_gpt.data.prepare, "PROGRESS_AFTER", 0.0)  # every piece of work shows its bar
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(LINE.encode() * 3000)
+    prepare(data, {"kind": "char"}).close()
+    os.utime(data, ns=(data.stat().st_mtime_ns + 10**9,) * 2)  # touched: hashed, its cache verified
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eqx_gpt.data.prepare, "atomic_write_bytes", full)  # the manifest cannot be rewritten
+    assert train_cli.main(["--data", str(data), "--out-dir", str(tmp_path / "out")]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("train.py: error: no space left in the token cache"), err
+    assert "hashing: " in out and "MB/s" in out  # the progress, with the log
+
+
+def test_train_py_reads_the_split_named_and_refuses_a_folder_of_splits_without_train(tmp_path, capsys):
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    (folder / "test.txt").write_text(LINE * 100)
+    (folder / "validation.txt").write_text(LINE * 100)
+    assert train_cli.main(["--data", str(folder), "--out-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and "holds the splits test, validation, and no train (the split read" in err
+    ), err
+    from eqx_gpt.commands.train import parse
+
+    assert parse(["--split", "test"]) == {"split": "test"}

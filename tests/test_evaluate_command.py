@@ -155,3 +155,47 @@ def test_an_evaluations_progress_shows_after_a_moment_with_an_eta(run, tty, monk
         "evaluating: 4/249 windows (2%), 0:20 elapsed, timing the first calls",
         "evaluating: 8/249 windows (3%), 0:40 elapsed, ETA 20:05",  # 241 windows at 4 per 20 s
     ]
+
+
+def test_evaluate_prepares_a_damaged_cache_entry_again_and_says_so_as_train_does(
+    run, tmp_path, monkeypatch, capsys
+):
+    from eqx_gpt.data import prepare as prepare_module
+
+    _, out, _ = run
+    monkeypatch.setenv("EQX_GPT_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(prepare_module, "IN_MEMORY_BYTES", 0)  # the run's corpus, through the cache
+    latest = str(checkpoint_file(out, LATEST))
+    loss, predicted, said = _score(capsys, "--checkpoint", latest)
+    assert "prepared " in said and "cached in" in said
+    shard = sorted((tmp_path / "cache").glob("*/shard-*.bin"))[0]
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeroed
+    again = _score(capsys, "--checkpoint", latest)
+    assert f"is damaged ({shard.name} fails its CRC-32 check); preparing it again" in again[2]
+    assert again[:2] == (loss, predicted)
+
+
+def test_characters_the_tokenizer_lacks_are_named_by_their_source_and_a_split_is_scored(
+    run, tmp_path, capsys
+):
+    corpus, out, _ = run
+    latest = str(checkpoint_file(out, LATEST))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Ünïcode ∑ words\n", encoding="utf-8")
+    assert cli.main(["--checkpoint", latest, "--text", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and f"--text {notes} has characters the tokenizer does not know: 'Ü', 'ï', '∑'" in err
+    ), err
+    splits = tmp_path / "splits"  # a folder of splits: the run's characters in train, others in test
+    splits.mkdir()
+    (splits / "train.txt").write_text(corpus.read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    (splits / "test.txt").write_text("Ünïcode ∑ words\n", encoding="utf-8")
+    assert cli.main(["--checkpoint", latest, "--split", "test", "--data", str(splits)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data file {splits / 'test.txt'} has characters the tokenizer" in err, (
+        err
+    )
+    loss, predicted, said = _score(capsys, "--checkpoint", latest, "--split", "train", "--data", str(splits))
+    assert f"all of split train of {splits}: loss" in said and predicted == 2999

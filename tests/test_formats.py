@@ -204,14 +204,15 @@ def test_a_hugging_face_datasets_folder_reads_its_arrow_files_and_not_its_metada
     for in_memory_bytes in (None, 0):
         corpus = _prepare(tmp_path / "ds", tmp_path, in_memory_bytes=in_memory_bytes)
         assert _text(corpus) == TEXT
-        assert corpus.summary == "read 2 files (2 .arrow); skipped 3 (3 metadata)"
+        assert corpus.summary == "read 2 files (2 .arrow) of the datasets split train; skipped 3 (3 metadata)"
     splits = tmp_path / "dict"  # `DatasetDict.save_to_disk`: a folder per split, beside its metadata
     splits.mkdir()
     (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
     (splits / "README.md").write_text("# The dataset card\n")
     _save_to_disk(splits / "train", [PARAGRAPHS])
     corpus = _prepare(splits, tmp_path)
-    assert _text(corpus) == TEXT and corpus.summary == "read 1 file (1 .arrow); skipped 5 (5 metadata)"
+    summary = "read 1 file (1 .arrow) of split train (splits train); skipped 5 (5 metadata)"
+    assert _text(corpus) == TEXT and corpus.summary == summary
     feather.write_feather(
         pa.table({"text": PARAGRAPHS}), str(tmp_path / "feather.arrow")
     )  # Arrow's file format
@@ -268,3 +269,122 @@ def test_a_folder_whose_bulk_is_skipped_is_refused_naming_what_was_skipped(tmp_p
     assert "read 1 file (1 .md); skipped 2 (2 binary)" in error
     (folder / "weights.bin").unlink()  # less skipped than read: read, and the rest said
     assert _prepare(folder, tmp_path).summary == "read 1 file (1 .md); skipped 1 (1 binary)"
+
+
+def _dataset_dict(folder, splits: dict[str, list[str]]) -> None:
+    """A folder as `datasets.DatasetDict.save_to_disk` lays it out: a split folder each."""
+    folder.mkdir()
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    for name, rows in splits.items():
+        _save_to_disk(folder / name, [rows])
+
+
+def test_a_folder_of_splits_reads_one_split_train_unless_another_is_named(tmp_path):
+    half = len(PARAGRAPHS) // 2
+    train, test = PARAGRAPHS[:half], [p.upper() for p in PARAGRAPHS[half:]]
+    _dataset_dict(tmp_path / "dd", {"train": train, "test": test, "validation": ["held out"] * 3})
+    corpus = _prepare(tmp_path / "dd", tmp_path, in_memory_bytes=0)
+    assert _text(corpus) == "\n\n".join(train)  # never the test split, whatever the sorted order
+    assert corpus.summary.startswith("read 1 file (1 .arrow) of split train (splits test, train, validation)")
+    held_out = _prepare(tmp_path / "dd", tmp_path, in_memory_bytes=0, split="test")
+    assert _text(held_out) == "\n\n".join(test) and held_out.prepared  # its own entry
+    assert not _prepare(tmp_path / "dd", tmp_path, in_memory_bytes=0).prepared  # train's still cached
+    _dataset_dict(tmp_path / "no-train", {"test": test, "validation": train})
+    error = _refused(tmp_path / "no-train", "holds the splits test, validation, and no train", tmp_path / "x")
+    assert "--split NAME" in error
+    _refused(
+        tmp_path / "dd", "holds the splits test, train, validation, and no dev2", tmp_path / "x", split="dev2"
+    )
+    # A folder of splits deeper in a folder, and splits told by file names, as the Hugging Face hub has them.
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    _dataset_dict(outer / "dd", {"train": train, "test": test})
+    (outer / "notes.txt").write_text("notes")
+    nested = _prepare(outer, tmp_path)
+    assert _text(nested) == "\n\n".join(train) + "\n\nnotes"
+    assert (
+        "of split train of dd/ (splits test, train)" in nested.summary and "from 2 folders" in nested.summary
+    )
+    wiki = tmp_path / "wiki"
+    wiki.mkdir()
+    for name, text in [("wiki.train.raw", "TRAIN"), ("wiki.valid.raw", "VALID"), ("wiki.test.raw", "TEST")]:
+        (wiki / name).write_text(text)
+    _parquet(wiki / "test-00000-of-00001.parquet", {"text": ["TEST"]})
+    (wiki / "README.md").write_text("# card")
+    assert _text(_prepare(wiki, tmp_path)) == "TRAIN"
+    assert _text(_prepare(wiki, tmp_path, split="valid")) == "VALID"
+    assert _prepare(wiki, tmp_path, split="validation").summary == (
+        "read 1 file (1 .raw) of split validation (splits test, train, validation); "
+        "skipped 1 (1 outside the splits)"
+    )
+    assert _text(_prepare(wiki, tmp_path, split="all")).split("\n\n") == [
+        "# card",
+        "TEST",
+        "TEST",
+        "TRAIN",
+        "VALID",
+    ]
+    code = tmp_path / "code"  # train.py beside test.py: a folder of code, not of splits
+    code.mkdir()
+    for name in ("train.py", "test.py", "model.py"):
+        (code / name).write_text(f"# {name}")
+    assert _prepare(code, tmp_path).summary == "read 3 files (3 .py)"
+    (tmp_path / "one.txt").write_text(TEXT)
+    _refused(
+        tmp_path / "one.txt", "is one corpus, with no splits; --split test", tmp_path / "x", split="test"
+    )
+    _save_to_disk(tmp_path / "single", [train])  # one split's folder: its own split only
+    _refused(tmp_path / "single", "one split of a datasets dataset \\(train\\)", tmp_path / "x", split="test")
+
+
+def test_a_compressed_file_goes_to_the_cache_by_the_text_it_holds_not_its_size(tmp_path, monkeypatch):
+    import eqx_gpt.data.prepare as prepare_module
+
+    line = "All the world's a stage, and all the men and women merely players.\n"
+    (tmp_path / "big.txt.gz").write_bytes(gzip.compress((line * 8000).encode(), 9))  # 536 KB of text
+    assert (tmp_path / "big.txt.gz").stat().st_size * 4 < 16_000  # what the old rule took for its text
+    monkeypatch.setattr(prepare_module, "IN_MEMORY_BYTES", 64_000)
+    read_in_memory = []
+    tokens = prepare_module.tokens
+    monkeypatch.setattr(prepare_module, "tokens", lambda c, *a: read_in_memory.append(c) or tokens(c, *a))
+    first = _prepare(tmp_path / "big.txt.gz", tmp_path)
+    assert first.folder is not None and first.prepared and _text(first) == line * 8000
+    assert sum(eqx_gpt.data.chunks.chunk_bytes(c) for c in read_in_memory) <= 64_000 + 1000  # then it stopped
+    monkeypatch.setattr(eqx_gpt.data.prepare, "write_shard", None)  # a second start tokenizes nothing
+    monkeypatch.setattr(eqx_gpt.data.prepare, "plan_chunks", None)
+    again = _prepare(tmp_path / "big.txt.gz", tmp_path)
+    assert not again.prepared and again.folder == first.folder and _text(again) == line * 8000
+
+
+def test_a_null_text_is_no_document_in_every_format(tmp_path):
+    texts = [PARAGRAPHS[0], None, PARAGRAPHS[1], "", PARAGRAPHS[2]]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress((tmp_path / "a.jsonl").read_bytes()))
+    _parquet(tmp_path / "a.parquet", {"text": texts})
+    _arrow(tmp_path / "a.arrow", texts)
+    expected = "\n\n".join(PARAGRAPHS[:3])
+    for name in ("a.jsonl", "a.jsonl.gz", "a.parquet", "a.arrow"):
+        for in_memory_bytes in (None, 0):
+            assert _text(_prepare(tmp_path / name, tmp_path, in_memory_bytes=in_memory_bytes)) == expected, (
+                name
+            )
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "x"}) + "\n" + json.dumps({"body": "y"}) + "\n")
+    _refused(
+        tmp_path / "b.jsonl", 'line 2 is not a JSON object with a "text" string \\(or null\\)', tmp_path / "x"
+    )
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    _refused(tmp_path / "c.jsonl", 'line 1 is not a JSON object with a "text" string', tmp_path / "x")
+
+
+def test_a_dictionary_encoded_string_column_is_text(tmp_path):
+    column = pa.array(PARAGRAPHS).dictionary_encode()  # what a pandas categorical column writes
+    pq.write_table(pa.table({"text": column}), tmp_path / "cat.parquet", row_group_size=7)
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "cat.parquet").field("text").type)
+    feather.write_feather(pa.table({"text": pa.array(PARAGRAPHS, pa.large_string()).dictionary_encode()}),
+                          str(tmp_path / "cat.arrow"))  # fmt: skip
+    for name in ("cat.parquet", "cat.arrow"):
+        assert _text(_prepare(tmp_path / name, tmp_path, in_memory_bytes=0)) == TEXT
+    feather.write_feather(
+        pa.table({"text": pa.array([1, 2, 1]).dictionary_encode()}), str(tmp_path / "ids.arrow")
+    )
+    _refused(tmp_path / "ids.arrow", "its column 'text' holds dictionary<values=int64", tmp_path / "x")

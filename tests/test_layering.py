@@ -5,16 +5,16 @@ import ast
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[1] / "eqx_gpt"
-WINGS = ("model", "generation", "training", "data", "commands")
+WINGS = ("model", "generation", "training", "data", "commands", "serve")
 # What the model may not know of: how it is trained, sampled, stored or fed.
 ABOVE_THE_MODEL = (
     "eqx_gpt.generation", "eqx_gpt.training", "eqx_gpt.data", "eqx_gpt.checkpoint", "eqx_gpt.gpt2",
-    "eqx_gpt.files", "eqx_gpt.commands.cli", "eqx_gpt.visualize", "eqx_gpt.tokenizer",
+    "eqx_gpt.files", "eqx_gpt.commands.cli", "eqx_gpt.visualize", "eqx_gpt.tokenizer", "eqx_gpt.serve",
 )  # fmt: skip
 # What the data wing may not know of: it turns files into token shards, for training or anyone.
 ABOVE_THE_DATA = (
     "eqx_gpt.model", "eqx_gpt.generation", "eqx_gpt.training", "eqx_gpt.evaluation", "eqx_gpt.checkpoint",
-    "eqx_gpt.gpt2", "eqx_gpt.visualize", "eqx_gpt.commands",
+    "eqx_gpt.gpt2", "eqx_gpt.visualize", "eqx_gpt.commands", "eqx_gpt.serve",
 )  # fmt: skip
 
 

@@ -76,11 +76,11 @@ def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     assert main([], prog="python -m eqx_gpt") == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: python -m eqx_gpt [--version] [--help] <command>")
-    assert "error: name a command: train, sample, evaluate, export" in err
+    assert "error: name a command: train, sample, evaluate, export, serve" in err
     assert main(["fly"], prog="python -m eqx_gpt") == 2
     assert capsys.readouterr().err == (
-        "python -m eqx_gpt: error: unknown command 'fly'; choose one of train, sample, evaluate, export "
-        "(see --help)\n"
+        "python -m eqx_gpt: error: unknown command 'fly'; choose one of train, sample, evaluate, export, "
+        "serve (see --help)\n"
     )
     with pytest.raises(SystemExit) as exit_:
         main(["train", "--help"], prog="python -m eqx_gpt")

@@ -25,6 +25,8 @@ TIKTOKEN = os.environ.get("TIKTOKEN_CACHE_DIR")
 SMOKE: dict[str, tuple[list[str], tuple[str, ...]] | None] = {
     "bench/common.py": None,  # what the training benches share
     "bench/torch_gpt.py": None,  # the PyTorch child of vs_pytorch.py, run through it
+    "bench/gpu_check.py": None,  # run by bench/gpu_check.sh --dry-run in tests/test_gpu_check.py
+    "bench/gpu_stages.py": None,  # the stages' child of gpu_check.py, run through it
     "bench/bpe_step.py": (["--smoke"], ()),
     "bench/compile_layers.py": (["--smoke"], ()),
     "bench/data_grain.py": (["--smoke"], ("grain",)),
@@ -32,6 +34,7 @@ SMOKE: dict[str, tuple[list[str], tuple[str, ...]] | None] = {
     "bench/recipe_step.py": (["--smoke"], ()),
     "bench/sample.py": (["--smoke"], ()),
     "bench/trackers.py": (["--step-ms", "85", "--calls", "2", "--warmup", "1"], ("tensorboardX", "wandb")),
+    "bench/serve.py": (["--models", "char", "--clients", "1", "--rounds", "1"], ("uvicorn", "httpx")),
     "bench/train.py": (["--smoke"], ()),
     "bench/train_default.py": (["--smoke", "--out-dir", "{tmp}/default"], ()),
     "bench/vs_pytorch.py": (["--smoke", "--configs", "nanogpt-cpu", "shakespeare-char"], ("torch",)),

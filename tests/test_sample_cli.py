@@ -119,7 +119,8 @@ def test_a_broken_checkpoint_is_one_line_exit_2(cli, capsys, run_dir, tmp_path, 
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--prompt", "héllo €"], "'é', '€'"),
+        (["--prompt", "héllo €"], "the prompt has characters the tokenizer does not know: 'é', '€'"),
+        (["--prompt-file", "{accents}"], "accents.txt has characters the tokenizer does not know: 'é'"),
         (["--prompt", ""], "prompt is empty"),
         (["--prompt-file", "{empty}"], "prompt is empty"),
         (["--prompt-file", "{missing}"], "cannot read --prompt-file"),
@@ -137,7 +138,13 @@ def test_a_broken_checkpoint_is_one_line_exit_2(cli, capsys, run_dir, tmp_path, 
 )
 def test_bad_input_is_one_line_exit_2(cli, capsys, run_dir, tmp_path, args, needle):
     (tmp_path / "empty.txt").write_text("")
-    args = [a.format(empty=tmp_path / "empty.txt", missing=tmp_path / "nope.txt") for a in args]
+    (tmp_path / "accents.txt").write_text("héllo", encoding="utf-8")
+    files = {
+        "empty": tmp_path / "empty.txt",
+        "missing": tmp_path / "nope.txt",
+        "accents": tmp_path / "accents.txt",
+    }
+    args = [a.format(**files) for a in args]
     code, out, err = sample(cli, capsys, "--checkpoint", str(run_dir), *args)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and needle in err, err

@@ -82,3 +82,21 @@ def test_a_cut_gpt2_vocabulary_is_the_bpe_of_its_first_merges(gpt2_tokenizer):
 def test_a_gpt2_vocabulary_size_outside_the_bpe_is_refused(size):
     with pytest.raises(TokenizerError, match="256 .*to 50257"):
         GPT2Tokenizer(size)
+
+
+def test_tests_needing_gpt2s_files_skip_with_a_reason_without_them(tmp_path):
+    """A clone without ../shared beside it: an empty tiktoken cache, and no download (conftest)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rs",
+         "tests/test_bad_values.py", "-k", "gpt2"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0 and "3 skipped" in run.stdout, run.stdout[-2000:]
+    assert "GPT-2 BPE files unavailable" in run.stdout and not list(tmp_path.iterdir())

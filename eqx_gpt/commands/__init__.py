@@ -5,6 +5,7 @@
     sample     stream text from a checkpoint
     evaluate   a checkpoint's loss over a whole text
     export     a GPT-2-shaped checkpoint as a Hugging Face GPT-2 folder
+    serve      an OpenAI-compatible completions API and a page (needs the `serve` extra)
     cli        what they share: the one place errors are caught, the parser, the flags' types
 """
 
@@ -15,4 +16,5 @@ COMMANDS = {
     "sample": "stream text from a checkpoint or a Hugging Face GPT-2 folder",
     "evaluate": "a checkpoint's mean loss over its validation split or a text of your own",
     "export": "write a GPT-2-shaped checkpoint as a Hugging Face GPT-2 folder",
+    "serve": "an OpenAI-compatible completions API and a page for a checkpoint (needs the serve extra)",
 }

@@ -5,6 +5,7 @@ or over a text of your own.
     uv run evaluate.py --whole-split                    # every token of the validation split predicted once
     uv run evaluate.py --data /new/place/corpus.txt     # the run's corpus, moved or copied (same bytes)
     uv run evaluate.py --checkpoint out/latest.json --text my.txt --stride 64
+    uv run evaluate.py --split test                     # every token of the test split of the run's folder
 
 By default it reads the windows the run's own final validation read (`final_plan` with the run's
 `--eval-tokens`): the whole split, in windows every `context_length // 2`, where it is at most
@@ -12,6 +13,12 @@ By default it reads the windows the run's own final validation read (`final_plan
 is the run's final val loss (for the same checkpoint), at a bounded cost whatever the corpus size.
 `--whole-split` predicts every token of the split instead. `--data` must hold the same bytes as the
 corpus the run trained on (its recorded sha256); any other corpus is refused: score it with `--text`.
+`--split NAME` scores every token of another split of the run's folder of splits (a Hugging Face
+`DatasetDict`, or train/validation/test files), such as its held-out `test`, or of `--data PATH`'s.
+
+The corpus is prepared by the code and with the report `train.py` has (`training.data.load_corpus`):
+its lines (a damaged cache entry prepared again, a corpus prepared and cached) go to stdout before
+the figure.
 
 Progress (with an ETA) shows on stderr once the work takes more than a moment. Bad input (a
 missing checkpoint or corpus, unreadable text, characters the tokenizer does not know, flags that
@@ -45,17 +52,25 @@ def parse_args(argv=None, prog: str = "evaluate.py") -> argparse.Namespace:
         "not checked against the run's corpus)"
     )  # fmt: skip
     p.add_argument(
-        "--stride", type=whole_number(1), help="with --whole-split or --text: tokens between window starts "
-        "(default: context_length // 2; context_length gives non-overlapping windows)"
+        "--split", metavar="NAME", help="score every token of the split NAME (such as test) of the run's "
+        "folder of splits, or of --data PATH's (any folder of splits: it is not checked against the run's "
+        "corpus)"
+    )  # fmt: skip
+    p.add_argument(
+        "--stride", type=whole_number(1), help="with --whole-split, --text or --split: tokens between window "
+        "starts (default: context_length // 2; context_length gives non-overlapping windows)"
     )  # fmt: skip
     args = p.parse_args(argv)
-    if args.text is not None and (args.whole_split or args.data is not None):
-        flag = "--whole-split" if args.whole_split else "--data"
-        p.error(f"--text scores a text of its own, {flag} the run's validation split; pass one of them")
-    if args.stride is not None and not (args.whole_split or args.text is not None):
+    for own in ("text", "split"):
+        if getattr(args, own) is not None and (args.whole_split or (own == "text" and args.data is not None)):
+            flag = "--whole-split" if args.whole_split else "--data"
+            p.error(f"--{own} scores a text of its own, {flag} the run's validation split; pass one of them")
+    if args.text is not None and args.split is not None:
+        p.error("--text scores a file, --split a split of the run's folder of splits; pass one of them")
+    if args.stride is not None and not (args.whole_split or args.text is not None or args.split is not None):
         p.error(
-            "--stride sets the windows of --whole-split or --text; add one (the default reads the windows "
-            "the run's final validation read)"
+            "--stride sets the windows of --whole-split or --text, or of --split; add one (the default reads "
+            "the windows the run's final validation read)"
         )
     return args
 
@@ -74,6 +89,7 @@ def _evaluate(args) -> int:
     from eqx_gpt.checkpoint import load_model
     from eqx_gpt.evaluation import Shown, evaluate_text
     from eqx_gpt.model.gpt import GPT
+    from eqx_gpt.tokenizer import UnknownCharacters
     from eqx_gpt.training.data import load_text
     from eqx_gpt.training.report import Progress
 
@@ -86,10 +102,15 @@ def _evaluate(args) -> int:
         )
     if args.text is not None:
         shown = Shown(Progress(), f"evaluating {args.text}")
-        result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride, shown=shown)
+        try:
+            result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride, shown=shown)
+        except UnknownCharacters as e:
+            raise e.naming(f"--text {args.text}") from None
         said = f"all of {args.text}: loss {result.loss:.4f} nats/token over {result.n_predicted:,} predicted "
         print(f"{said}tokens (windows of {context}, every {result.stride})")
         return 0
+    if args.split is not None:
+        return _evaluate_split(model, tokenizer, meta, args)
     corpus = _run_corpus(meta, tokenizer, args.data)
     try:
         plan, covers = _plan(meta, len(corpus.val), model.config, args)
@@ -151,38 +172,72 @@ def _corpus_name(meta: dict, data: str | None) -> str:
     return recorded if data is None else f"{data} (the run trained on {recorded})"
 
 
+def _evaluate_split(model, tokenizer, meta: dict, args) -> int:
+    """Score every token of the split `args.split` of the run's folder of splits (or `--data`'s),
+    tokenized by the checkpoint's tokenizer."""
+    from eqx_gpt.evaluation import Shown, plan_whole
+    from eqx_gpt.training.data import load_corpus
+    from eqx_gpt.training.report import Progress
+
+    train_config = meta.get("train_config") or {}
+    folder = args.data if args.data is not None else train_config.get("data")
+    if folder is None:
+        raise DataError(
+            f"{meta['path']} was trained on the bundled Tiny Shakespeare, one corpus with no splits; pass "
+            f"--data PATH to a folder of splits, or --text PATH to score a text"
+        )
+    corpus = load_corpus(
+        folder, tokenizer.to_dict(), text_field=train_config.get("text_field", "text"), split=args.split,
+        check_identity=lambda sha: None, log=print, progress=Progress(),
+    )  # fmt: skip
+    try:
+        context = model.config.context_length
+        plan = plan_whole(len(corpus.tokens), context, args.stride or max(1, context // 2))
+        result = _evaluate_plan(
+            model, corpus.tokens, plan, Shown(Progress(), f"evaluating split {args.split}")
+        )
+    finally:
+        corpus.close()
+    print(
+        f"all of split {args.split} of {folder}: loss {result.loss:.4f} nats/token over "
+        f"{result.n_predicted:,} predicted tokens {_windows(plan)}"
+    )
+    return 0
+
+
 def _run_corpus(meta: dict, tokenizer, data: str | None):
     """The corpus the run trained on, tokenized as it was (read from the same token shards): at the
     path the run recorded, or at `data`, which must hold the same bytes (its sha256, checked before
-    anything is tokenized)."""
-    from eqx_gpt.data.prepare import prepare
+    anything is tokenized), with the run's text field and split."""
     from eqx_gpt.training.data import BUNDLED, load_corpus
     from eqx_gpt.training.report import Progress
 
     if "data_sha256" not in meta:  # a Hugging Face GPT-2, or a checkpoint of no recorded corpus
         raise DataError(f"{meta['path']} records no training corpus; pass --text PATH to score a text")
-    recorded = (meta.get("train_config") or {}).get("data")
+    train_config = meta.get("train_config") or {}
+    recorded = train_config.get("data")
     # Tokenized as training did: a char run's vocabulary is its corpus's characters (same cache entry).
     wanted = {"kind": "char"} if tokenizer.name == "char" else tokenizer.to_dict()
-    if data is None:
-        if recorded is not None and not os.path.lexists(recorded):
+    expected = meta["data_sha256"]
+
+    def check(sha: str) -> None:
+        if sha != expected:
             raise DataError(
-                f"the run's corpus {recorded} is not there (moved or deleted?); pass --data PATH to where "
-                f"it is now, or --text PATH to score another text"
+                f"--data {data} is not the corpus the run trained on ({recorded or BUNDLED}): its sha256 "
+                f"is {sha[:12]}..., the run's {expected[:12]}...; pass a copy of that corpus, or --text "
+                f"PATH to score another text whole"
             )
-        corpus = load_corpus(recorded, wanted, resumes=meta, progress=Progress())
-    else:
-        expected = meta["data_sha256"]
 
-        def check(sha: str) -> None:
-            if sha != expected:
-                raise DataError(
-                    f"--data {data} is not the corpus the run trained on ({recorded or BUNDLED}): its sha256 "
-                    f"is {sha[:12]}..., the run's {expected[:12]}...; pass a copy of that corpus, or --text "
-                    f"PATH to score another text whole"
-                )
-
-        corpus = prepare(data, wanted, check_identity=check, progress=Progress())
+    if data is None and recorded is not None and not os.path.lexists(recorded):
+        raise DataError(
+            f"the run's corpus {recorded} is not there (moved or deleted?); pass --data PATH to where "
+            f"it is now, or --text PATH to score another text"
+        )
+    corpus = load_corpus(
+        recorded if data is None else data, wanted, text_field=train_config.get("text_field", "text"),
+        split=train_config.get("split"), resumes=meta, check_identity=None if data is None else check,
+        log=print, progress=Progress(),
+    )  # fmt: skip
     if corpus.tokenizer != tokenizer:  # the same bytes: only a damaged cache entry tokenizes them otherwise
         corpus.close()
         raise DataError(

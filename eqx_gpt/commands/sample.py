@@ -127,6 +127,7 @@ def _sample(args) -> int:
     from eqx_gpt.checkpoint import load_model
     from eqx_gpt.generation.generate import stream_text
     from eqx_gpt.model.gpt import GPT
+    from eqx_gpt.tokenizer import UnknownCharacters
 
     options = _sampling_options(args)
     _check_picture_paths(args)
@@ -138,7 +139,10 @@ def _sample(args) -> int:
             f"--positions-png draws the sinusoidal table, and this model has {model.config.positions} "
             f"positions; leave the flag out"
         )
-    tokens = tokenizer.encode(prompt)
+    try:
+        tokens = tokenizer.encode(prompt)
+    except UnknownCharacters as e:
+        raise e.naming(f"--prompt-file {args.prompt_file}" if args.prompt_file else "the prompt") from None
     if not tokens:
         raise ConfigError(f"the prompt {prompt!r} encodes to no tokens; pass some text")
 

@@ -55,10 +55,11 @@ def resolve_cache(root: str | Path) -> Path:
         ) from None
 
 
-def entry_name(data: Path, tokenizer: dict, text_field: str = "text") -> str:
-    """`<file or folder name>-<tokenizer>-<hash of the absolute path, the tokenizer and the text
-    field of records, if not "text">`."""
+def entry_name(data: Path, tokenizer: dict, text_field: str = "text", split: str | None = None) -> str:
+    """`<file or folder name>-<tokenizer>-<hash of the absolute path, the tokenizer, the text
+    field of records, if not "text", and the split read of a folder of splits, if any>`."""
     keyed = [str(data), tokenizer, *([text_field] if text_field != "text" else [])]
+    keyed += [{"split": split}] if split is not None else []
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", data.name)[:48] or "data"
     return f"{slug}-{tokenizer['kind']}-{key}"

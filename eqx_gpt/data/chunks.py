@@ -22,7 +22,7 @@ import numpy as np
 from eqx_gpt.data import formats
 from eqx_gpt.data.sources import MAX_RECORD, SCAN, SEPARATOR, Source, byte_ranges, documents, reading
 from eqx_gpt.errors import DataError
-from eqx_gpt.tokenizer import Tokenizer
+from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, UnknownCharacters
 
 CHUNK_BYTES = 8 << 20  # per chunk: a few times this in memory per thread while it is tokenized
 
@@ -143,6 +143,18 @@ def chunk_weight(chunk: Chunk) -> int:
     return sum(p.weight for p in chunk)
 
 
+def chunk_bytes(chunk: Chunk) -> int:
+    """The bytes of text the chunk holds (of a table's documents: their characters)."""
+    return sum(
+        sum(map(len, p.data))
+        if isinstance(p.data, tuple)
+        else len(p.data)
+        if p.data is not None
+        else p.end - p.start
+        for p in chunk
+    )
+
+
 def chunk_text(chunk: Chunk) -> str:
     return "".join(p.text() for p in chunk)
 
@@ -158,8 +170,14 @@ def characters(chunk: Chunk) -> np.ndarray:
 
 
 def tokens(chunk: Chunk, tokenizer: Tokenizer, dtype: str) -> np.ndarray:
-    """The chunk's token ids, as `dtype`."""
-    return tokenizer.encode_array(chunk_text(chunk)).astype(dtype, copy=False)
+    """The chunk's token ids, as `dtype` (characters a given vocabulary lacks: `UnknownCharacters`
+    naming the file that has them)."""
+    try:
+        return tokenizer.encode_array(chunk_text(chunk)).astype(dtype, copy=False)
+    except UnknownCharacters as e:
+        known = set(tokenizer.chars) if isinstance(tokenizer, CharTokenizer) else set()
+        path = next((p.source.path for p in chunk if set(p.text()) - known), chunk[0].source.path)
+        raise e.naming(f"data file {path}") from None
 
 
 def write_shard(chunk: Chunk, tokenizer: Tokenizer, dtype: str, path: Path) -> tuple[int, int]:

@@ -128,15 +128,20 @@ def check_column(path: Path, how: str, field: str) -> None:
                 f"data file {path} has no column {field!r} (its columns: {shown}); pass --text-field NAME"
             )
         found = schema.field(field).type
-        if not (pa.types.is_string(found) or pa.types.is_large_string(found) or _is_view(pa, found)):
+        if not _is_text(pa, found):
             raise DataError(
                 f"data file {path}: its column {field!r} holds {found}, not text; pass --text-field NAME "
                 f"of a string column"
             )
 
 
-def _is_view(pa, found) -> bool:
-    return hasattr(pa.types, "is_string_view") and pa.types.is_string_view(found)
+def _is_text(pa, found) -> bool:
+    """Whether a column of Arrow type `found` holds strings: plain, large or views, or a dictionary
+    of them (what a pandas categorical or a dictionary-encoded Parquet column reads as)."""
+    if pa.types.is_dictionary(found):
+        return _is_text(pa, found.value_type)
+    view = hasattr(pa.types, "is_string_view") and pa.types.is_string_view(found)
+    return pa.types.is_string(found) or pa.types.is_large_string(found) or view
 
 
 def column_batches(path: Path, how: str, field: str) -> Iterator[tuple[list, int]]:

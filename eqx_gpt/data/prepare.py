@@ -17,15 +17,22 @@
   (`chunks.py`), with a progress bar. A char vocabulary is the corpus's own characters, found by
   a first pass over it. A source whose `stat` changed during this is refused: the sha256
   recorded is always that of the bytes tokenized.
-- A corpus of at most `IN_MEMORY_BYTES` (Tiny Shakespeare) is hashed and tokenized at each start
-  instead, in memory (well under a second for characters): nothing is written. Compressed files
-  and Parquet count `EXPANSION` times their size, what their text might be.
+- A corpus of at most `IN_MEMORY_BYTES` of text (Tiny Shakespeare) is hashed and tokenized at each
+  start instead, in memory (well under a second for characters): nothing is written. The text of
+  compressed files and tables is counted as it is read, never guessed from their size (gzip
+  reaches 1000:1): such a corpus with an entry in the cache goes the cached way (the entry exists
+  because it once passed the limit); else it is read in memory until its text passes the limit,
+  and then prepared into the cache from its start (so what is read in memory is at most the
+  limit, whatever the ratio).
 
 Compressed files and tables (`formats.py`) go the same way: their identity is the sha256 of their
 bytes as stored, the progress bar counts those bytes, and they are read as they decompress (see
 `chunks.py`). `text_field` names the text of .jsonl records and tables' column: it is part of the
 entry's name and manifest, and of the corpus's identity when the corpus has records, so another
 field never reuses the tokens of the first.
+
+`split` picks the split of a folder of splits (`sources.find_sources`); the entry is named after the
+split read, and the corpus's identity is that of its files.
 
 `check_identity(sha)` is called with the corpus's identity (`Manifest.identity`) before any
 tokenizing, so a resumed run refuses changed data without tokenizing it first. The corpus keeps
@@ -58,7 +65,7 @@ from eqx_gpt.data.cache import (
     remove_leftovers,
     resolve_cache,
 )
-from eqx_gpt.data.chunks import Chunk, characters, chunk_weight, plan_chunks, tokens, write_shard
+from eqx_gpt.data.chunks import Chunk, characters, chunk_bytes, chunk_weight, plan_chunks, tokens, write_shard
 from eqx_gpt.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceRecord, identity, token_dtype
 from eqx_gpt.data.shards import Damaged, ShardFile, TokenSpan, verify
 from eqx_gpt.data.sources import (
@@ -74,8 +81,7 @@ from eqx_gpt.errors import DataError, EqxGptError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.tokenizer import CharTokenizer, Tokenizer, tokenizer_from_dict
 
-IN_MEMORY_BYTES = 16 << 20  # corpora up to this size are tokenized at each start, not cached
-EXPANSION = 4  # a compressed file's or a Parquet file's text, about, per byte it holds (in-memory test)
+IN_MEMORY_BYTES = 16 << 20  # corpora of up to this much text are tokenized at each start, not cached
 PROGRESS_AFTER = 1.0  # seconds of work before a progress bar shows
 
 
@@ -184,32 +190,39 @@ def prepare(
     tokenizer: dict,
     *,
     text_field: str = "text",
+    split: str | None = None,
     check_identity: Callable[[str], None] = lambda sha: None,
     cache: str | Path | None = None,
     in_memory_bytes: int | None = None,
     log: Callable[[str], None] = lambda line: None,
     progress=None,
 ) -> Corpus:
-    """The corpus at `data` (a file or folder, `sources.py`) tokenized by `tokenizer`, a
-    `Tokenizer.to_dict()` or `{"kind": "char"}` (a vocabulary of the corpus's characters); the
-    documents of .jsonl records and of tables are their `text_field`; shards in `cache` (default
-    `cache_root()`); a corpus of at most `in_memory_bytes` (default `IN_MEMORY_BYTES`) stays in
-    memory. See the module docstring. Raises `DataError`."""
+    """The corpus at `data` (a file or folder, `sources.py`; of a folder of splits, the split
+    `split`, default train) tokenized by `tokenizer`, a `Tokenizer.to_dict()` (a character
+    vocabulary's: a corpus with other characters is refused) or `{"kind": "char"}` (a vocabulary
+    of the corpus's characters); the documents of .jsonl records and of
+    tables are their `text_field`; shards in `cache` (default `cache_root()`); a corpus of at most
+    `in_memory_bytes` of text (default `IN_MEMORY_BYTES`) stays in memory. See the module
+    docstring. Raises `DataError`."""
     data = resolve(data)
     listed_ns = time.time_ns()
-    listing = find_sources(data)
+    listing = find_sources(data, split)
     sources = listing.sources
     check_tables(sources, text_field)
     work = _Work(log, progress or _NoProgress(), listed_ns, text_field)
-    size = sum(s.size * (EXPANSION if s.compression or s.kind == "parquet" else 1) for s in sources)
-    if size <= (IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes):
-        corpus = _in_memory(data, listing, tokenizer, check_identity, work)
-        corpus.listing = listing
-        return corpus
+    limit = IN_MEMORY_BYTES if in_memory_bytes is None else in_memory_bytes
+    known = sum(s.size for s in sources if not _expands(s))  # text whose size its files tell
+    if known <= limit and not any(_expands(s) for s in sources):
+        return _in_memory(data, listing, tokenizer, check_identity, work)
     root = cache_root() if cache is None else resolve_cache(cache)
-    entry = root / entry_name(data, tokenizer, text_field)
+    entry = root / entry_name(data, tokenizer, text_field, listing.split)
     collect(root, entry.name)
     found = _cached(entry, sources, tokenizer, work)
+    if found is None and not entry.exists() and known <= limit:  # never cached: it may fit in memory
+        try:
+            return _in_memory(data, listing, tokenizer, check_identity, work, limit - known)
+        except _TooLarge:
+            pass  # prepared into the cache, from its start
     if not isinstance(found, Corpus):
         if isinstance(found, _Damage):
             log(f"{found.message}; preparing it again")
@@ -225,6 +238,15 @@ def prepare(
     check_identity(found.identity)
     found.listing = listing
     return found
+
+
+def _expands(source: Source) -> bool:
+    """Whether the text of `source` is known only once read: a compressed file, or a table."""
+    return source.compression is not None or source.table
+
+
+class _TooLarge(Exception):
+    """A corpus read in memory passed the limit of its text (`_in_memory`)."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +288,9 @@ def _manifest(snapshot: Snapshot) -> Manifest | None:
 
 
 def _same_kind(prepared: dict, asked: dict) -> bool:
-    return prepared.get("kind") == asked["kind"] if asked["kind"] == "char" else prepared == asked
+    """Whether tokens prepared by `prepared` are what `asked` asks for: `{"kind": "char"}` asks for
+    the corpus's own characters, whatever they are; any other, for itself."""
+    return prepared.get("kind") == "char" if asked == {"kind": "char"} else prepared == asked
 
 
 def _verified(snapshot: Snapshot, manifest: Manifest, work: "_Work") -> "_Damage | None":
@@ -402,8 +426,8 @@ def _tokenize_into(folder: Path, data, listing: Listing, records, tokenizer: dic
 def _tokenizer(
     tokenizer: dict, plan: Callable[[], Iterable[Chunk]], total: int, work: _Work, data: Path
 ) -> Tokenizer:
-    """The tokenizer asked for; a char vocabulary is the corpus's characters (a pass over it)."""
-    if tokenizer["kind"] != CharTokenizer.name:
+    """The tokenizer asked for; `{"kind": "char"}` is the corpus's characters (a pass over it)."""
+    if tokenizer != {"kind": CharTokenizer.name}:
         return tokenizer_from_dict(tokenizer)
     found = work.map(characters, plan(), "reading characters", total, chunk_weight)
     codepoints = sorted(set().union(*(c.tolist() for c in found)))
@@ -412,21 +436,34 @@ def _tokenizer(
     return CharTokenizer("".join(map(chr, codepoints)))
 
 
-def _in_memory(data, listing: Listing, tokenizer: dict, check_identity, work: _Work) -> Corpus:
-    """A small corpus, tokenized in memory (nothing written; too quick for a progress bar)."""
+def _in_memory(
+    data, listing: Listing, tokenizer: dict, check_identity, work: _Work, limit: int | None = None
+) -> Corpus:
+    """A small corpus, tokenized in memory (nothing written; too quick for a progress bar).
+    `limit`: the most text its compressed files and tables may hold (`_TooLarge` past it)."""
     work, sources, field = replace(work, progress=_NoProgress()), listing.sources, work.text_field
     records = tuple(SourceRecord.of(s, sha256_of(s.path), work.listed_ns) for s in sources)
     check_unchanged(sources)
     check_identity(identity(records, field))
-    tok = _tokenizer(tokenizer, lambda: plan_chunks(sources, None, field), 0, work, data)
+    plan = lambda: _bounded(plan_chunks(sources, None, field), limit)
+    tok = _tokenizer(tokenizer, plan, 0, work, data)
     dtype = token_dtype(tok.vocab_size)
-    arrays = work.map(
-        lambda c: tokens(c, tok, dtype), plan_chunks(sources, None, field), "tokenizing", 0, len
-    )
+    arrays = work.map(lambda c: tokens(c, tok, dtype), plan(), "tokenizing", 0, len)
     check_unchanged(sources)  # the bytes tokenized are the bytes hashed
     arrays = [a for a in arrays if len(a)]
     shards = tuple(Shard(f"(in memory {i})", len(a), zlib.crc32(a.data)) for i, a in enumerate(arrays))
     manifest = Manifest(
         str(data), records, listing.skipped_binary, tok.to_dict(), dtype, shards, text_field=field
     )
-    return Corpus(TokenSpan(arrays), tok, manifest, None, prepared=True)
+    return Corpus(TokenSpan(arrays), tok, manifest, None, prepared=True, listing=listing)
+
+
+def _bounded(chunks: Iterable[Chunk], limit: int | None) -> Iterable[Chunk]:
+    """`chunks`, until the text of the compressed files and tables among them passes `limit`
+    (then `_TooLarge`): their text is counted as it is read, not guessed from their size."""
+    read = 0
+    for chunk in chunks:
+        read += sum(chunk_bytes((p,)) for p in chunk if _expands(p.source))
+        if limit is not None and read > limit:
+            raise _TooLarge
+        yield chunk

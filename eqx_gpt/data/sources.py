@@ -8,9 +8,20 @@ text once decompressed) and the metadata of a Hugging Face `datasets` folder (`d
 files by bytes is refused. Symbolic links are followed, to files and to folders alike; a link
 back to a folder it is in (a loop) is refused.
 
+A folder of splits is not one corpus: one split is read, `train` unless `split` names another
+(`"all"`: every file, as if it had none). Such a folder is a `datasets` `DatasetDict`
+(`dataset_dict.json` names its splits, a folder each), or any folder whose folders and data files
+(`SPLIT_DATA`: not `train.py` beside `test.py`) name two splits or more the way Hugging Face does
+(`train/`, `test.jsonl`, `validation-00000-of-00001.parquet`, `wiki.valid.raw`: the keywords of
+`SPLIT_KEYWORDS` between `-._ ` or digits); there the other splits are left out, and files of no
+split are skipped and counted. A folder without the split asked for is refused, naming its
+splits. The summary says which split of which folder was read, and from how many folders.
+
 A file's format is told by its name (`formats.py`): a `*.jsonl` holds one JSON object per line
 whose text field (`"text"`, or another named) is a document (a UTF-8 byte-order mark before the
-first is allowed); a table (`.parquet`, `.arrow`) holds a document per row of its text column;
+first is allowed); a table (`.parquet`, `.arrow`) holds a document per row of its text column.
+One rule for every format: a null text is no document, as an empty one is (a record without the
+field, or a table without the column, is refused: the field is likely misnamed);
 any other file is one document of UTF-8 text; `.gz`, `.xz` and `.zst` text and `.jsonl` are read
 as they decompress. The corpus is its documents joined by a blank line (`SEPARATOR`).
 
@@ -24,6 +35,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +49,17 @@ BINARY_PROBE = 8192  # bytes looked at for a NUL byte (git's test for a binary f
 SCAN = 1 << 20  # bytes read at a time when looking for the newline that ends a range
 MAX_RECORD = 1 << 28  # the longest .jsonl line read (256 MiB: a few GB of memory while tokenized)
 BOM = "\ufeff"
+ALL_SPLITS = "all"  # the `split` that reads every file of a folder of splits
+DEFAULT_SPLIT = "train"
+# Hugging Face's split keywords (`datasets.data_files`), by the split they name.
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+SPLIT_DATA = {"txt", "text", "raw", "tokens", "jsonl", "json", "parquet", "arrow", "csv", "tsv"}
+_KEYWORD = {k: split for split, keywords in SPLIT_KEYWORDS.items() for k in keywords}
+_SPLIT_NAME = re.compile(r"(?:^|[-._ 0-9])(" + "|".join(_KEYWORD) + r")(?=[-._ 0-9]|$)")
 
 
 @dataclass(frozen=True)
@@ -77,7 +100,8 @@ class Source:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A file of a folder that was not read: `why` is "empty", "binary" or "metadata"."""
+    """A file of a folder that was not read: `why` is "empty", "binary", "metadata" (of a
+    `datasets` folder) or "outside the splits" (in a folder of splits, a file of none)."""
 
     name: str
     size: int
@@ -86,19 +110,30 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Listing:
-    """The files of a corpus: `sources` read, in order, and those `skipped`."""
+    """The files of a corpus: `sources` read, in order, and those `skipped`; `split` is the split
+    read of a folder of splits (None: it has none), `parts` what was read, in words, where it is
+    not the whole of a plain folder ("split train of data/ (splits test, train)")."""
 
     sources: list[Source]
     skipped: tuple[Skipped, ...] = field(default=())
+    split: str | None = None
+    parts: tuple[str, ...] = field(default=())
 
     @property
     def summary(self) -> str:
-        """What was read and skipped, by kind: "read 12 files (10 .txt, 2 .parquet); skipped 3
-        (2 binary, 1 empty)"."""
+        """What was read and skipped, by kind: "read 12 files (10 .txt, 2 .parquet) from 3 folders
+        (., a/, b/); skipped 3 (2 binary, 1 empty)", or "read 1 file (1 .arrow) of split train
+        (splits test, train, validation); ..." for a folder of splits."""
         n = len(self.sources)
         text = (
             f"read {n:,} file{'s' if n != 1 else ''} ({_counts(formats.label(s.path) for s in self.sources)})"
         )
+        if self.parts:
+            text += " of " + "; ".join(self.parts)
+        folders = sorted({s.name.rpartition("/")[0] + "/" for s in self.sources})
+        if len(folders) > 1:
+            shown = ", ".join("." if f == "/" else f for f in folders[:3])
+            text += f" from {len(folders):,} folders ({shown}{', ...' if len(folders) > 3 else ''})"
         if self.skipped:
             text += f"; skipped {len(self.skipped):,} ({_counts(s.why for s in self.skipped)})"
         return text
@@ -186,16 +221,24 @@ def resolve(path: str | Path) -> Path:
         ) from None
 
 
-def find_sources(path: str | Path) -> Listing:
-    """The `Listing` of the corpus at `path`, a file or a folder (see the module docstring).
+def find_sources(path: str | Path, split: str | None = None) -> Listing:
+    """The `Listing` of the corpus at `path`, a file or a folder (see the module docstring);
+    `split` is the split to read of a folder of splits (None: `train` if it has splits).
     Raises `DataError` for a missing path, an empty, binary or damaged file, a folder with no
-    file to read, or one that is mostly binary files."""
+    file to read, one that is mostly binary files, or one without the split asked for."""
     path = resolve(path)
+    if split is not None and (not isinstance(split, str) or not split or "/" in split):
+        raise DataError(f"split must be a split's name such as 'train' or 'test', got {split!r}")
     try:
         if path.is_file():
+            if split not in (None, ALL_SPLITS):
+                raise DataError(
+                    f"data file {path} is one corpus, with no splits; --split {split} reads a split of a "
+                    f"folder of splits: leave it out"
+                )
             return Listing([_checked_file(path)])
         if path.is_dir():
-            return _folder_sources(path)
+            return _folder_sources(path, split)
         exists = path.exists()
     except OSError as e:
         raise DataError(f"data path {path} cannot be read ({e.strerror or e})") from None
@@ -223,9 +266,10 @@ def _checked_file(path: Path) -> Source:
     return source
 
 
-def _folder_sources(folder: Path) -> Listing:
+def _folder_sources(folder: Path, split: str | None) -> Listing:
+    walk = _Walk(split)
     sources, skipped = [], []
-    for file, name, metadata in _walk(folder, "", {_folder_id(folder, folder)}):
+    for file, name, why in walk.files(folder, "", {_folder_id(folder, folder)}):
         try:
             source = _source(file, name)
         except FileNotFoundError:  # gone since it was listed (an editor's temporary file)
@@ -234,12 +278,18 @@ def _folder_sources(folder: Path) -> Listing:
             raise DataError(
                 f"data file {file} cannot be read ({e.strerror or e}); fix it or remove it"
             ) from None
-        why = "metadata" if metadata else _skip_reason(source)
+        why = why or _skip_reason(source)
         if why is not None:
             skipped.append(Skipped(name, source.size, why))
             continue
         sources.append(source)
-    listing = Listing(sorted(sources, key=lambda s: s.name), tuple(sorted(skipped, key=lambda s: s.name)))
+    walk.check_split_found(folder)
+    listing = Listing(
+        sorted(sources, key=lambda s: s.name),
+        tuple(sorted(skipped, key=lambda s: s.name)),
+        walk.chosen,
+        tuple(walk.parts),
+    )
     if not sources:
         kinds = {s.why for s in skipped}
         what = f"only {kinds.pop()} files ({len(skipped)})" if len(kinds) == 1 else "no files"
@@ -286,35 +336,140 @@ def _hf_dataset(names: list[str]) -> bool:
     return "dataset_dict.json" in names or ("state.json" in names and arrow)
 
 
-def _walk(folder: Path, prefix: str, above: set[tuple[int, int]]):
-    """`(path, relative name, whether it is a datasets folder's metadata)` of the files below
-    `folder`, but hidden ones, following links; `above` holds the folders it is inside (by device
-    and inode), so a loop is caught."""
+def split_of(name: str) -> str | None:
+    """The split a file or folder `name` belongs to by Hugging Face's keywords ("train",
+    "validation" or "test"), or None: `wiki.valid.raw` is "validation", `latest.txt` None."""
+    found = _SPLIT_NAME.search(name)
+    return _KEYWORD[found.group(1)] if found else None
+
+
+def _split_data(entry: os.DirEntry) -> bool:
+    """Whether a folder entry may be a split's data by its name: a folder, or a file of data (not
+    `train.py` and `test.py` in a folder of code)."""
     try:
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as e:
-        raise DataError(
-            f"data folder {folder} cannot be read ({e.strerror or e}); fix it or remove it"
-        ) from None
-    hf = _hf_dataset([e.name for e in entries])
-    for entry in entries:
-        if entry.name.startswith("."):
-            continue
-        path, name = Path(entry.path), prefix + entry.name
+        return entry.is_dir() or formats.label(Path(entry.name)).split(".")[1] in SPLIT_DATA
+    except (OSError, IndexError):
+        return False
+
+
+def _dataset_dict_splits(folder: Path) -> list[str]:
+    """The splits `dataset_dict.json` in `folder` names (`{"splits": [...]}`)."""
+    path = folder / "dataset_dict.json"
+    with reading(path):
+        raw = path.read_bytes()
+    try:
+        splits = json.loads(raw)["splits"]
+        if isinstance(splits, list) and splits and all(isinstance(x, str) and x for x in splits):
+            return splits
+    except (ValueError, TypeError, KeyError):
+        pass
+    raise DataError(
+        f'data file {path} does not name the splits of a datasets DatasetDict ({{"splits": [...]}}); '
+        f"save the dataset again, or pass --data the folder of one split"
+    )
+
+
+def _single_split(folder: Path) -> str | None:
+    """The split a `save_to_disk` folder of one split records (`_split` of its `state.json`)."""
+    try:
+        found = json.loads((folder / "state.json").read_bytes()).get("_split")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) and found else None
+
+
+class _Walk:
+    """A walk of a corpus folder that reads the split `split` of each folder of splits in it
+    (None: train; `ALL_SPLITS`: every file); `parts` says in words what it read of them."""
+
+    def __init__(self, split: str | None):
+        self.asked = split
+        self.split = DEFAULT_SPLIT if split is None else split
+        self.chosen: str | None = None  # the split read, once a folder of splits is found
+        self.parts: list[str] = []
+
+    def files(self, folder: Path, prefix: str, above: set[tuple[int, int]]):
+        """`(path, relative name, why it is skipped or None)` of the files below `folder`, but
+        hidden ones and other splits', following links; `above` holds the folders it is inside
+        (by device and inode), so a loop is caught."""
         try:
-            is_dir, is_file = entry.is_dir(), entry.is_file()
-        except OSError:  # a dangling link or a loop of links: no file there
-            continue
-        if is_dir:
-            key = _folder_id(path, path)
-            if key in above:
+            entries = [
+                e for e in sorted(os.scandir(folder), key=lambda e: e.name) if not e.name.startswith(".")
+            ]
+        except OSError as e:
+            raise DataError(
+                f"data folder {folder} cannot be read ({e.strerror or e}); fix it or remove it"
+            ) from None
+        names = [e.name for e in entries]
+        hf, keep = _hf_dataset(names), self._split_entries(folder, prefix, entries)
+        if hf and "dataset_dict.json" not in names and prefix == "":
+            split = _single_split(folder)
+            self.parts.append(f"the datasets split {split}" if split else "a datasets folder")
+            if self.asked not in (None, ALL_SPLITS, split):
                 raise DataError(
-                    f"data folder {path} is a link to a folder it is in (a loop); remove the link or pass "
-                    f"a folder without it"
+                    f"data folder {folder} is one split of a datasets dataset ({split or 'unnamed'}), not a "
+                    f"folder of splits; --split {self.asked} reads a split of one: leave it out"
                 )
-            yield from _walk(path, name + "/", above | {key})
-        elif is_file:
-            yield path, name, hf and not entry.name.endswith(".arrow")
+        for entry in entries:
+            path, name = Path(entry.path), prefix + entry.name
+            why = keep.get(entry.name, "metadata" if hf and not entry.name.endswith(".arrow") else None)
+            if why is False:  # another split's
+                continue
+            try:
+                is_dir, is_file = entry.is_dir(), entry.is_file()
+            except OSError:  # a dangling link or a loop of links: no file there
+                continue
+            if is_dir and why is None:
+                key = _folder_id(path, path)
+                if key in above:
+                    raise DataError(
+                        f"data folder {path} is a link to a folder it is in (a loop); remove the link or "
+                        f"pass a folder without it"
+                    )
+                yield from self.files(path, name + "/", above | {key})
+            elif is_file:
+                yield path, name, why
+
+    def _split_entries(self, folder: Path, prefix: str, entries) -> dict:
+        """Of a folder of splits: entry name -> None (read), False (another split's: left out) or
+        why it is skipped; {} for any other folder (all read)."""
+        names = [e.name for e in entries]
+        if "dataset_dict.json" in names:
+            splits = _dataset_dict_splits(folder)
+            split_of_entry = {n: n if n in splits and (folder / n).is_dir() else None for n in names}
+            other = "metadata"
+        else:
+            split_of_entry = {e.name: split_of(e.name) if _split_data(e) else None for e in entries}
+            splits = sorted({x for x in split_of_entry.values() if x is not None})
+            other = "outside the splits"
+            if len(splits) < 2:
+                return {}
+        shown = ", ".join(sorted(splits))
+        where = f" of {prefix}" if prefix else ""
+        if self.split == ALL_SPLITS:  # every file, as if it had no splits
+            self.parts.append(f"all splits{where} ({shown})")
+            return {}
+        wanted = self.split if self.split in splits else _KEYWORD.get(self.split, self.split)
+        if wanted not in splits:
+            default = " (the split read by default)" if self.asked is None else ""
+            raise DataError(
+                f"data folder {folder} holds the splits {shown}, and no {self.split}{default}; pass "
+                f"--split NAME to read one of them (--split all: every file)"
+            )
+        self.chosen = wanted
+        self.parts.append(f"split {wanted}{where} (splits {shown})")
+        return {
+            n: None if s == wanted else False if s is not None else other for n, s in split_of_entry.items()
+        }
+
+    def check_split_found(self, folder: Path) -> None:
+        """Refuse a split asked for by name in a folder that has none."""
+        if self.asked not in (None, ALL_SPLITS) and self.chosen is None and not self.parts:
+            raise DataError(
+                f"data folder {folder} has no splits (neither a datasets DatasetDict nor files named for "
+                f"train, validation and test); --split {self.asked} reads one of a folder of splits: leave "
+                f"it out"
+            )
 
 
 def check_tables(sources: list[Source], field: str) -> None:
@@ -402,13 +557,13 @@ def documents(
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
-        if not (isinstance(record, dict) and isinstance(record.get(field), str)):
+        if not (isinstance(record, dict) and field in record and isinstance(record[field], str | None)):
             n = _line_number(source, start) + i
             raise DataError(
-                f'{source.path} line {n} is not a JSON object with a "{field}" string; every line of a '
-                f'.jsonl must be one, e.g. {{"{field}": "..."}} (--text-field NAME reads another field)'
+                f'{source.path} line {n} is not a JSON object with a "{field}" string (or null); every line '
+                f'of a .jsonl must be one, e.g. {{"{field}": "..."}} (--text-field NAME reads another field)'
             )
-        if record[field]:
+        if record[field]:  # null or "": no document, as a table's missing or empty value
             docs.append(record[field])
     return docs
 

@@ -26,6 +26,11 @@ class TrainConfig(DictConfig):
         "the field of .jsonl records, and the column of .parquet and .arrow tables, that holds the text",
         default="text",
     )
+    split: str | None = described(
+        "the split to train on of a folder of splits: a Hugging Face DatasetDict (dataset_dict.json), or "
+        "a folder of train/validation/test files or folders; 'all' reads every file (default: train)",
+        default=None,
+    )
     tokenizer: str = described(
         "'char' (vocabulary built from the corpus) or 'gpt2' (tiktoken BPE)", default="char"
     )
@@ -129,10 +134,7 @@ class TrainConfig(DictConfig):
         for name in ("data", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a path (a string) or None, got {getattr(self, name)!r}")
-        if not isinstance(self.text_field, str) or not self.text_field:
-            raise ConfigError(
-                f"text_field must be a field name (a non-empty string), got {self.text_field!r}"
-            )
+        _check_corpus_fields(self.text_field, self.split)
         if self.tracker is not None and not isinstance(self.tracker, str):
             raise ConfigError(
                 f"tracker must be a comma list of names such as 'tensorboard,wandb', or None, "
@@ -190,3 +192,11 @@ _RANGES = {
     "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
 }
+
+
+def _check_corpus_fields(text_field, split) -> None:
+    """Refuse a `text_field` or `split` that names no field or split."""
+    if not isinstance(text_field, str) or not text_field:
+        raise ConfigError(f"text_field must be a field name (a non-empty string), got {text_field!r}")
+    if split is not None and (not isinstance(split, str) or not split or "/" in split):
+        raise ConfigError(f"split must be a split's name such as 'train' or 'test', or None, got {split!r}")

@@ -39,18 +39,23 @@ def shakespeare_path() -> Path:
 
 
 def load_corpus(
-    data: str | None,
+    data: str | Path | None,
     tokenizer: dict,
     *,
     text_field: str = "text",
+    split: str | None = None,
     resumes: dict | None = None,
+    check_identity: Callable[[str], None] | None = None,
     log: Callable[[str], None] = lambda line: None,
     progress=None,
 ) -> Corpus:
     """The corpus at `data` (None: the bundled Tiny Shakespeare, checked against its known sha256)
     tokenized by `tokenizer` (see `prepare`; `text_field` names the records' text field and tables'
-    text column). `resumes` is the metadata of the checkpoint a run
-    resumes: a corpus other than its `data_sha256` is refused before anything is tokenized."""
+    text column, `split` the split of a folder of splits). `resumes` is the metadata of the
+    checkpoint a run resumes: a corpus other than its `data_sha256` is refused before anything is
+    tokenized (`check_identity(sha)`, if given, checks instead). Every command prepares its corpus
+    here, so `log` gets the same lines from each (a damaged cache entry prepared again, a corpus
+    prepared and where it is cached, a wait for another process)."""
     bundled = data is None
     source = BUNDLED if bundled else data
 
@@ -59,7 +64,9 @@ def load_corpus(
             raise DataError(
                 f"bundled corpus {shakespeare_path()} does not match its sha256; reinstall eqx_gpt"
             )
-        if resumes is not None and resumes.get("data_sha256") not in (None, sha):
+        if check_identity is not None:
+            check_identity(sha)
+        elif resumes is not None and resumes.get("data_sha256") not in (None, sha):
             raise CheckpointError(
                 f"{source} is not the corpus the checkpoint in {Path(resumes['path']).parent}/ was trained "
                 f"on (its sha256 differs); pass --data PATH to that corpus"
@@ -69,6 +76,7 @@ def load_corpus(
         shakespeare_path() if bundled else data,
         tokenizer,
         text_field=text_field,
+        split=split,
         check_identity=check,
         log=log,
         progress=progress,

@@ -166,12 +166,17 @@ class Report:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn with \\r (or a plain line now and then off a TTY)."""
+    """A one-line progress bar on stderr, redrawn with \\r and cleared when the work ends. Off a
+    terminal, a plain line now and then instead, on stdout with the log: stderr then holds only
+    errors, so a refusal after some work (a full disk found once the cache is verified) is one
+    line there, never preceded by progress lines that no one can clear."""
 
     def __init__(self, enabled: bool = True, stream=None):
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.tty = self.stream.isatty()
+        if stream is None and not self.tty:
+            self.stream = sys.stdout
         self.shown = False
         self.last_plain = 0.0
 

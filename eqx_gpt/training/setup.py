@@ -84,7 +84,7 @@ class TrainState:
 _NOT_READ_BY_THE_STEP = (
     "data", "tokenizer", "init_from", "max_steps", "max_minutes", "warmup_steps", "schedule",
     "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval", "text_field",
-    "tracker",
+    "split", "tracker",
 )  # fmt: skip
 _UNSCALED_BY_ADAMW = ("lr", "min_lr", "adam_lr")  # AdamW alone runs at unit rate times the schedule
 
@@ -208,8 +208,9 @@ def _load_corpus(
     checked against the checkpoint's on resume, and the config with the data path made absolute
     (so a run resumes from anywhere)."""
     corpus = load_corpus(
-        config.data, tokenizer, text_field=config.text_field, resumes=meta, log=log, progress=Progress()
-    )
+        config.data, tokenizer, text_field=config.text_field, split=config.split, resumes=meta, log=log,
+        progress=Progress(),
+    )  # fmt: skip
     if config.data is not None:
         config = replace(config, data=str(Path(config.data).resolve()))
     return corpus, config.data or BUNDLED, config

@@ -1,0 +1,595 @@
+"""The stages of `bench/gpu_check.py`: `python bench/gpu_stages.py RESULTS_DIR STAGE...` runs them in
+turn in one process (one start-up of JAX), each between two marker lines by which `gpu_check.py`
+gives it its time limit (it stops this process at a stage's limit and starts another for the rest).
+
+Each stage records its figures in RESULTS_DIR/STAGE.json as it goes (`Record`), so a stage stopped at
+its time limit still leaves what it had measured. `--dry-run` runs the same code at tiny sizes, on the CPU
+(`JAX_PLATFORMS=cpu`). The sides that need torch or transformers are skipped, with the reason
+recorded, where those are not installed; everything else in the stage still runs.
+
+- peaks: the device's matmul rates, bf16 and fp32 (at JAX's default precision, which is TF32 on an
+  NVIDIA GPU, and at "highest"), timed here: MFU's denominators.
+- tests: the tests that mean most on a GPU (`GPU_TESTS`), fp32 matmuls at full precision.
+- train: `train.py --preset shakespeare-char` for `--train-steps` steps: tokens/s, MFU, final val.
+- nanogpt: the shakespeare-char model and step against `bench/torch_gpt.py` under nanoGPT's GPU
+  recipe (`torch.compile`, bf16 autocast, TF32, fused AdamW), both in bf16, side by side.
+- gpt2: GPT-2-124M's shapes against `transformers` (same weights, logits compared first):
+  greedy generation tokens/s, and a bf16 training step with its MFU.
+- dtype: the eqx_gpt training step at `compute_dtype` float32 and bfloat16, interleaved.
+
+Every model comes from names `eqx_gpt` exports; `bench/common.py` counts model FLOPs.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+# The tests that mean most on a GPU: model and sampling equivalence (cached decoding against the
+# full forward, GPT-2 against transformers' logits), training exactness (steps grouped any way,
+# accumulation), one-device sharding (the data mesh the trainer builds), bf16 (fused cuDNN
+# attention against the per-head path, bf16 loss and gradients against fp32).
+GPU_TESTS = [
+    "tests/test_gpt.py",
+    "tests/test_generate.py",
+    "tests/test_sampling.py",
+    "tests/test_gpt2.py",
+    "tests/test_training.py",
+    "tests/test_parallel.py",
+    "tests/test_mixed_precision.py",
+    "tests/test_loss.py",
+]
+# The dry run collects every test above, and runs this one, which builds a one-device mesh.
+DRY_TEST = "test_batches_that_devices_cannot_share_are_rejected_with_the_fix"  # in test_parallel.py
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each stage runs: the real sizes, or the dry run's tiny ones."""
+
+    peak_n: int  # n of the n x n matmuls timed for the peaks
+    train_steps: int
+    train_flags: tuple[str, ...]  # train.py flags beside --preset shakespeare-char
+    char_model: dict  # overrides of the shakespeare-char preset's model
+    char_batch: int
+    gpt2_model: dict  # GPT-2's shape: layers, width, heads, positions
+    gpt2_batch: int  # sequences of a training step, each of the whole context
+    prompt: int  # generation: prompt tokens, new tokens
+    new_tokens: int
+    block: int  # steps dispatched back to back between synchronisations
+    blocks: int  # timed blocks per side and round
+    rounds: int  # alternations of the two sides
+
+
+REAL = Sizes(
+    peak_n=8192, train_steps=600, train_flags=("--eval-interval", "300", "--log-interval", "50"),
+    char_model={}, char_batch=64, gpt2_model=dict(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+    gpt2_batch=8, prompt=64, new_tokens=256, block=10, blocks=4, rounds=2,
+)  # fmt: skip
+TINY_CHAR = dict(context_length=32, d_model=32, n_heads=2, n_layers=1, scan_unroll=1)
+DRY = Sizes(
+    peak_n=128, train_steps=2,
+    train_flags=(
+        "--eval-interval", "2", "--log-interval", "1", "--eval-batches", "1", "--eval-tokens", "1024",
+        "--batch-size", "4", *(f"--{k.replace('_', '-')}={v}" for k, v in TINY_CHAR.items()),
+    ),
+    char_model=TINY_CHAR, char_batch=4, gpt2_model=dict(n_layer=1, n_embd=32, n_head=2, n_positions=32),
+    gpt2_batch=2, prompt=4, new_tokens=8, block=2, blocks=1, rounds=1,
+)  # fmt: skip
+GPT2_VOCAB = 50257
+BEGIN, END = "@@ stage begins: ", "@@ stage ends: "  # the lines bench/gpu_check.py times stages by
+MIN_STAGE_S = 15  # a stage with less of the budget left is skipped
+
+
+class Record(dict):
+    """The stage's figures, written to its result file whenever one is added."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def put(self, quiet: bool = False, **figures) -> None:
+        self.update(figures)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self, indent=1, default=str))
+        tmp.replace(self.path)
+        if not quiet:
+            print("  " + ", ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
+
+
+def median_ms(seconds: list[float]) -> float:
+    return round(1e3 * statistics.median(seconds), 3)
+
+
+def time_blocks(step, sync, block: int, blocks: int) -> list[float]:
+    """Seconds per step of `blocks` blocks of `block` calls of `step()` dispatched back to back, each
+    block ending with `sync(last result)`: one step's time without a host round trip per step."""
+    times = []
+    for _ in range(blocks):
+        start = time.perf_counter()
+        for _ in range(block):
+            out = step()
+        sync(out)
+        times.append((time.perf_counter() - start) / block)
+    return times
+
+
+def peaks_of(result_dir: Path) -> dict:
+    path = result_dir / "peaks.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def mfu(flops_per_step: float, step_s: float, peak_tflops: float | None) -> float | None:
+    return round(flops_per_step / step_s / 1e12 / peak_tflops, 4) if peak_tflops else None
+
+
+# --- peaks ---------------------------------------------------------------------------------------
+
+
+def matmul_tflops(n: int, dtype, precision=None, reps: int = 10) -> float:
+    """TFLOP/s of a jitted `(n, n) @ (n, n)` on random data: median of `reps` after 3 warm-ups
+    (time a size that fills the device: 8192 on an H100)."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(2), (n, n), dtype)
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=precision))
+    for _ in range(3):
+        matmul(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return round(2 * n**3 / statistics.median(times) / 1e12, 3)
+
+
+def stage_peaks(record: Record, sizes: Sizes, args) -> None:
+    import jax
+    import jax.numpy as jnp
+    from common import cpu_description
+
+    device = jax.devices()[0]
+    record.put(backend=jax.default_backend(), device=device.device_kind, devices=len(jax.devices()),
+               jax=jax.__version__, cpu=cpu_description(), matmul_n=sizes.peak_n)  # fmt: skip
+    if jax.default_backend() == "gpu" and shutil.which("nvidia-smi"):  # the clocks, as found
+        query = "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm"
+        smi = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True)
+        record.put(nvidia_smi=smi.stdout.strip() or smi.stderr.strip())
+    record.put(bf16_tflops=matmul_tflops(sizes.peak_n, jnp.bfloat16))
+    record.put(fp32_tflops=matmul_tflops(sizes.peak_n, jnp.float32))  # JAX's default precision
+    record.put(fp32_highest_tflops=matmul_tflops(sizes.peak_n, jnp.float32, precision="highest"))
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+
+OUTCOME = re.compile(r"\b(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+TEST_ID = re.compile(r"(tests/\S+::\S+)")
+
+
+def stage_tests(record: Record, sizes: Sizes, args) -> None:
+    # fp32 matmuls at full precision: on an NVIDIA GPU JAX's default is TF32, about 1e-3 relative,
+    # past the tests' fp32 tolerances; the bf16 tests set their own dtypes.
+    env = dict(os.environ, JAX_DEFAULT_MATMUL_PRECISION="highest", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # tests/conftest.py keeps one per session
+    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=-ra", "-m", "not slow", "-p", "no:cacheprovider"]
+    cmd += ["-v", "--no-header", *GPU_TESTS]
+    if args.dry_run:  # every test of the selection is collected (a missing one is an error); one runs
+        cmd += ["-k", DRY_TEST]
+    elif find_spec("xdist"):  # several test processes share the GPU, none taking most of its memory
+        cmd += ["-n", "4", "--dist", "loadgroup"]
+    record.put(
+        selection=GPU_TESTS, matmul_precision="highest", ran="one test (dry run)" if args.dry_run else "all"
+    )
+    counts, failures = dict.fromkeys(("passed", "failed", "skipped"), 0), []
+    run = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for line in run.stdout:  # each test's outcome as it comes, so a stage stopped early keeps them
+        print(line, end="", flush=True)
+        outcome, test = OUTCOME.search(line), TEST_ID.search(line)
+        if outcome and test and "::" in line and not line.startswith(("FAILED ", "ERROR ", "SKIPPED ")):
+            kind = {"PASSED": "passed", "XPASS": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}
+            counts[kind.get(outcome[1], "failed")] += 1
+            failures += [test[1]] if kind.get(outcome[1]) is None else []
+            record.put(**counts, failures=failures, quiet=True)
+        elif collected := re.search(r"collected (\d+) items(?: / (\d+) deselected)?", line):
+            record.put(collected=int(collected[1]), deselected=int(collected[2] or 0))
+        elif collected := re.search(r"(\d+) workers \[(\d+) items\]", line):  # pytest-xdist's
+            record.put(workers=int(collected[1]), collected=int(collected[2]))
+    record.put(pytest_rc=run.wait(), **counts, failures=failures)
+    if run.returncode != 0:
+        raise SystemExit(f"pytest exit {run.returncode}")
+
+
+# --- train ---------------------------------------------------------------------------------------
+
+
+def char_config(sizes: Sizes, compute_dtype: str | None = None):
+    from eqx_gpt import PRESETS, GPTConfig
+
+    model = {**PRESETS["shakespeare-char"].model, **sizes.char_model}
+    if compute_dtype:
+        model["compute_dtype"] = compute_dtype
+    return GPTConfig(vocab_size=65, **model)
+
+
+def stage_train(record: Record, sizes: Sizes, args) -> None:
+    from common import flops_per_token
+
+    out_dir = Path(tempfile.mkdtemp(prefix="gpu-check-train-")) / "run"
+    cmd = [sys.executable, "train.py", "--preset", "shakespeare-char", "--max-steps", str(sizes.train_steps),
+           "--sample-tokens", "0", "--out-dir", str(out_dir), *sizes.train_flags]  # fmt: skip
+    record.put(command=" ".join(cmd[1:]))
+    start = time.perf_counter()
+    run = subprocess.run(cmd, cwd=ROOT)
+    record.put(train_rc=run.returncode, wall_s=round(time.perf_counter() - start, 1))
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    # The first rate read can still hold the compile; the trainer measures from after it.
+    tokens_per_s = statistics.median(rates[1:] or rates)
+    config = char_config(sizes)
+    flops_per_s = flops_per_token(config) * tokens_per_s
+    peaks = peaks_of(record.path.parent)
+    final = [r["final_val_loss"] for r in rows if "final_val_loss" in r]
+    record.put(
+        steps=max(r["step"] for r in rows), tokens_per_s=round(tokens_per_s, 1),
+        compute_dtype=config.compute_dtype, mfu_fp32=mfu(flops_per_s, 1.0, peaks.get("fp32_tflops")),
+        mfu_bf16=mfu(flops_per_s, 1.0, peaks.get("bf16_tflops")),
+        val_loss=[r["val_loss"] for r in rows if "val_loss" in r][-1:],
+        final_val_loss=final[-1] if final else None,
+    )  # fmt: skip
+    if run.returncode != 0:
+        raise SystemExit(f"train.py exit {run.returncode}")
+
+
+# --- the eqx_gpt training step, timed ------------------------------------------------------------
+
+
+class EqxStep:
+    """The trainer's jitted step (`eqx_gpt.make_train_step`) on fixed batches: `()` runs one step."""
+
+    def __init__(self, model, train_config, batches: np.ndarray):
+        import jax
+        import jax.numpy as jnp
+
+        from eqx_gpt import init_optimizer_state, make_optimizer, make_train_step
+
+        optimizer = make_optimizer(train_config)
+        self.state = (model, init_optimizer_state(optimizer, model))
+        self.step_fn = make_train_step(optimizer, train_config, dropout=model.config.dropout > 0)
+        self.batches = [jax.device_put(jnp.asarray(b)) for b in batches]
+        self.lr, self.i = np.float32(train_config.lr), 0
+
+    def __call__(self):
+        batch = self.batches[self.i % len(self.batches)]
+        model, opt_state, loss = self.step_fn(*self.state, batch, np.int32(self.i), self.lr)
+        self.state, self.i = (model, opt_state), self.i + 1
+        return loss
+
+    @staticmethod
+    def sync(loss) -> None:
+        loss.block_until_ready()
+
+    def first(self) -> float:
+        """Seconds of the first step (it compiles)."""
+        start = time.perf_counter()
+        self.sync(self())
+        return round(time.perf_counter() - start, 2)
+
+
+def random_batches(vocab: int, batch: int, window: int, n: int = 4) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, vocab, (n, batch, window), dtype=np.int32)
+
+
+# --- nanogpt ------------------------------------------------------------------------------------
+
+
+def torch_available() -> str | None:
+    """None where torch can run here, else why not."""
+    return None if find_spec("torch") else "torch is not installed"
+
+
+def stage_nanogpt(record: Record, sizes: Sizes, args) -> None:
+    import equinox as eqx
+    import jax
+    from common import flops_per_token
+    from vs_pytorch import check_same_work, export
+
+    from eqx_gpt import GPT, loss_fn
+
+    # nanoGPT's GPU recipe computes in bf16 (autocast); so does our side here.
+    config = char_config(sizes, "bfloat16")
+    train_config = train_config_of("shakespeare-char", sizes.char_batch)
+    batches = random_batches(65, sizes.char_batch, config.context_length + 1)
+    model = GPT(config, key=jax.random.key(0))
+    with jax.default_matmul_precision("highest"):  # against torch's loss in full fp32
+        loss0 = float(loss_fn(eqx.nn.inference_mode(model), jax.numpy.asarray(batches[0])))
+    flops_step = flops_per_token(config) * sizes.char_batch * config.context_length
+    shape = f"L{config.n_layers} d{config.d_model} T{config.context_length} B{sizes.char_batch}"
+    record.put(
+        model=f"shakespeare-char {shape} dropout {config.dropout}", compute="bf16", loss0=round(loss0, 6)
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="gpu-check-nanogpt-"))
+    export(model, batches, workdir / "weights.npz")  # before the step donates the model's buffers
+    ours = EqxStep(model, train_config, batches)
+    record.put(eqx_first_step_s=ours.first())
+    eqx_times = time_blocks(ours, ours.sync, sizes.block, sizes.blocks)
+    peak = peaks_of(record.path.parent).get("bf16_tflops")
+    if why_not := torch_available():
+        ours_s = statistics.median(eqx_times)
+        record.put(
+            eqx_step_ms=median_ms(eqx_times), eqx_mfu_bf16=mfu(flops_step, ours_s, peak), torch=why_not
+        )
+        return
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = {
+        "weights": str(workdir / "weights.npz"), "threads": os.cpu_count(), "compile": True,
+        "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 3,
+        "steps": sizes.block * sizes.blocks * sizes.rounds, "block": sizes.block, "device": device,
+        "autocast": "bfloat16", "tf32": True, "fused": device == "cuda",
+        "train": {k: getattr(train_config, k) for k in ("lr", "beta1", "beta2", "weight_decay", "grad_clip")},
+    }  # fmt: skip
+    (workdir / "spec.json").write_text(json.dumps(spec))
+    start = time.perf_counter()
+    cmd = [sys.executable, str(ROOT / "bench" / "torch_gpt.py"), str(workdir / "spec.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"the PyTorch side failed:\n{out.stderr[-3000:]}")
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])
+    record.put(torch_s=round(time.perf_counter() - start, 1), torch=theirs["torch"], on=theirs["device"])
+    check_same_work("shakespeare-char", model, loss0, theirs)
+    eqx_times += time_blocks(ours, ours.sync, sizes.block, sizes.blocks)  # after, as load may change
+    ours_s, theirs_s = statistics.median(eqx_times), statistics.median(theirs["step_s"])
+    record.put(
+        eqx_step_ms=median_ms(eqx_times), torch_compiled_step_ms=median_ms(theirs["step_s"]),
+        ratio=round(ours_s / theirs_s, 3), eqx_mfu_bf16=mfu(flops_step, ours_s, peak),
+        torch_mfu_bf16=mfu(flops_step, theirs_s, peak),
+    )  # fmt: skip
+
+
+# --- gpt2 ----------------------------------------------------------------------------------------
+
+
+def gpt2_config(sizes: Sizes, compute_dtype: str = "float32"):
+    """The gpt2-124m preset's model at `sizes.gpt2_model`'s shape (GPT-2-124M's in the real run)."""
+    from eqx_gpt import PRESETS, GPTConfig
+
+    s = sizes.gpt2_model
+    shape = dict(
+        n_layers=s["n_layer"], d_model=s["n_embd"], n_heads=s["n_head"], context_length=s["n_positions"]
+    )
+    model = {**PRESETS["gpt2-124m"].model, **shape, "compute_dtype": compute_dtype}
+    return GPTConfig(vocab_size=GPT2_VOCAB, **model)
+
+
+# The training configs timed: each preset's, with gradient clipping off for GPT-2 as on transformers'
+# side (`vs_transformers.hf_training`). The stages that time the same model and dtype build the same
+# program, so the run's compilation cache compiles it once.
+STEP_CHANGES = {"shakespeare-char": {}, "gpt2-124m": {"grad_clip": 0.0}}
+
+
+def train_config_of(preset: str, batch_size: int):
+    from eqx_gpt import PRESETS, TrainConfig
+
+    return TrainConfig(**{**PRESETS[preset].train, "batch_size": batch_size, **STEP_CHANGES[preset]})
+
+
+def gpt2_folder(sizes: Sizes, directory: Path):
+    """A random GPT-2 of `sizes.gpt2_model`'s shape saved as a Hugging Face folder in `directory`,
+    and `transformers`' model of it (None without transformers: then eqx_gpt writes the folder)."""
+    import jax
+
+    from eqx_gpt import GPT, save_gpt2
+
+    if find_spec("torch") and find_spec("transformers"):
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**sizes.gpt2_model)).eval()
+        reference.save_pretrained(directory, safe_serialization=True)
+        return reference.to("cuda" if torch.cuda.is_available() else "cpu")
+    save_gpt2(GPT(gpt2_config(sizes), key=jax.random.key(0)), directory)
+    return None
+
+
+def same_logits(record: Record, model, reference, prompt: np.ndarray) -> None:
+    """Refuse to time two models whose logits differ (both in full fp32)."""
+    import jax
+    import torch
+
+    with torch.no_grad():
+        ids = torch.from_numpy(prompt[None]).long().to(reference.device)
+        expected = reference(ids).logits[0].cpu().numpy()
+    with jax.default_matmul_precision("highest"):
+        diff = float(np.abs(np.asarray(model(jax.numpy.asarray(prompt))) - expected).max())
+    record.put(logits_max_diff=diff)
+    if diff > 1e-3:
+        raise SystemExit(
+            "eqx_gpt's and transformers' logits differ: timing them would compare different work"
+        )
+
+
+def compare_generation(record: Record, sizes: Sizes, model, reference, prompt: np.ndarray) -> None:
+    """Batch 1, greedy, KV-cached on both sides, in fp32; each side's first call untimed."""
+    import jax
+
+    from eqx_gpt import SamplingOptions, generate
+
+    greedy = SamplingOptions(temperature=0.0)
+    sides = {
+        "eqx_gpt": lambda: generate(model, prompt, sizes.new_tokens, key=jax.random.key(0), options=greedy)
+    }
+    if reference is not None:
+        from vs_transformers import hf_generation
+
+        sides["transformers"] = hf_generation(reference, prompt, new_tokens=sizes.new_tokens)
+    first = {name: round(timed(fn), 2) for name, fn in sides.items()}
+    seconds = {name: [] for name in sides}
+    for _ in range(max(3, sizes.rounds)):
+        for name, fn in sides.items():
+            seconds[name].append(timed(fn))
+    tok_s = {name: round(sizes.new_tokens / statistics.median(s), 1) for name, s in seconds.items()}
+    what = f"batch 1, prompt {sizes.prompt}, {sizes.new_tokens} new tokens, greedy, fp32"
+    record.put(generation=what, generation_first_call_s=first, generation_tok_s=tok_s)
+    if reference is not None:
+        record.put(generation_ratio=round(tok_s["eqx_gpt"] / tok_s["transformers"], 3))
+
+
+def compare_training(record: Record, sizes: Sizes, directory: Path, reference) -> None:
+    """A bf16 training step (AdamW, no clipping on either side) of whole-context sequences."""
+    from common import flops_per_token
+
+    from eqx_gpt import load_gpt2
+
+    model = load_gpt2(directory, compute_dtype="bfloat16")
+    config = model.config
+    train_config = train_config_of("gpt2-124m", sizes.gpt2_batch)
+    batches = random_batches(GPT2_VOCAB, sizes.gpt2_batch, config.context_length + 1)
+    ours = EqxStep(model, train_config, batches)
+    record.put(
+        train=f"{sizes.gpt2_batch} x {config.context_length} tokens, bf16", eqx_first_step_s=ours.first()
+    )
+    steps = {"eqx_gpt": (ours, ours.sync)}
+    if reference is not None:
+        from vs_transformers import hf_training
+
+        hf = hf_training(reference, batches[0], autocast="bfloat16")
+        hf()  # untimed first step
+        steps["transformers"] = (hf, lambda loss: None)  # its step returns a float: already synced
+    step_s = {name: [] for name in steps}
+    for _ in range(sizes.rounds):
+        for name, (step, sync) in steps.items():
+            step_s[name] += time_blocks(step, sync, sizes.block, sizes.blocks)
+    ms = {name: median_ms(s) for name, s in step_s.items()}
+    flops_step = flops_per_token(config) * sizes.gpt2_batch * config.context_length
+    peak = peaks_of(record.path.parent).get("bf16_tflops")
+    record.put(train_step_ms=ms, train_mfu_bf16={k: mfu(flops_step, v / 1e3, peak) for k, v in ms.items()})
+    if reference is not None:
+        record.put(train_ratio=round(ms["transformers"] / ms["eqx_gpt"], 3))
+
+
+def stage_gpt2(record: Record, sizes: Sizes, args) -> None:
+    import equinox as eqx
+    import jax
+
+    from eqx_gpt import load_gpt2
+
+    directory = Path(tempfile.mkdtemp(prefix="gpu-check-gpt2-"))
+    reference = gpt2_folder(sizes, directory)
+    model = load_gpt2(directory)
+    params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    why_not = "torch or transformers is not installed"
+    record.put(
+        shape=sizes.gpt2_model,
+        params_m=round(params / 1e6, 1),
+        transformers=why_not if reference is None else "used",
+    )
+    prompt = np.random.default_rng(0).integers(0, GPT2_VOCAB, sizes.prompt).astype(np.int32)
+    if reference is not None:
+        same_logits(record, model, reference, prompt)
+    compare_generation(record, sizes, model, reference, prompt)
+    compare_training(record, sizes, directory, reference)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# --- dtype ---------------------------------------------------------------------------------------
+
+
+def stage_dtype(record: Record, sizes: Sizes, args) -> None:
+    import jax
+    from common import flops_per_token
+
+    from eqx_gpt import GPT
+
+    cases = {
+        "shakespeare-char": (lambda dtype: char_config(sizes, dtype), sizes.char_batch),
+        "gpt2-124m": (lambda dtype: gpt2_config(sizes, dtype), sizes.gpt2_batch),
+    }
+    peaks = peaks_of(record.path.parent)
+    for name, (make_config, batch) in cases.items():
+        train_config = train_config_of(name, batch)
+        steps = {}
+        for dtype in ("float32", "bfloat16"):
+            config = make_config(dtype)
+            batches = random_batches(config.vocab_size, batch, config.context_length + 1)
+            steps[dtype] = EqxStep(GPT(config, key=jax.random.key(0)), train_config, batches)
+            record.put(**{f"{name}_{dtype}_first_step_s": steps[dtype].first()})
+        times = {dtype: [] for dtype in steps}
+        for _ in range(sizes.rounds):  # interleaved, so that a change of clock hits both alike
+            for dtype, step in steps.items():
+                times[dtype] += time_blocks(step, step.sync, sizes.block, sizes.blocks)
+        flops_step = flops_per_token(config) * batch * config.context_length  # the same in either dtype
+        fp32_s, bf16_s = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+        figures = dict(
+            batch=batch, fp32_step_ms=median_ms(times["float32"]), bf16_step_ms=median_ms(times["bfloat16"]),
+            bf16_over_fp32=round(bf16_s / fp32_s, 3),
+            bf16_mfu_bf16=mfu(flops_step, bf16_s, peaks.get("bf16_tflops")),
+            fp32_mfu_fp32=mfu(flops_step, fp32_s, peaks.get("fp32_tflops")),
+        )  # fmt: skip
+        record.put(**{name: figures})
+        del steps  # its models and optimiser states, before the next case's
+
+
+STAGES = {"peaks": stage_peaks, "tests": stage_tests, "train": stage_train, "nanogpt": stage_nanogpt,
+          "gpt2": stage_gpt2, "dtype": stage_dtype}  # fmt: skip
+
+
+def run(name: str, record: Record, sizes: Sizes, args) -> None:
+    """Run stage `name` between the markers that `bench/gpu_check.py` times it by; an exception
+    fails this stage alone (recorded, traceback printed) and the next one runs."""
+    print(f"{BEGIN}{name}", flush=True)
+    if args.deadline - time.time() < MIN_STAGE_S:
+        record.put(status="skipped", reason=f"{args.deadline - time.time():.0f} s of the budget left")
+    else:
+        try:
+            STAGES[name](record, sizes, args)
+            record.put(status="ok")
+        except (Exception, SystemExit) as e:
+            traceback.print_exc()
+            record.put(
+                status="failed",
+                reason=str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__,
+            )
+    print(f"{END}{name}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("results", type=Path, help="the folder each stage's NAME.json goes to")
+    p.add_argument("stages", nargs="+", choices=sorted(STAGES))
+    p.add_argument("--deadline", type=float, default=float("inf"), help="time.time() the budget ends")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes (on the CPU)")
+    args = p.parse_args(argv)
+    for name in args.stages:
+        run(name, Record(args.results / f"{name}.json"), DRY if args.dry_run else REAL, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

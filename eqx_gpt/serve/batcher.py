@@ -1,0 +1,300 @@
+"""Continuous batching: a fixed number of slots decoded together, one token per step, in one thread.
+
+Each request's sample is a `Sequence`. `Batcher.submit` puts sequences in a bounded waiting queue
+(a full queue refuses at once: `QueueFull`). One background thread runs the loop:
+
+1. **Admit.** Every free slot takes the next waiting sequence: its prompt is prefilled into the
+   slot's part of the batched KV cache and its first token sampled (`Programs.prefill`).
+2. **Slide.** A slot whose window is full (`context_length` tokens) and still has tokens to draw
+   is cut to its last `keep` tokens and re-prefilled, as `generate` does (see
+   `eqx_gpt.generation.generate`): the same tokens come out as from `sample.py`.
+3. **Decode.** One jitted call advances every live slot by one token (`Programs.decode`); each slot
+   has its own position. A sequence that has all its tokens, or was cancelled (its client left,
+   or a stop string was found), frees its slot, which the next step gives to a waiting one.
+
+So a request joins the batch at the next step and leaves it when done, without waiting for the
+others. Every token is handed to the sequence's `emit` callback (from the loop's thread) as a
+`Token`, then `Finished`; a failure in a step hands `Failed` to the sequences it hit and the loop
+goes on with a fresh cache.
+"""
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_gpt.errors import EqxGptError
+from eqx_gpt.generation.generate import prompt_bucket
+from eqx_gpt.generation.sampling import SamplingOptions
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.serve.steps import Programs
+
+
+class QueueFull(EqxGptError):
+    """The waiting queue cannot take the sequences of a request now: retry later."""
+
+
+@dataclass(frozen=True)
+class Token:
+    """A sampled token: its id, its log-probability under the model (temperature 1, no filters)
+    and the `LOGPROBS_MAX` most likely ids with theirs. `prompt` is set on the first token of a
+    sequence that asked for its prompt's log-probabilities: one `(id, logprob, top)` per prompt
+    token after the first."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    prompt: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The sequence drew all its tokens (`reason="length"`), or was cancelled (`"cancelled"`)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A step failed; the sequence ends without its remaining tokens."""
+
+    message: str
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample to draw: a prompt (token ids, at most `context_length`, at least one), how many
+    tokens, how (`SamplingOptions`; its `keep` and `chunk_size` are not used here) and with which
+    sample key (`key_data` of `jax.random.key`, as `generate`'s `key`). `emit` receives each event.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    options: SamplingOptions
+    key_data: np.ndarray
+    emit: Callable[[Token | Finished | Failed], None]
+    prompt_logprobs: bool = False
+    cancelled: bool = False
+    # The loop's own record, while the sequence holds a slot:
+    window: list[int] = field(default_factory=list)  # the tokens fed to the cache, in order
+    produced: int = 0  # tokens sampled so far
+    next_token: int = 0  # the latest, not yet fed
+
+
+class Batcher:
+    """The decode loop of a served model: `slots` sequences decoded together, `queue_size` waiting.
+
+    `keep` is the window's cut when it fills (None: `generate`'s default, `context_length // 2`).
+    Call `start()` once; `stop()` ends the thread. `submit`, `cancel` and the counters are safe
+    to call from any thread.
+    """
+
+    def __init__(self, model: GPT, *, slots: int = 16, queue_size: int = 64, keep: int | None = None):
+        if not isinstance(model, GPT):
+            raise TypeError(f"Batcher serves a GPT, got {type(model).__name__}")
+        self.config = model.config
+        self.slots: list[Sequence | None] = [None] * slots
+        self.queue_size = queue_size
+        self.keep = SamplingOptions(keep=keep).window_keep(model.config.context_length)
+        self.programs = Programs(model)
+        self._model = model
+        self._cache = self._empty_cache()
+        self._waiting: deque[Sequence] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="eqx_gpt-batcher", daemon=True)
+        self.steps = 0  # decode steps run (each advances every live slot by one token)
+
+    def _empty_cache(self):
+        """Zeros in the layout of the unstacked model's batched cache (its shapes alone: no copy
+        of the weights is made to learn them)."""
+        shapes = eqx.filter_eval_shape(lambda m: m.unstack().init_cache(batch=len(self.slots)), self._model)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def live(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def start(self) -> "Batcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join()
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queue `sequences` (all or none): `QueueFull` when the queue cannot take them all. A prompt
+        longer than the context is cropped to its last `context_length` tokens, as `generate` does."""
+        context, vocab = self.config.context_length, self.config.vocab_size
+        for s in sequences:
+            if not s.prompt or not all(0 <= t < vocab for t in s.prompt):
+                raise ValueError(f"a prompt is one or more token ids in [0, vocab_size={vocab})")
+            if s.max_tokens < 1:
+                raise ValueError(f"a sequence draws at least one token, got max_tokens={s.max_tokens}")
+            s.prompt = s.prompt[-context:]
+        with self._wake:
+            if len(self._waiting) + len(sequences) > self.queue_size:
+                raise QueueFull(
+                    f"the server is busy: {len(self._waiting)} samples wait for a slot (queue size "
+                    f"{self.queue_size}); retry shortly"
+                )
+            self._waiting.extend(sequences)
+            self._wake.notify()
+
+    def cancel(self, sequence: Sequence) -> None:
+        """Stop drawing for `sequence`: it frees its slot (or its place in the queue) at the next step."""
+        with self._wake:
+            sequence.cancelled = True
+            if sequence in self._waiting:  # its place in the queue is free at once
+                self._waiting.remove(sequence)
+                _deliver(sequence, Finished("cancelled"))
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and self.live == 0:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                admitted = self._admit()
+            try:
+                self._step(admitted)
+            except Exception as e:  # a failed step must not stop the server: fail its sequences
+                self._fail_all(f"generation failed: {type(e).__name__}: {e}")
+
+    def _admit(self) -> list[int]:
+        """Give free slots to waiting sequences (under the lock); return those slots."""
+        admitted = []
+        for slot, held in enumerate(self.slots):
+            while held is None and self._waiting:
+                candidate = self._waiting.popleft()
+                if candidate.cancelled:
+                    _deliver(candidate, Finished("cancelled"))
+                else:
+                    held = self.slots[slot] = candidate
+                    admitted.append(slot)
+        return admitted
+
+    def _step(self, admitted: list[int]) -> None:
+        for slot in admitted:
+            sequence = self.slots[slot]
+            assert sequence is not None
+            self._prefill(slot, sequence, sequence.prompt, first=True)
+        self._release()
+        for slot, sequence in enumerate(self.slots):
+            if sequence is not None and len(sequence.window) == self.config.context_length:
+                cut = sequence.window[len(sequence.window) - (self.keep - 1) :] if self.keep > 1 else []
+                self._prefill(slot, sequence, [*cut, sequence.next_token], first=False)
+        self._release()
+        if self.live:
+            self._decode()
+            self._release()
+
+    def _prefill(self, slot: int, sequence: Sequence, tokens: list[int], *, first: bool) -> None:
+        """Run `tokens` into `slot` from position 0 and sample the sequence's next token."""
+        o = sequence.options
+        bucket = prompt_bucket(len(tokens), self.config.context_length)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, : len(tokens)] = tokens
+        greedy = o.temperature == 0
+        self._cache, token, chosen, prompt = self.programs.prefill(
+            self._cache, jnp.int32(slot), jnp.asarray(padded), jnp.int32(len(tokens)),
+            jnp.int32(sequence.produced), jnp.asarray(sequence.key_data), jnp.float32(o.temperature),
+            None if greedy or o.top_k is None else jnp.int32(o.top_k),
+            None if greedy or o.top_p is None else jnp.float32(o.top_p),
+            first and sequence.prompt_logprobs,
+        )  # fmt: skip
+        sequence.window = list(tokens)
+        logprobs = None
+        if prompt is not None:
+            top_ids, top, chosen_all = (np.asarray(a) for a in (prompt.top_ids, prompt.top, prompt.chosen))
+            logprobs = [
+                (tokens[i + 1], float(chosen_all[i]), _pairs(top_ids[i], top[i]))
+                for i in range(len(tokens) - 1)
+            ]
+        self._advance(
+            sequence, int(token), float(chosen.chosen), _pairs(chosen.top_ids, chosen.top), logprobs
+        )
+
+    def _decode(self) -> None:
+        """One step: every live slot feeds its latest token and draws the next."""
+        n, vocab = len(self.slots), self.config.vocab_size
+        tokens, starts, produced = (np.zeros(n, np.int32) for _ in range(3))
+        key_data = np.zeros((n, 2), np.uint32)
+        temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
+        top_k = np.full(n, vocab, np.int32)
+        for i, s in enumerate(self.slots):
+            if s is None:
+                continue  # a free slot decodes a junk token at position 0; its next prefill overwrites it
+            tokens[i], starts[i], produced[i], key_data[i] = (
+                s.next_token,
+                len(s.window),
+                s.produced,
+                s.key_data,
+            )
+            temperature[i] = s.options.temperature
+            top_k[i] = vocab if s.options.top_k is None else min(s.options.top_k, vocab)
+            top_p[i] = 1.0 if s.options.top_p is None else s.options.top_p
+        live = [s for s in self.slots if s is not None and s.options.temperature > 0]
+        self._cache, chosen, logprobs = self.programs.decode(
+            self._cache,
+            *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
+            use_top_k=any(s.options.top_k is not None for s in live),
+            use_top_p=any(s.options.top_p is not None for s in live),
+        )  # fmt: skip
+        chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
+        top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)
+        self.steps += 1
+        for i, s in enumerate(self.slots):
+            if s is not None:
+                s.window.append(s.next_token)
+                self._advance(s, int(chosen[i]), float(lp[i]), _pairs(top_ids[i], top[i]))
+
+    def _advance(self, sequence: Sequence, token: int, logprob: float, top, prompt=None) -> None:
+        sequence.next_token = token
+        sequence.produced += 1
+        _deliver(sequence, Token(token, logprob, top, prompt))
+
+    def _release(self) -> None:
+        """Free the slots of sequences that are done or cancelled, telling them so."""
+        for slot, s in enumerate(self.slots):
+            if s is not None and (s.cancelled or s.produced >= s.max_tokens):
+                self.slots[slot] = None
+                _deliver(s, Finished("cancelled" if s.cancelled else "length"))
+
+    def _fail_all(self, message: str) -> None:
+        self._cache = self._empty_cache()  # a failed call may have consumed the donated cache
+        for slot, s in enumerate(self.slots):
+            if s is not None:
+                self.slots[slot] = None
+                _deliver(s, Failed(message))
+
+
+def _pairs(ids, logprobs) -> list[tuple[int, float]]:
+    return [(int(i), float(p)) for i, p in zip(np.asarray(ids), np.asarray(logprobs), strict=True)]
+
+
+def _deliver(sequence: Sequence, event: Token | Finished | Failed) -> None:
+    try:
+        sequence.emit(event)
+    except Exception:  # the listener is gone (its event loop closed): nobody is left to tell
+        sequence.cancelled = True
+
+
+def sample_key_data(seed: int, sample: int) -> np.ndarray:
+    """The key data of sample number `sample` of a seeded request: `sample.py --seed seed`'s key for
+    its sample of that number (`fold_in(key(seed), sample)`)."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), sample)))

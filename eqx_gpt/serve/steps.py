@@ -1,0 +1,150 @@
+"""The batcher's two jitted programs: prefill one request into a slot, and one decode step of every slot.
+
+The slots share one batched KV cache, a tuple of per-layer `KVCache`s whose leading axis is the
+slot. Each slot holds its own sequence at its own position, so the decode step runs `GPT.decode`
+under `jax.vmap` over slots: every projection is then one matrix multiply for all slots (each
+weight is read once per step, which is what batching buys on a memory-bound CPU), and each slot
+writes its key and value at its own position. The cache is donated to both programs, so XLA
+updates it in place rather than copying it per step.
+
+Randomness follows `generate` exactly: token `i` of a sample whose key is `k` is drawn with
+`fold_in(fold_in(k, 0), i)` (row 0 of `sample_rows`), so a seeded request draws the tokens
+`sample.py --seed` draws. Compiled shapes stay few: one decode program per combination of the two
+filter switches (some slot uses top-k; some slot uses top-p), and one prefill per prompt bucket
+(`prompt_bucket`: powers of two from 16 to the context). A slot without a filter passes the
+setting that keeps every token (`top_k = vocab_size`, `top_p = 1`), which leaves its logits
+bit for bit as they were.
+"""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt
+
+from eqx_gpt.generation.sampling import sample_next_token, sample_rows
+from eqx_gpt.model.gpt import GPT
+
+LOGPROBS_MAX = 5  # OpenAI's bound on `logprobs`: the most likely alternatives reported per token
+
+
+class TokenLogprobs(eqx.Module):
+    """Log-probabilities under the model's own distribution (temperature 1, no filters): of the
+    chosen token `(...,)`, and the `LOGPROBS_MAX` most likely ids with theirs `(..., LOGPROBS_MAX)`."""
+
+    chosen: Float[Array, "*rows"]
+    top_ids: Int[Array, "*rows top"]
+    top: Float[Array, "*rows top"]
+
+
+def token_logprobs(logits: Float[Array, "*rows vocab"], chosen: Int[Array, "*rows"]) -> TokenLogprobs:
+    """`TokenLogprobs` of `chosen` ids given the `logits` they were drawn from."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    top, top_ids = jax.lax.top_k(logp, LOGPROBS_MAX)
+    return TokenLogprobs(jnp.take_along_axis(logp, chosen[..., None], axis=-1)[..., 0], top_ids, top)
+
+
+def sample_key(key_data: UInt[Array, "*rows 2"]) -> Any:
+    return jax.random.wrap_key_data(key_data)
+
+
+def _prefill(
+    static: Any,
+    params: Any,
+    cache: Any,
+    slot: Int[Array, ""],
+    padded: Int[Array, "1 bucket"],
+    length: Int[Array, ""],
+    produced: Int[Array, ""],
+    key_data: UInt[Array, "2"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""] | None,
+    top_p: Float[Array, ""] | None,
+    *,
+    prompt_logprobs: bool,
+):
+    """Run the first `length` tokens of `padded` at position 0 (as `generate`'s prefill does, on the
+    stacked model), write the slot's cache, and sample token number `produced` from the last one.
+
+    Returns `(cache, token, its TokenLogprobs, the prompt's TokenLogprobs or None)`; the prompt's are
+    for tokens 1 .. bucket - 1 given those before (the caller keeps the first `length - 1`).
+    """
+    model: GPT = eqx.combine(params, static)
+    logits, fresh = model.decode(padded, model.init_cache(batch=1), 0)
+    if not isinstance(fresh, tuple):  # stacked: one buffer per layer, like the batched cache
+        fresh = model.blocks.split(fresh)
+    token = sample_rows(logits[:, length - 1], sample_key(key_data), produced, temperature, top_k, top_p)
+    write = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype), slot, 0)
+    cache = jax.tree.map(write, cache, fresh)
+    chosen = token_logprobs(logits[0, length - 1], token[0])
+    prompt = token_logprobs(logits[0, :-1], padded[0, 1:]) if prompt_logprobs else None
+    return cache, token[0], chosen, prompt
+
+
+def _decode(
+    static: Any,
+    params: Any,
+    cache: Any,
+    tokens: Int[Array, " slots"],
+    starts: Int[Array, " slots"],
+    produced: Int[Array, " slots"],
+    key_data: UInt[Array, "slots 2"],
+    temperature: Float[Array, " slots"],
+    top_k: Int[Array, " slots"],
+    top_p: Float[Array, " slots"],
+    *,
+    use_top_k: bool,
+    use_top_p: bool,
+):
+    """Feed each slot's `tokens` at its position `starts` and sample its token number `produced`.
+    `model` is unstacked (`GPT.unstack`): one token's work is bound by reading the weights."""
+    model: GPT = eqx.combine(params, static)
+
+    def one_slot(token, slot_cache, start):
+        logits, slot_cache = model.decode(token[None], slot_cache, start)
+        return logits[0], slot_cache
+
+    logits, cache = jax.vmap(one_slot)(tokens, cache, starts)
+
+    def sample(lg, kd, index, t, k, p):
+        key = jax.random.fold_in(jax.random.fold_in(sample_key(kd), 0), index)
+        k = k if use_top_k else None
+        p = p if use_top_p else None
+        return sample_next_token(lg, key, temperature=t, top_k=k, top_p=p)
+
+    chosen = jax.vmap(sample)(logits, key_data, produced, temperature, top_k, top_p)
+    return cache, chosen, token_logprobs(logits, chosen)
+
+
+# Module-level, so every batcher of a model of the same structure shares the compiled programs: the
+# static half of the model (its config and flags) is a static argument, hashed, and the weights and
+# the cache are arguments (the cache donated).
+_prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=2, static_argnames="prompt_logprobs")
+_decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2, static_argnames=("use_top_k", "use_top_p"))
+
+
+class Programs:
+    """The jitted prefill and decode step for one model: `prefill` runs the stacked model (fast to
+    compile), `decode` the unstacked one (fast to run; see `GPT.unstack`)."""
+
+    def __init__(self, model: GPT):
+        model = eqx.nn.inference_mode(model)
+        self.stacked, self.stacked_static = eqx.partition(model, eqx.is_array)
+        self.unstacked, self.unstacked_static = eqx.partition(model.unstack(), eqx.is_array)
+
+    def prefill(
+        self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs
+    ):
+        return _prefill_jit(
+            self.stacked_static, self.stacked, cache, slot, padded, length, produced, key_data,
+            temperature, top_k, top_p, prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
+
+    def decode(
+        self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p
+    ):
+        return _decode_jit(
+            self.unstacked_static, self.unstacked, cache, tokens, starts, produced, key_data,
+            temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
+        )  # fmt: skip

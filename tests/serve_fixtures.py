@@ -1,0 +1,76 @@
+"""What the serving tests share: a tiny run folder and a server on a loopback port."""
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import jax
+
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = (ROOT / "eqx_gpt" / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+CONTEXT = 32  # small, so that a 60-token answer slides the window twice
+
+
+def make_run(out: Path) -> Path:
+    """A run folder: a random-weight character model's `best` checkpoint and a short metrics.jsonl."""
+    tokenizer = CharTokenizer.from_text(SHAKESPEARE)
+    config = GPTConfig(
+        vocab_size=tokenizer.vocab_size, context_length=CONTEXT, d_model=32, n_heads=4, n_layers=2
+    )
+    model = GPT(config, key=jax.random.key(0))
+    save_checkpoint(out, "best", model, None, step=20, tokenizer=tokenizer, train_config={})
+    records = [
+        {"step": 10, "loss": 3.9},
+        {"step": 10, "val_loss": 3.8, "train_loss": 3.85},
+        {"step": 20, "loss": 3.5},
+        {"step": 20, "val_loss": 3.4, "train_loss": 3.45},
+        {"step": 20, "final_val_loss": 3.41},
+    ]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out
+
+
+def app_for(run: Path, **options):
+    from eqx_gpt import create_app
+
+    model, tokenizer, meta = load_model(run, kind="GPT")
+    return create_app(model, tokenizer, meta=meta, name="tiny", **options)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving `app` on 127.0.0.1 at a free port, in a thread, for the `with` block."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.app = app
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        for _ in range(600):  # bounded: 60 s
+            if self.server.started:
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("uvicorn did not start")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
