@@ -22,8 +22,8 @@ from common import add_smoke_argument, smoke_shape  # bench/common.py
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.options import MODEL_FIELDS, preset_values
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.step import init_optimizer_state
 

@@ -43,8 +43,8 @@ from common import (  # bench/common.py
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.training.config import OPTIMIZERS, TrainConfig
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_batch
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.step import (
     init_optimizer_state,
     make_optimizer,
@@ -84,8 +84,8 @@ def make_step(model_options: dict, batch_size: int, args, seed: int = 0):
 
         def advance(model, opt_state, first):
             steps = np.arange(first, first + k, dtype=np.int32)
-            model, opt_state, losses = steps_fn(model, opt_state, batches, steps, np.full(k, lr), np.int32(k))
-            return model, opt_state, losses[-1]
+            model, opt_state, out = steps_fn(model, opt_state, batches, steps, np.full(k, lr), np.int32(k))
+            return model, opt_state, out["loss"][-1]
 
     return config, model, opt_state, advance
 

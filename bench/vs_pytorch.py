@@ -41,8 +41,8 @@ from common import CONFIGS, SMOKE_PEAK, MatmulPeak, add_smoke_argument, cpu_desc
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.loop import STEPS_PER_CALL
 from eqx_gpt.training.parallel import data_mesh, replicate, shard_batch
-from eqx_gpt.training.run import STEPS_PER_CALL
 from eqx_gpt.training.step import (
     count_params,
     init_optimizer_state,
@@ -90,7 +90,7 @@ def jax_side(model, batches, train_config, steps_per_call: int):
         for _ in range(n_calls):
             start = time.perf_counter()
             steps = np.arange(counter[0], counter[0] + k, dtype=np.int32)
-            model, opt_state, losses = steps_fn(*state, stack, steps, lrs, np.int32(k))
+            model, opt_state, _ = steps_fn(*state, stack, steps, lrs, np.int32(k))
             state, counter[0] = jax.block_until_ready((model, opt_state)), counter[0] + k
             times.append((time.perf_counter() - start) / k)
         return times

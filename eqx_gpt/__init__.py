@@ -43,9 +43,12 @@ from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
 from eqx_gpt.serve import Batcher, create_app
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
+from eqx_gpt.training.callbacks import Callback, StopTraining
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import PRESETS
-from eqx_gpt.training.run import TrainResult, train
+from eqx_gpt.training.records import EvaluationRecord, FinalRecord, StepRecord
+from eqx_gpt.training.result import TrainResult
+from eqx_gpt.training.run import train
 from eqx_gpt.training.step import (
     init_optimizer_state,
     learning_rate,
@@ -96,6 +99,11 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "PRESETS",
+    "Callback",
+    "StopTraining",
+    "StepRecord",
+    "EvaluationRecord",
+    "FinalRecord",
     "make_optimizer",
     "init_optimizer_state",
     "make_train_step",

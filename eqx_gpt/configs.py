@@ -16,9 +16,24 @@ def described(help: str, **kwargs):
 
 
 class DictConfig:
-    """`to_dict` and `from_dict` for the frozen config dataclasses: JSON-ready dicts."""
+    """`to_dict` and `from_dict` for the frozen config dataclasses: JSON-ready dicts; and `given()`,
+    the fields a config was constructed with."""
 
     __dataclass_fields__: ClassVar[dict[str, Any]]  # set by @dataclass on each subclass
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Which fields the caller gave, by position or name, kept beside the fields (not one of
+        # them: equality, hashing and `to_dict` never see it), so that `train(config)` can lay
+        # them over a preset as it does settings passed by name.
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        object.__setattr__(self, "_given", frozenset(names[: len(args)]) | frozenset(kwargs))
+        return self
+
+    def given(self) -> frozenset[str]:
+        """The fields given to the constructor, by position or name, whatever their values (the
+        rest hold their defaults). `dataclasses.replace` and `from_dict` give every field."""
+        return getattr(self, "_given", frozenset(f.name for f in dataclasses.fields(self)))  # type: ignore[arg-type]
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

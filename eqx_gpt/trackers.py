@@ -2,12 +2,12 @@
 Biases as well (`--tracker tensorboard,wandb`), each an optional extra imported only when opened.
 
     trackers = open_trackers(["tensorboard"], out_dir, config=flat_config, resume_step=None, is_writer=True)
-    trackers.log({"step": 10, "loss": 3.2, "lr": 1e-3, "tokens_per_s": 41000.0})
+    trackers.log({"step": 10, "loss": 3.2, "grad_norm": 0.8, "lr": 1e-3, "tokens_per_s": 41000.0})
     trackers.log_text(1600, "sample", text)
     trackers.close()
 
-A tracker is fed exactly the records the run writes to `metrics.jsonl` (train loss, learning rate
-and tokens/s at logged steps; train and validation loss at evaluations; the final validation),
+A tracker is fed exactly the records the run writes to `metrics.jsonl` (train loss, gradient norm,
+learning rate and tokens/s at logged steps; train and validation loss at evaluations; the final validation),
 the run's resolved settings as hyperparameters when opened, and the sample text at the end.
 
 A resumed run continues the same tracker run, and neither tracker duplicates or reorders a step
@@ -56,6 +56,7 @@ FLUSH_SECS = 5.0  # TensorBoard's own reload interval: make events durable at mo
 # The tag each number of a `metrics.jsonl` record is shown under; any other number keeps its name.
 TAGS = {
     "loss": "train/loss",
+    "grad_norm": "train/grad_norm",
     "lr": "train/lr",
     "tokens_per_s": "train/tokens_per_s",
     "train_loss": "eval/train_loss",

@@ -6,7 +6,7 @@ import pytest
 
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.options import ConfigError, resolve_options
+from eqx_gpt.training.options import INIT_FROM_OPTIONS, ConfigError, ModelSettings, resolve_options
 from eqx_gpt.training.presets import PRESETS
 
 CHECKPOINT = {
@@ -20,21 +20,19 @@ CHECKPOINT = {
 def test_a_fresh_run_is_defaults_then_preset_then_settings():
     options = resolve_options({"preset": "cpu-adamw", "lr": 0.01, "n_layers": 2})
     assert options.train == TrainConfig(**{**PRESETS["cpu-adamw"].train, "lr": 0.01})
-    assert "vocab_size" not in options.model  # the tokenizer's, known once the data is read
-    assert (
-        options.model["n_layers"] == 2 and options.model["d_model"] == PRESETS["cpu-adamw"].model["d_model"]
-    )
+    assert not hasattr(options.model, "vocab_size")  # the tokenizer's, known once the data is read
+    assert options.model.n_layers == 2 and options.model.d_model == PRESETS["cpu-adamw"].model["d_model"]
     assert options.preset == "cpu-adamw" and options.checkpoint is None
     default = resolve_options({})
     assert default.preset == "cpu" and default.train == TrainConfig(**PRESETS["cpu"].train)
     bare = resolve_options({"preset": None, "max_steps": 5})  # no preset: the dataclass defaults
-    assert bare.train == TrainConfig(max_steps=5) and bare.model["d_model"] == GPTConfig(vocab_size=1).d_model
+    assert bare.train == TrainConfig(max_steps=5) and bare.model.d_model == GPTConfig(vocab_size=1).d_model
 
 
 def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     options = resolve_options({"max_steps": 30_000, "log_interval": 5}, CHECKPOINT)
     assert options.train == TrainConfig(**{**PRESETS["cpu"].train, "max_steps": 30_000, "log_interval": 5})
-    assert options.model == {k: v for k, v in CHECKPOINT["model_config"].items() if k != "vocab_size"}
+    assert options.model.config(65) == GPTConfig(**CHECKPOINT["model_config"])
     assert options.preset == "cpu" and options.checkpoint is CHECKPOINT
     cpu_lr = PRESETS["cpu"].train["lr"]
     assert resolve_options({"lr": cpu_lr}, CHECKPOINT).train.lr == cpu_lr  # agrees: fine
@@ -104,3 +102,24 @@ def test_a_checkpoint_that_is_not_a_gpts_is_refused_before_anything_is_compared(
         with pytest.raises(ConfigError, match="latest.json has an invalid model config: ") as error:
             resolve_options({}, broken)
         assert "\n" not in str(error.value)
+
+
+def test_the_model_settings_are_every_gptconfig_field_but_the_vocabulary():
+    fields = {f.name: f.type for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size"}
+    assert {f.name: f.type for f in dataclasses.fields(ModelSettings)} == fields
+    settings = resolve_options({"preset": None, "d_model": 64, "n_heads": 4}).model
+    assert settings.config(65) == GPTConfig(vocab_size=65, d_model=64, n_heads=4)
+    assert settings.gpt2_options() == {k: getattr(settings, k) for k in INIT_FROM_OPTIONS}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.d_model = 32  # type: ignore[misc]
+
+
+def test_the_first_lines_name_the_settings_laid_over_the_preset():
+    assert resolve_options({}).describe() == "settings: the cpu preset"
+    given = resolve_options({"max_steps": 40, "optimizer": "muon", "n_layers": 2}).describe()
+    assert given == "settings: the cpu preset, with max_steps=40, n_layers=2 given"  # muon is the preset's
+    bare = resolve_options({"preset": None, "lr": 0.01}).describe()
+    assert bare == "settings: the dataclass defaults (no preset), with lr=0.01 given"
+    resumed = resolve_options({"max_steps": 30_000, "lr": PRESETS["cpu"].train["lr"]}, CHECKPOINT).describe()
+    assert resumed == "settings: the checkpoint's, with max_steps=30000 given"
+    assert resolve_options({"tracker": "tensorboard, wandb"}).trackers == ("tensorboard", "wandb")

@@ -68,6 +68,10 @@ def test_the_readme_example_trains_from_python_in_an_empty_folder(tmp_path):
         json.loads(line) for line in (tmp_path / "tiny-run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert records[-1]["step"] == 40 and "final_val_loss" in records[-1]
+    # The recipe the README benchmarks: the cpu preset's Muon, with the fields the config was given.
+    train_config = json.loads((tmp_path / "tiny-run" / "latest.json").read_text())["train_config"]
+    assert train_config["optimizer"] == "muon" and train_config["max_steps"] == 40
+    assert "settings: the cpu preset, with max_steps=40" in proc.stdout
 
 
 def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):

@@ -205,7 +205,7 @@ def test_the_trainer_on_two_devices_logs_the_losses_of_one_with_and_without_fsdp
     one = runs["one"]
     for two in (runs["two"], runs["two_fsdp"]):  # data parallel, then with parameters split too
         assert [r["step"] for r in one] == [r["step"] for r in two]
-        for key in ("loss", "train_loss", "val_loss"):
+        for key in ("loss", "grad_norm", "train_loss", "val_loss"):
             a = [r[key] for r in one if key in r]
             b = [r[key] for r in two if key in r]
             assert len(a) >= 2 and _max_abs_diff(a, b) <= 1e-5, key

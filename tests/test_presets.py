@@ -5,7 +5,7 @@ import math
 import equinox as eqx
 import jax
 
-from eqx_gpt import GPT, GPTConfig
+from eqx_gpt import GPT
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE
 from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.step import decay_mask, describe_optimizer, learning_rate
@@ -15,7 +15,7 @@ def test_gpt2_124m_resolves_to_gpt2_small_and_nanogpts_adamw():
     options = resolve_options({"preset": "gpt2-124m"})
     c = options.train
     assert c.tokenizer == "gpt2" and c.optimizer == "adamw"
-    config = GPTConfig(vocab_size=GPT2_VOCAB_SIZE, **options.model)
+    config = options.model.config(GPT2_VOCAB_SIZE)
     shape = (config.n_layers, config.n_heads, config.d_model, config.context_length, config.d_hidden)
     assert shape == (12, 12, 768, 1024, 3072)
     assert (config.positions, config.activation, config.norm) == ("learned", "gelu_tanh", "layer")

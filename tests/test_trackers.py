@@ -29,6 +29,7 @@ def train_record(step: int, shift: float = 0.0) -> dict:
     return {
         "step": step,
         "loss": 4.0 - step / 100 + shift,
+        "grad_norm": 1.5 - step / 400,
         "lr": 1e-3 * step / 50,
         "tokens_per_s": 4e4 + step,
     }

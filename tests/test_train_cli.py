@@ -3,6 +3,7 @@
 import dataclasses
 import importlib.util
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -314,10 +315,8 @@ def _configs_given_to_train(monkeypatch, argv):
 
     def fake_train(settings, out_dir, **kwargs):
         options = resolve_options(settings)
-        seen.update(
-            model=GPTConfig(vocab_size=65, **options.model), train=options.train, preset=options.preset
-        )
-        model = GPT(GPTConfig(vocab_size=65, **options.model), key=jax.random.key(0))
+        seen.update(model=options.model.config(65), train=options.train, preset=options.preset)
+        model = GPT(options.model.config(65), key=jax.random.key(0))
         return TrainResult(model, CharTokenizer("ab"), 0, None, None, 0.0, False, None, out_dir)
 
     monkeypatch.setattr(run_module, "_train", fake_train)
@@ -366,26 +365,50 @@ def _resolved_by_train(monkeypatch, *args, **kwargs):
     return seen
 
 
-def test_train_from_python_takes_a_config_whole_over_the_preset_and_keywords_over_both(monkeypatch):
+def test_train_from_python_lays_the_fields_a_config_was_given_over_the_preset_and_keywords_over_both(
+    monkeypatch,
+):
     cpu = PRESETS[DEFAULT_PRESET]
-    # A TrainConfig passed is every training value, its defaults too: the preset gives only the model.
+    # A TrainConfig passed gives the fields it was constructed with, as keywords would: the rest
+    # of the recipe (Muon, its rates, batch) is the preset's.
     config = TrainConfig(max_steps=40, lr=3e-3)
     seen = _resolved_by_train(monkeypatch, config, d_model=64)
-    assert seen["train"] == config and seen["preset"] == DEFAULT_PRESET
-    assert GPTConfig(vocab_size=65, **seen["model"]) == GPTConfig(
-        vocab_size=65, **{**cpu.model, "d_model": 64}
-    )
-    # Keywords override the config and the preset; a GPTConfig replaces the preset's model values.
+    assert seen["train"] == TrainConfig(**{**cpu.train, "max_steps": 40, "lr": 3e-3})
+    assert seen["train"].optimizer == "muon" and seen["preset"] == DEFAULT_PRESET
+    assert seen["model"].config(65) == GPTConfig(vocab_size=65, **{**cpu.model, "d_model": 64})
+    assert _resolved_by_train(monkeypatch, max_steps=40, lr=3e-3, d_model=64) == seen  # the same run
+    # A field given its default value is given all the same: the preset's Muon is overridden.
+    seen = _resolved_by_train(monkeypatch, TrainConfig(optimizer="adamw", beta1=0.9))
+    assert seen["train"].optimizer == "adamw" and seen["train"].beta1 == 0.9
+    assert seen["train"].lr == cpu.train["lr"]
+    # Keywords override the config and the preset; a GPTConfig gives the fields it was given.
     model = GPTConfig(vocab_size=1, d_model=48, n_heads=4, n_layers=1)
     seen = _resolved_by_train(monkeypatch, config, model, max_steps=7, context_length=32)
-    assert seen["train"] == TrainConfig(max_steps=7, lr=3e-3)
-    assert GPTConfig(vocab_size=1, **seen["model"]) == dataclasses.replace(model, context_length=32)
-    # Nothing passed: the preset's values, as `train.py` with no flags.
-    seen = _resolved_by_train(monkeypatch, max_steps=9)
-    assert seen["train"] == TrainConfig(**{**cpu.train, "max_steps": 9})
-    # preset=None: the dataclass defaults alone.
+    assert seen["train"] == TrainConfig(**{**cpu.train, "max_steps": 7, "lr": 3e-3})
+    expected = {**cpu.model, "d_model": 48, "n_heads": 4, "n_layers": 1, "context_length": 32}
+    assert seen["model"].config(1) == GPTConfig(vocab_size=1, **expected)
+    # preset=None: the dataclass defaults under what is given.
+    seen = _resolved_by_train(monkeypatch, config, preset=None)
+    assert seen["train"] == config and seen["preset"] is None
     seen = _resolved_by_train(monkeypatch, preset=None)
     assert seen["train"] == TrainConfig() and seen["preset"] is None
+
+
+def test_the_readme_python_example_trains_the_cpu_presets_muon_recipe(monkeypatch):
+    # The README's "Train from Python" config and keywords, as written there.
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("### Train from Python") :]
+    config_line = re.search(r"^config = (TrainConfig\(.*\))$", block, re.M)
+    call_line = re.search(r"^result = train\(config, (.*)\)$", block, re.M)
+    assert config_line and call_line, "the README's example changed shape: update this test"
+    config = eval(config_line.group(1), {"TrainConfig": TrainConfig})
+    keywords = eval(f"dict({call_line.group(1)})")
+    keywords = {k: v for k, v in keywords.items() if k in {f.name for f in dataclasses.fields(GPTConfig)}}
+    seen = _resolved_by_train(monkeypatch, config, **keywords)
+    cpu = TrainConfig(**PRESETS[DEFAULT_PRESET].train)
+    assert seen["preset"] == DEFAULT_PRESET and seen["train"].optimizer == "muon"
+    for name in ("lr", "adam_lr", "min_lr", "beta1", "beta2", "weight_decay", "muon_ns_steps", "grad_clip"):
+        assert getattr(seen["train"], name) == getattr(cpu, name), name
 
 
 def test_help_shows_the_defaults_of_the_preset_named(capsys):

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from eqx_gpt import GPT, GPTConfig
@@ -108,7 +109,8 @@ def test_steps_grouped_into_calls_any_way_give_the_same_bits():
         losses, done = [], 0
         for n in groups:
             padded = [np.roll(x, -done, axis=0) for x in (batches, steps, lrs)]  # call i starts at step done
-            model, opt_state, call_losses = steps_fn(model, opt_state, *padded, np.int32(n))
+            model, opt_state, figures = steps_fn(model, opt_state, *padded, np.int32(n))
+            call_losses = figures["loss"]
             assert np.all(np.asarray(call_losses)[n:] == 0)
             losses += np.asarray(call_losses)[:n].tolist()
             done += n
@@ -137,7 +139,8 @@ def test_several_steps_per_call_match_as_many_single_steps(dropout_step):
         for i in range(n):
             model, opt_state, loss = dropout_step(model, opt_state, batches[i], steps[i], lrs[i])
             losses.append(float(loss))
-        grouped, _, grouped_losses = steps_fn(*_fresh_state(), batches, steps, lrs, np.int32(n))
+        grouped, _, figures = steps_fn(*_fresh_state(), batches, steps, lrs, np.int32(n))
+        grouped_losses = figures["loss"]
         np.testing.assert_allclose(np.asarray(grouped_losses)[:n], losses, rtol=LOSS_RTOL)
         assert np.all(np.asarray(grouped_losses)[n:] == 0)
         for a, b in zip(_leaves(model), _leaves(grouped), strict=True):
@@ -202,10 +205,10 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
     for i in range(3):
         model, opt_state, loss = step(model, opt_state, batches[i], steps[i], lrs[i])
         losses.append(float(loss))
-    grouped, _, grouped_losses = make_train_steps(make_optimizer(MUON), MUON, dropout=False)(
+    grouped, _, figures = make_train_steps(make_optimizer(MUON), MUON, dropout=False)(
         *fresh(), batches, steps, lrs, np.int32(3)
     )
-    np.testing.assert_allclose(np.asarray(grouped_losses), losses, rtol=LOSS_RTOL)
+    np.testing.assert_allclose(np.asarray(figures["loss"]), losses, rtol=LOSS_RTOL)
     for a, b in zip(_leaves(model), _leaves(grouped), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL)
     accumulating = TrainConfig(**{**MUON.to_dict(), "grad_accum": 4})
@@ -251,3 +254,22 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
     np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
     remembering, _ = second_update(0.95)
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
+
+
+def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
+    # Clipped to 0.01, far below the gradient's norm: the figure is the norm before clipping.
+    config = TrainConfig(batch_size=8, grad_clip=0.01)
+    steps_fn = make_train_steps(make_optimizer(config), config, dropout=False)
+    model = GPT(CONFIG, key=jax.random.key(0))
+    grads = eqx.filter_grad(loss_fn)(model, BATCH)
+    expected, loss = float(optax.tree.norm(grads)), float(loss_fn(model, BATCH))
+    batches = jnp.stack([BATCH, BATCH])
+    _, _, figures = steps_fn(
+        model, init_optimizer_state(make_optimizer(config), model), batches, np.arange(2, dtype=np.int32),
+        np.full(2, 1e-3, np.float32), np.int32(1),
+    )  # fmt: skip
+    assert list(figures) == ["loss", "grad_norm"]
+    assert expected > 10 * config.grad_clip  # far above the clip
+    assert float(figures["grad_norm"][0]) == pytest.approx(expected, rel=1e-4)
+    assert float(figures["loss"][0]) == pytest.approx(loss, rel=1e-5)
+    assert float(figures["grad_norm"][1]) == 0  # a slot past n

@@ -11,8 +11,17 @@ What it computes:
                 `eqx_gpt.evaluation`
 How it runs:
     setup       `set_up`: every check before the first step; `RunSetup` (fixed) and `TrainState`
-    run         `train`, the loop (dispatch, evaluate, checkpoint, stop) and `TrainResult`
+    run         `train`: settings, the folder, set-up, trackers and report, then the loop
+    running     `Run`: one run in progress, shared by the loop, its checkpoints and its end
+    loop        the loop: dispatch steps, read their figures, evaluate and save, fit to the time
+    saving      the `latest` and `best` checkpoints
+    end         the end: final validation, sample, summary; or stopped, resumable; `TrainResult`
+    stop        `StopFlag`: Ctrl-C, SIGTERM or a callback asks the loop to stop
     report      `Report`: log lines, metrics.jsonl, the loss plot, the progress bar, tokens/s
+What it tells:
+    records     `StepRecord`, `EvaluationRecord`, `FinalRecord`: metrics.jsonl's lines, typed
+    callbacks   `Callback`, `StopTraining`: seams in a run
+    result      `TrainResult`, its `history` the run's records
     time_plan   `TimePlan`: the schedule's length fitted to `--max-minutes`
     run_dir     the run's folder: its lock, refusals, and metrics.jsonl
     parallel    the device mesh, data parallelism and FSDP, multi-host start

@@ -6,13 +6,17 @@ fixed training windows and the validation loss on the periodic plan (the whole s
 metrics log and the log line take whatever it returns, so a new figure is added here alone. Each
 evaluation is a loop of jitted calls that returns None as soon as the run is asked to stop, so
 Ctrl-C never waits for a whole split. Given a `Shown` (the run's progress bar and a label), an
-evaluation that takes more than a moment shows its progress and ETA there.
+evaluation that takes more than a moment shows its progress and ETA there. What an evaluation
+reads, and how it is split into calls and placed on the devices, is planned once per run
+(`plan_evaluations`).
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.evaluation import (
     FINAL_EVAL_FACTOR,
     EvalPlan,
@@ -37,15 +41,34 @@ def val_plan(setup: RunSetup, *, final: bool) -> EvalPlan:
     return choose(len(setup.val_ids), setup.model_config.context_length, budget)
 
 
-def _place(setup: RunSetup) -> Callable[[np.ndarray], object]:
-    """Puts one evaluation call's rows on the devices, split along the batch axis."""
-    return lambda x: shard_batch(x, setup.mesh, batch_axis=0)
+@dataclass(frozen=True)
+class RunEvaluations:
+    """What a run's evaluations read and how, decided once per run (`plan_evaluations`): the fixed
+    training windows and their weights, the periodic and final validation plans, the windows per
+    jitted call (`rows_per_call`, rounded up to whole windows per device) and how a call's rows
+    are placed on the devices (split along the batch axis)."""
+
+    val_ids: TokenSpan
+    train_rows: np.ndarray
+    train_weight: np.ndarray
+    periodic: EvalPlan
+    final: EvalPlan
+    batch: int
+    place: Callable[[np.ndarray], object]
+    context: int
 
 
-def _rows_per_call(setup: RunSetup) -> int:
-    """Windows per evaluation call: `rows_per_call`, rounded up to whole windows per device."""
+def plan_evaluations(setup: RunSetup) -> RunEvaluations:
+    """The run's evaluations, planned from its set-up."""
     per_call = rows_per_call(setup.model_config.context_length, setup.model_config.vocab_size)
-    return -(-per_call // setup.mesh.size) * setup.mesh.size
+    rows, mesh = setup.eval_train_rows, setup.mesh
+    weight = np.ones((len(rows), rows.shape[1] - 1), np.float32)
+    return RunEvaluations(
+        val_ids=setup.val_ids, train_rows=rows, train_weight=weight,
+        periodic=val_plan(setup, final=False), final=val_plan(setup, final=True),
+        batch=-(-per_call // mesh.size) * mesh.size, place=lambda x: shard_batch(x, mesh, batch_axis=0),
+        context=setup.model_config.context_length,
+    )  # fmt: skip
 
 
 def _part(shown: Shown | None, part: str) -> Shown | None:
@@ -53,36 +76,34 @@ def _part(shown: Shown | None, part: str) -> Shown | None:
 
 
 def validation_loss(
-    setup: RunSetup, model: GPT, plan: EvalPlan, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations, model: GPT, plan: EvalPlan, stop: Callable[[], bool], shown: Shown | None = None
 ) -> Evaluation | None:
     """The loss over `plan`'s windows of the validation split; None if the run was asked to stop."""
     return evaluate_plan(
-        model, setup.val_ids, plan, place=_place(setup), batch=_rows_per_call(setup), stop=stop, shown=shown
+        model, evals.val_ids, plan, place=evals.place, batch=evals.batch, stop=stop, shown=shown
     )
 
 
 def train_loss(
-    setup: RunSetup, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
 ) -> float | None:
     """The mean loss over the run's fixed training windows (the same program as `validation_loss`)."""
-    rows = setup.eval_train_rows
-    weight = np.ones((len(rows), rows.shape[1] - 1), np.float32)
     total = summed_loss(
-        model, rows, weight, batch=_rows_per_call(setup), place=_place(setup), stop=stop, shown=shown
-    )
-    return None if total is None else total / weight.size
+        model, evals.train_rows, evals.train_weight, batch=evals.batch, place=evals.place, stop=stop,
+        shown=shown,
+    )  # fmt: skip
+    return None if total is None else total / evals.train_weight.size
 
 
 def evaluate_run(
-    setup: RunSetup, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
 ) -> dict[str, float] | None:
     """A periodic evaluation's figures by name, `train_loss` then `val_loss` (the one that picks the
     best checkpoint); None if the run was asked to stop before it finished. Its progress shows on
     `shown` (labelled `train windows`, then `validation`) if it takes a while."""
-    train = train_loss(setup, model, stop, _part(shown, "train windows"))
-    periodic = val_plan(setup, final=False)
+    train = train_loss(evals, model, stop, _part(shown, "train windows"))
     val = (
-        validation_loss(setup, model, periodic, stop, _part(shown, "validation"))
+        validation_loss(evals, model, evals.periodic, stop, _part(shown, "validation"))
         if train is not None
         else None
     )
@@ -91,15 +112,14 @@ def evaluate_run(
     return {"train_loss": train, "val_loss": val.loss}
 
 
-def final_evaluations(setup: RunSetup) -> float:
+def final_evaluations(evals: RunEvaluations) -> float:
     """The final validation's cost in periodic evaluations, each of which reads the fixed training
     windows and then the validation windows: what the time plan keeps back for it."""
-    periodic = val_plan(setup, final=False).starts.size + len(setup.eval_train_rows)
-    return val_plan(setup, final=True).starts.size / periodic
+    return evals.final.starts.size / (evals.periodic.starts.size + len(evals.train_rows))
 
 
 def final_validation(
-    setup: RunSetup,
+    evals: RunEvaluations,
     model: GPT,
     last_val: float,
     plan: TimePlan,
@@ -110,16 +130,14 @@ def final_validation(
     """The final model's validation loss and what it covers: the whole split in overlapping
     windows where `--eval-tokens` and the time plan allow, else an even sample of windows, or, with
     no time left for it, the last evaluation's figure. None if a stop came meanwhile."""
-    context, n = setup.model_config.context_length, len(setup.val_ids)
+    context, n, periodic, split_plan = evals.context, len(evals.val_ids), evals.periodic, evals.final
     if not plan.affords_final(now):
-        periodic = val_plan(setup, final=False)
         last = Evaluation(last_val, periodic.n_predicted, periodic.stride, periodic.whole)
         return last, (
             f"(the last evaluation's, over {last.n_predicted:,} predicted tokens: the final validation "
             f"would not fit in the time left)"
         )
-    split_plan = val_plan(setup, final=True)
-    final = validation_loss(setup, model, split_plan, stop, shown)
+    final = validation_loss(evals, model, split_plan, stop, shown)
     if final is None or final.whole:
         covers = f"over all {split_plan.n_predicted:,} predicted tokens of the split"
         return final, f"{covers} (windows of {context} every {split_plan.stride})"

@@ -6,12 +6,13 @@ training), or `preset`. Later sources override earlier ones:
     a fresh run     dataclass defaults  <  the preset  <  the settings given
     a resumed run   the checkpoint's values  <  the settings given that may change on resume
 
-`eqx_gpt.train` gives its configs (every field of a config passed) and keywords as settings, and
-`train.py` the flags given. The preset is `settings["preset"]`: a name, or None for none (the
-dataclass defaults alone). Left
-out, it is `cpu`, or `finetune-shakespeare` with `init_from`. On resume, a preset named anew counts
-as settings for its values, and a setting that would change what the run computes must agree with
-the checkpoint (only `RESUMABLE_CHANGES` may differ).
+`eqx_gpt.train` gives as settings the fields its configs were constructed with (`given_settings`:
+`TrainConfig(max_steps=40)` gives `max_steps` alone, as `train(max_steps=40)` does), then its
+keywords; `train.py` gives the flags given. The preset is `settings["preset"]`: a name, or None
+for none (the dataclass defaults alone). Left out, it is `cpu`, or `finetune-shakespeare` with
+`init_from`. On resume, a preset named anew counts as settings for its values, and a setting that
+would change what the run computes must agree with the checkpoint (only `RESUMABLE_CHANGES` may
+differ). A run's first lines say which settings were laid over the preset (`RunOptions.describe`).
 """
 
 import dataclasses
@@ -23,6 +24,7 @@ from pathlib import Path
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.trackers import parse_trackers
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 
@@ -37,24 +39,92 @@ INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll"
 
 
 @dataclass(frozen=True)
-class RunOptions:
-    """A run's settings, resolved: `model` holds `GPTConfig` fields but `vocab_size` (the
-    tokenizer's, known once the data is read); `schedule_steps` is the schedule's length to start
-    with (`max_steps`; on resume with the same `max_steps`, the checkpoint's, which `--max-minutes`
-    may have refitted); `checkpoint` is the metadata resumed from; `from_preset` holds the values
-    of a fresh run that its preset set and no setting gave (`explain` names them)."""
+class ModelSettings:
+    """The model a run asks for before its vocabulary is known (the tokenizer's): every `GPTConfig`
+    field but `vocab_size`. With `--init-from` only `INIT_FROM_OPTIONS` are the run's (`gpt2_options`);
+    the GPT-2 directory gives the rest."""
 
-    model: dict
+    context_length: int
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_hidden: int | None
+    dropout: float
+    norm_eps: float
+    scan_unroll: int
+    compute_dtype: str
+    norm: str
+    norm_position: str
+    positions: str
+    bias: bool
+    activation: str
+    tie_embeddings: bool
+    zero_init: bool
+    logit_softcap: float | None
+
+    @classmethod
+    def from_values(cls, values: dict) -> "ModelSettings":
+        """The model settings among `values` (any setting by name), `GPTConfig`'s defaults for the
+        rest (a checkpoint written before a field existed ran with its default)."""
+        return cls(**{k: values.get(k, DEFAULTS[k]) for k in MODEL_FIELDS})
+
+    def config(self, vocab_size: int) -> GPTConfig:
+        """The model's `GPTConfig` for a vocabulary of `vocab_size` ids."""
+        return GPTConfig(vocab_size=vocab_size, **dataclasses.asdict(self))
+
+    def gpt2_options(self) -> dict:
+        """The settings a GPT-2 loaded with `--init-from` takes (`INIT_FROM_OPTIONS`)."""
+        return {k: getattr(self, k) for k in INIT_FROM_OPTIONS}
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """A run's settings, resolved: `model` the model's but its vocabulary (the tokenizer's, known
+    once the data is read); `trackers` the names of `train.tracker`, parsed once; `schedule_steps`
+    is the schedule's length to start with (`max_steps`; on resume with the same `max_steps`, the
+    checkpoint's, which `--max-minutes` may have refitted); `checkpoint` is the metadata resumed
+    from; `from_preset` holds the values of a fresh run that its preset set and no setting gave
+    (`explain` names them); `overrides` the settings given that differ from what they override
+    (the preset's values, or the checkpoint's: `describe` names them)."""
+
+    model: ModelSettings
     train: TrainConfig
     preset: str | None
     schedule_steps: int
     checkpoint: dict | None = None
     from_preset: dict = dataclasses.field(default_factory=dict)
+    overrides: dict = dataclasses.field(default_factory=dict)
+    trackers: tuple[str, ...] = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "trackers", parse_trackers(self.train.tracker))
 
     def explain(self, message: str) -> str:
         """`message` about an invalid value, saying which of the values it names the preset set, so
         that a refusal never leaves a flag that was not given to be guessed at."""
         return _blame_preset(message, self.preset, self.from_preset)
+
+    def describe(self) -> str:
+        """The run's `settings:` line: what its values start from and what was laid over them."""
+        base = (
+            "the checkpoint's" if self.checkpoint is not None
+            else f"the {self.preset} preset" if self.preset is not None
+            else "the dataclass defaults (no preset)"
+        )  # fmt: skip
+        given = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
+        return f"settings: {base}" + (f", with {given} given" if given else "")
+
+
+def given_settings(config: TrainConfig | None, model: GPTConfig | None, options: dict) -> dict:
+    """The settings `train(config, model, **options)` gives: the fields each config was constructed
+    with (`DictConfig.given`; `model.vocab_size` is the tokenizer's, never given), then `options`."""
+    settings: dict[str, object] = {}
+    if config is not None:
+        settings.update({k: getattr(config, k) for k in sorted(config.given(), key=TRAIN_FIELDS.index)})
+    if model is not None:
+        given = [k for k in MODEL_FIELDS if k in model.given()]
+        settings.update({k: getattr(model, k) for k in given})
+    return {**settings, **options}
 
 
 def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOptions:
@@ -102,17 +172,18 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             values["tokenizer"] = "gpt2"
             from_preset.pop("tokenizer", None)
     # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
-    model_fields = INIT_FROM_OPTIONS if values.get("init_from") is not None else MODEL_FIELDS
-    model = {k: values[k] for k in model_fields if k in values}
     try:
+        model = ModelSettings.from_values(values)
         train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
         if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
-            GPTConfig(vocab_size=1, **model)
+            model.config(vocab_size=1)
     except (TypeError, ValueError) as e:
         raise ConfigError(_blame_preset(str(e), preset, from_preset)) from None
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
-    return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset)
+    before = preset_values(preset)
+    overrides = {k: v for k, v in settings.items() if k != "preset" and v != before.get(k)}
+    return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset, overrides=overrides)
 
 
 def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:
@@ -172,7 +243,14 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
             f"checkpoint {checkpoint['path']} has schedule_steps={steps!r}, not an integer in "
             f"[1, {INT32_MAX}]; the file is corrupt: pass another --max-steps to set the schedule anew"
         )
-    return RunOptions(saved_model, train_config, preset or checkpoint.get("preset"), steps, checkpoint)
+    saved = {**saved_model, **saved_train}
+    overrides = {
+        k: v for k, v in given.items() if k in RESUMABLE_CHANGES and v != saved.get(k, DEFAULTS.get(k))
+    }
+    return RunOptions(
+        ModelSettings.from_values(saved_model), train_config, preset or checkpoint.get("preset"), steps,
+        checkpoint, overrides=overrides,
+    )  # fmt: skip
 
 
 def _same_setting(name: str, value, saved) -> bool:

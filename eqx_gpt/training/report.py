@@ -1,9 +1,9 @@
 """What a run tells: its log lines, `metrics.jsonl` (and the same records to its trackers, if
-any), the loss plot, the progress bar, tokens/s, and the sample at its end.
+any), the callbacks, the loss plot, the progress bar, tokens/s, and the sample at its end.
 
-The loop never waits for the accelerator at a step: it hands each call's losses to the `Report`
+The loop never waits for the accelerator at a step: it hands each call's figures to the `Report`
 (`dispatched`), which reads them a few steps later (`read_losses`), every `log_interval` steps and
-at evaluations.
+at evaluations, and tells the callbacks of every step read, in order.
 """
 
 import collections
@@ -20,6 +20,8 @@ from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError
 from eqx_gpt.trackers import Trackers
+from eqx_gpt.training.callbacks import Callbacks
+from eqx_gpt.training.records import EvaluationRecord, FinalRecord, Record, StepRecord, record_from_dict
 from eqx_gpt.training.run_dir import Metrics
 from eqx_gpt.training.time_plan import TimePlan
 
@@ -27,7 +29,8 @@ from eqx_gpt.training.time_plan import TimePlan
 class Report:
     """A run's reporting: `log` prints a line, `metrics` is `metrics.jsonl`, `bar` the progress
     line; `now` is the run's clock and `t_start` when the run started; `trackers` get every record
-    `metrics` gets (`write`, the one place records go). It owns the losses not yet read and the
+    `metrics` gets (`write`, the one place records go); `callbacks` every step's record, and each
+    evaluation's and checkpoint's as the loop says. It owns the figures not yet read and the
     tokens/s measured from them."""
 
     def __init__(
@@ -42,15 +45,17 @@ class Report:
         log_interval: int,
         plot: Path,
         trackers: Trackers | None = None,
+        callbacks: Callbacks | None = None,
     ):
         self.log, self.metrics, self.bar, self.now, self.t_start = log, metrics, bar, now, t_start
         self.trackers = Trackers() if trackers is None else trackers
+        self.callbacks = Callbacks() if callbacks is None else callbacks
         self.tokens_per_step, self.log_interval, self.plot = tokens_per_step, log_interval, plot
         self.tokens_per_s = 0.0
-        self.last_read: dict | None = None  # the metrics record of the latest step whose loss was read
+        self.last_read: StepRecord | None = None  # the latest step whose figures were read
         self.last_logged: int | None = None  # the latest step written to metrics.jsonl
-        # (steps, losses, lrs) of each dispatched call whose losses have not been read yet
-        self._pending: list[tuple[list[int], jax.Array, list[float]]] = []
+        # (steps, figures, lrs) of each dispatched call whose figures have not been read yet
+        self._pending: list[tuple[list[int], dict[str, jax.Array], list[float]]] = []
         self._read_points: collections.deque[tuple[int, float]] = collections.deque(maxlen=8)
 
     def elapsed(self) -> float:
@@ -61,14 +66,15 @@ class Report:
         self._read_points.clear()
         self._read_points.append((step, now))
 
-    def dispatched(self, steps: list[int], losses: jax.Array, lrs: list[float]) -> None:
-        """A call of steps `steps` (1-based) was queued; its `losses` are read later."""
-        self._pending.append((steps, losses, lrs))
+    def dispatched(self, steps: list[int], figures: dict[str, jax.Array], lrs: list[float]) -> None:
+        """A call of steps `steps` (1-based) was queued; its `figures` (`step.step_figures`, each
+        `(k,)`) are read later."""
+        self._pending.append((steps, figures, lrs))
 
     def compiled(self, step: int) -> float:
         """Wait for the first call (it compiles), log how long start-up took, and measure tokens/s
         from here; returns the time it finished."""
-        self._pending[-1][1].block_until_ready()
+        jax.block_until_ready(self._pending[-1][1])
         now = self.now()
         self.tokens_per_s = self.tokens_per_step / max(now - self.t_start, 1e-9)  # includes compiling
         self.start_rate(step, now)
@@ -77,15 +83,19 @@ class Report:
         return now
 
     def read_losses(self, until: int, schedule_steps: int, plan: TimePlan) -> tuple[int, float] | None:
-        """Record the logged steps among the dispatched ones up to step `until`, update tokens/s and
-        the progress bar. Returns `(step, loss)` of the first non-finite loss, recording nothing
-        (the loop stops the run), else None."""
+        """Read the figures of the dispatched steps up to step `until`: tell the callbacks of each
+        step, record the logged ones, update tokens/s and the progress bar. Returns `(step, loss)`
+        of the first non-finite loss, recording nothing (the loop stops the run), else None."""
         calls = [p for p in self._pending if p[0][-1] <= until]
         if not calls:
             return None
         del self._pending[: len(calls)]
         ready = [(s, lr) for steps, _, lrs in calls for s, lr in zip(steps, lrs, strict=True)]
-        losses = np.concatenate([np.asarray(losses)[: len(steps)] for steps, losses, _ in calls])
+        figures = {
+            name: np.concatenate([np.asarray(f[name])[: len(steps)] for steps, f, _ in calls])
+            for name in calls[0][1]
+        }
+        losses = figures["loss"]
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
             return ready[bad[0]][0], float(losses[bad[0]])
@@ -94,16 +104,13 @@ class Report:
         (first_step, first_time), (last_step, _) = self._read_points[0], self._read_points[-1]
         if last_step > first_step:  # tokens/s over the last few reads, which smooths their jitter
             self.tokens_per_s = (last_step - first_step) * self.tokens_per_step / max(now - first_time, 1e-9)
-        for (s, lr), loss in zip(ready, losses, strict=True):
-            self.last_read = {
-                "step": s,
-                "loss": float(loss),
-                "lr": lr,
-                "tokens_per_s": round(self.tokens_per_s, 1),
-            }
+        for i, (s, lr) in enumerate(ready):
+            step_figures = {name: float(values[i]) for name, values in figures.items()}
+            self.last_read = StepRecord(s, step_figures, lr, round(self.tokens_per_s, 1))
             if s % self.log_interval == 0 or s == schedule_steps:
                 self.write(self.last_read)
                 self.last_logged = s
+            self.callbacks.on_step(self.last_read)
         s, lr = ready[-1]
         rate = plan.steps_per_second(s, now)
         eta = f"ETA {clock((schedule_steps - s) / rate)}" if rate else ("compiling" if s == 1 else "")
@@ -113,10 +120,16 @@ class Report:
         )
         return None
 
-    def write(self, record: dict) -> None:
+    def write(self, record: Record) -> None:
         """Append `record` to `metrics.jsonl` and send it to the trackers: every record goes here."""
-        self.metrics.write(record)
-        self.trackers.log(record)
+        line = record.to_dict()
+        self.metrics.write(line)
+        self.trackers.log(line)
+
+    def history(self) -> tuple[Record, ...]:
+        """Every record of the run so far, as `metrics.jsonl` holds them (a resumed run's earlier
+        ones included)."""
+        return tuple(record_from_dict(line) for line in self.metrics.records)
 
     def flush(self) -> None:
         """Make the records so far survive a kill (before a checkpoint is written)."""
@@ -124,17 +137,19 @@ class Report:
 
     def record_last_read(self) -> None:
         """Log the latest step read if it is not yet (the step a run stopped at is always logged)."""
-        if self.last_read is not None and self.last_logged != self.last_read["step"]:
+        if self.last_read is not None and self.last_logged != self.last_read.step:
             self.write(self.last_read)
 
-    def record_final(self, record: dict) -> None:
+    def record_final(self, record: FinalRecord) -> None:
         """The final validation's record, and the loss plot redrawn with its point."""
         self.write(record)
         self.draw_plot()
 
-    def record_evaluation(self, step: int, figures: dict[str, float]) -> None:
+    def record_evaluation(self, step: int, figures: dict[str, float]) -> EvaluationRecord:
         """An evaluation's record in `metrics.jsonl` (written before its checkpoints)."""
-        self.write({"step": step, **figures, "elapsed_s": round(self.elapsed(), 2)})
+        record = EvaluationRecord(step, figures, round(self.elapsed(), 2))
+        self.write(record)
+        return record
 
     def record_sample(self, step: int, text: str) -> None:
         """The sample at the end of a run, to the trackers (the log shows it too)."""

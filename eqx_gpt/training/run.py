@@ -1,8 +1,8 @@
-"""A training run, start to end: `train(config, model, ...)`, its loop and its result.
+"""A training run, start to end: `train(config, model, ..., callbacks=...)`.
 
-    out_dir/metrics.jsonl    one JSON object per line: {"step", "loss", "lr", "tokens_per_s"} for
-                             logged steps, {"step", "train_loss", "val_loss", "elapsed_s"} at
-                             evaluations, and the final validation last
+    out_dir/metrics.jsonl    one JSON object per line (`records.py`): {"step", "loss", "grad_norm",
+                             "lr", "tokens_per_s"} for logged steps, {"step", "train_loss",
+                             "val_loss", "elapsed_s"} at evaluations, and the final validation last
     out_dir/loss.png         train and validation curves, redrawn at each evaluation, and the
                              final validation's point
     out_dir/tensorboard/     with `tracker="tensorboard"`: the records of metrics.jsonl as event
@@ -12,49 +12,35 @@
                              (files named by `checkpoint.py`)
 
 Read it top to bottom: `train` resolves the settings (`options.py`), locks and checks the folder
-(`run_dir.py`), sets up (`setup.py`: every check, nothing written), claims the folder, then runs
-the loop, which reports through `report.py`. The loop alone decides when the run stops: at the
-end of its schedule, at `--max-minutes`, on Ctrl-C or SIGTERM, or on a non-finite loss.
-
-Steps go to the device in calls of up to `STEPS_PER_CALL` (one compiled program for any count, so
-how steps are grouped never changes a bit); the loop never waits for a step's loss, which is read
-`READ_LAG` steps later.
+(`run_dir.py`), sets up (`setup.py`: every check, nothing written), claims the folder, says what
+it runs, then hands the run to the loop (`loop.py`), which reports through `report.py` (and the
+callbacks, `callbacks.py`), checkpoints through `saving.py` and ends in `end.py`.
 """
 
-import math
-import signal
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from eqx_gpt.checkpoint import (
-    BEST,
-    LATEST,
-    checkpoint_file,
-    delete_checkpoints,
-    load_model,
-    read_metadata,
-    save_checkpoint,
-)
-from eqx_gpt.errors import TrainingError
-from eqx_gpt.evaluation import Shown
+from eqx_gpt.checkpoint import LATEST, checkpoint_file, delete_checkpoints, read_metadata
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.gpt import GPT
-from eqx_gpt.streams import TRAIN_BATCHES
-from eqx_gpt.tokenizer import Tokenizer
-from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, parse_trackers, require_trackers
+from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, require_trackers
 from eqx_gpt.training.arguments import check_train_arguments, resume_in_python
+from eqx_gpt.training.callbacks import Callback, Callbacks
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.data import batch_reader, window_starts
-from eqx_gpt.training.evaluate import evaluate_run, final_evaluations, final_validation
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, check_printable, resolve_options
-from eqx_gpt.training.parallel import shard_rows
-from eqx_gpt.training.report import Progress, Report, sample_text
+from eqx_gpt.training.evaluate import final_evaluations, plan_evaluations
+from eqx_gpt.training.loop import train_loop
+from eqx_gpt.training.options import (
+    MODEL_FIELDS,
+    TRAIN_FIELDS,
+    RunOptions,
+    check_printable,
+    given_settings,
+    resolve_options,
+)
+from eqx_gpt.training.report import Progress, Report
+from eqx_gpt.training.result import TrainResult
 from eqx_gpt.training.run_dir import (
     METRICS_NAME,
     Metrics,
@@ -62,36 +48,15 @@ from eqx_gpt.training.run_dir import (
     check_run_dir,
     kept_records,
 )
+from eqx_gpt.training.running import Run
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
-from eqx_gpt.training.step import describe_optimizer, learning_rate
-from eqx_gpt.training.time_plan import TimePlan, eval_budget
+from eqx_gpt.training.step import describe_optimizer
+from eqx_gpt.training.stop import StopFlag
+from eqx_gpt.training.time_plan import TimePlan
 
-READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
-STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
-# Fewer steps per call when steps are slower, since a stop waits for the call in flight; but each
-# call maps and faults in its scratch afresh (164 MB at the default step: 42,000 page faults, about
-# 100 ms of system time on a 2-core EPYC), so a call of 300 ms steps still holds 8 of them.
-SECONDS_PER_CALL = 2.5
-PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
 AUTO = (
     "auto"  # `train(preset=AUTO)`: `cpu`, `finetune-shakespeare` with `init_from`, on resume the checkpoint's
 )
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What `train` returns: the model as the run ended (the final step's weights; the best
-    checkpoint is `load_model(out_dir)`), its tokenizer, and the run's figures."""
-
-    model: GPT
-    tokenizer: Tokenizer
-    step: int  # optimiser steps done
-    val_loss: float | None  # the final validation's loss (interrupted: the last evaluation's)
-    best_val_loss: float | None  # the lowest periodic validation loss, the `best` checkpoint's
-    elapsed_s: float
-    interrupted: bool  # stopped by Ctrl-C or SIGTERM; resume with `train(out_dir=..., resume=True)`
-    sample: str | None  # a short sample from the best checkpoint (None when interrupted, or none asked)
-    out_dir: Path
 
 
 def train(
@@ -106,46 +71,46 @@ def train(
     log: Callable[[str], None] = print,
     progress: bool = True,
     now: Callable[[], float] = time.monotonic,
+    callbacks: Sequence[Callback] = (),
     **options: object,
 ) -> TrainResult:
     """Train a GPT in `out_dir` and return it, its tokenizer and the run's figures.
 
     Where each setting comes from: the dataclass defaults, then the preset, then what is passed.
     `preset` is a name of `PRESETS`, None for the defaults alone, or `AUTO` (`cpu`, or
-    `finetune-shakespeare` with `init_from`). A config passed is taken whole, every field as it
-    holds it (its defaults too): `config` replaces the preset's training values, `model` its model
-    values (`model.vocab_size` is not read: the tokenizer's is). `options` are single settings by
-    name, any `TrainConfig` field or `GPTConfig` field but `vocab_size`, and override both:
-    `train(max_steps=100)` is the `cpu` preset with 100 steps.
+    `finetune-shakespeare` with `init_from`). A config passed gives the fields it was constructed
+    with, which override the preset's: `train(TrainConfig(max_steps=40))` is the `cpu` preset's
+    recipe for 40 steps, as `train(max_steps=40)` is (pass `preset=None` for the dataclass defaults
+    under it). `model` likewise gives the model fields it was constructed with (its `vocab_size` is
+    not read: the tokenizer's is). `options` are single settings by name, any `TrainConfig` field or
+    `GPTConfig` field but `vocab_size`, and override both. The run's first lines name the preset
+    and every setting given that changed it.
 
     A folder that already holds a run is refused unless `resume` (continue it with the
     checkpoint's settings; what is passed anew must agree with them, but for how long and how
     often it reports) or `overwrite` (delete it first). A folder in use by a live run is refused.
     Bad input raises an `EqxGptError` (a `ValueError`) with a one-line message; a setting of the
-    wrong name raises `TypeError`. Ctrl-C or SIGTERM saves a checkpoint and returns with
-    `interrupted`. `now` is the clock that `max_minutes` is measured by (tests pass a simulated one).
+    wrong name raises `TypeError`. Ctrl-C or SIGTERM, or a callback raising `StopTraining`, saves a
+    checkpoint and returns with `interrupted`. `callbacks` (`Callback`s) are told of every step,
+    evaluation and checkpoint, and of the result. `now` is the clock that `max_minutes` is
+    measured by (tests pass a simulated one).
     """
-    settings: dict[str, object] = {}
-    if config is not None:
-        if not isinstance(config, TrainConfig):
-            raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-        settings.update(config.to_dict())
-    if model is not None:
-        if not isinstance(model, GPTConfig):
-            raise TypeError(f"model must be a GPTConfig, got {type(model).__name__}")
-        settings.update({k: v for k, v in model.to_dict().items() if k != "vocab_size"})
+    if config is not None and not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if model is not None and not isinstance(model, GPTConfig):
+        raise TypeError(f"model must be a GPTConfig, got {type(model).__name__}")
     unknown = sorted(set(options) - {*MODEL_FIELDS, *TRAIN_FIELDS})
     if unknown:
         raise TypeError(
             f"train() got unknown setting(s) {unknown}; settings are TrainConfig fields and GPTConfig "
             f"fields but vocab_size"
         )
-    settings.update(options)
+    settings = given_settings(config, model, options)
     if preset != AUTO:
         settings["preset"] = preset
     return _train(
         settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now, resume_with=resume_in_python,
+        progress=progress, now=now, callbacks=callbacks, resume_with=resume_in_python,
     )  # fmt: skip
 
 
@@ -159,7 +124,8 @@ def _train(
     log: Callable[[str], None],
     progress: bool,
     now: Callable[[], float],
-    resume_with: Callable[[Path], str],
+    callbacks: Sequence[Callback] = (),
+    resume_with: Callable[[Path], str] = resume_in_python,
 ) -> TrainResult:
     """`train` with its settings by name (`options.resolve_options`) and its arguments checked
     (`check_train_arguments`); `resume_with` says how the caller resumes an interrupted run
@@ -171,16 +137,18 @@ def _train(
     t_start = now()
     if log is print:  # a path its lines cannot print: refused now, not at the line that names it
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
+    stop = StopFlag()
+    told = Callbacks(callbacks, request_stop=stop.request, log=log)  # checked before anything is written
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     if options is not None:  # a missing extra is refused before anything is written
-        require_trackers(parse_trackers(options.train.tracker))
+        require_trackers(options.trackers)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
         records = []
         if resume:  # the checkpoint's metadata, and the settings laid over it
             meta = read_metadata(checkpoint_file(out_dir, LATEST))
             options = resolve_options(settings, meta)
-            require_trackers(parse_trackers(options.train.tracker))
+            require_trackers(options.trackers)
             records = kept_records(out_dir / METRICS_NAME, meta["step"])
         assert options is not None
         setup, state = set_up(options, out_dir, log=log)
@@ -191,77 +159,45 @@ def _train(
         if overwrite and not resume:
             log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
             delete_checkpoints(out_dir)
+        evaluations = plan_evaluations(setup)
         plan = TimePlan(
-            setup.config.max_minutes, setup.config.max_steps, t_start, final_evals=final_evaluations(setup),
-            sample=sample_tokens > 0,
+            setup.config.max_minutes, setup.config.max_steps, t_start,
+            final_evals=final_evaluations(evaluations), sample=sample_tokens > 0,
         )  # fmt: skip
         # Closed in reverse: the trackers last, marked failed if the run raised (not on Ctrl-C).
         with (
-            _open_trackers(setup, records) as trackers,
+            _open_trackers(setup, options.trackers, records) as trackers,
             Report(
                 log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start,
                 tokens_per_step=setup.tokens_per_step, log_interval=setup.config.log_interval,
-                plot=out_dir / "loss.png", trackers=trackers,
+                plot=out_dir / "loss.png", trackers=trackers, callbacks=told,
             ) as report,
         ):  # fmt: skip
-            _describe_start(report, setup, state)
-            with _StopFlag() as stop:
-                run = Run(setup, state, report, plan, stopping=lambda: stop.set, resume_with=resume_with)
-                return train_loop(run, sample_tokens)
+            _describe_start(report, options, setup, state)
+            with stop:
+                run = Run(setup, state, report, plan, evaluations, stopping=stop, resume_with=resume_with)
+                result = train_loop(run, sample_tokens)
+    told.on_end(result)
+    return result
 
 
-def _open_trackers(setup: RunSetup, records: list[dict]) -> Trackers:
-    """The run's `--tracker`s, given its resolved settings; only the first JAX process writes. A
-    resumed run continues the tracker run from its checkpoint's step, after the `records` it kept."""
+def _open_trackers(setup: RunSetup, names: tuple[str, ...], records: list[dict]) -> Trackers:
+    """The run's `--tracker`s `names`, given its resolved settings; only the first JAX process
+    writes. A resumed run continues the tracker run from its checkpoint's step, after the `records`
+    it kept."""
     config = {
         **setup.model_config.to_dict(), **setup.config.to_dict(),
         "preset": setup.checkpoint_meta.get("preset"), "n_params": setup.checkpoint_meta["n_params"],
     }  # fmt: skip
     return open_trackers(
-        parse_trackers(setup.config.tracker), setup.out_dir, config=config,
+        names, setup.out_dir, config=config,
         resume_step=setup.start if setup.resumed_from is not None else None,
         is_writer=jax.process_index() == 0, history=records,
     )  # fmt: skip
 
 
-class _StopFlag:
-    """Set by SIGINT/SIGTERM so the loop stops between steps; a second Ctrl-C aborts at once."""
-
-    def __init__(self):
-        self.set = False
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.set and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.set = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-@dataclass
-class Run:
-    """One run in progress: what was resolved, what changes, how it reports, its time plan, and
-    whether Ctrl-C or SIGTERM asked it to stop."""
-
-    setup: RunSetup
-    state: TrainState
-    report: Report
-    plan: TimePlan
-    stopping: Callable[[], bool] = lambda: False
-    resume_with: Callable[[Path], str] = resume_in_python  # how the caller resumes it
-
-
-def _describe_start(report: Report, setup: RunSetup, state: TrainState) -> None:
-    """The lines a run starts with: what it trains, how, for how long, and from where."""
+def _describe_start(report: Report, options: RunOptions, setup: RunSetup, state: TrainState) -> None:
+    """The lines a run starts with: what it trains, from which settings, how, for how long, and from where."""
     c, m, preset = setup.config, setup.model_config, setup.checkpoint_meta.get("preset")
     report.log(
         f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {m.n_layers} layers, d_model "
@@ -269,236 +205,13 @@ def _describe_start(report: Report, setup: RunSetup, state: TrainState) -> None:
         f"({setup.tokens_per_step:,} tokens/step) on {setup.mesh.size} {jax.devices()[0].platform} "
         f"device{'s' if setup.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
     )
+    report.log(options.describe())
     report.log(f"schedule: {describe_optimizer(c, state.schedule_steps)}")
     if c.max_minutes:
         report.log(f"time limit: {c.max_minutes:g} min; the schedule is refitted to the steps that fit")
     if setup.resumed_from is not None:
         report.log(f"resuming {setup.resumed_from} at step {setup.start}")
-    if parse_trackers(c.tracker):  # where to look (only the first process writes them)
+    if options.trackers:  # where to look (only the first process writes them)
         where = {"tensorboard": f"tensorboard --logdir {setup.out_dir / TENSORBOARD_DIR}",
                  "wandb": f"W&B run in {setup.out_dir / 'wandb'}"}  # fmt: skip
-        report.log("trackers: " + "; ".join(where[name] for name in parse_trackers(c.tracker)))
-
-
-def _last_good(run: "Run") -> str:
-    latest, saved = checkpoint_file(run.setup.out_dir, LATEST), run.state.last_saved
-    return f"Last good checkpoint: {f'{latest} (step {saved})' if saved is not None else 'none'}"
-
-
-def read_losses(run: "Run", until: int) -> None:
-    """Have the report read the losses of the steps up to `until`; stop the run on a non-finite one."""
-    bad = run.report.read_losses(until, run.state.schedule_steps, run.plan)
-    if bad is not None:
-        step, loss = bad
-        raise TrainingError(
-            f"loss became {loss} at step {step}; stopped. {_last_good(run)}. Try a lower --lr or --grad-clip"
-        )
-
-
-def dispatch_steps(run: Run, n: int) -> None:
-    """Queue `n` optimiser steps from the current step on the device, in one call (not waiting)."""
-    setup, state, c = run.setup, run.state, run.setup.config
-    length = setup.model_config.context_length + 1  # a window: the input and its targets
-    steps = list(range(state.step, state.step + n))
-    lrs = [learning_rate(s, c, state.schedule_steps) for s in steps]
-    starts = np.full((STEPS_PER_CALL, c.batch_size), -1, np.int64)  # -1: an unused slot, zeros
-    for i, s in enumerate(steps):
-        starts[i] = window_starts(
-            s, n_tokens=len(setup.train_ids), seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size,
-            length=length,
-        )  # fmt: skip
-    # Each process reads only its own devices' rows of the windows from the shards.
-    reader = batch_reader(setup.train_ids, starts, length)
-    batches = shard_rows(reader, (*starts.shape, length), setup.mesh, 1)
-    step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
-    step_ids[:n], rates[:n] = steps, lrs
-    state.model, state.opt_state, losses = setup.train_steps(
-        state.model, state.opt_state, batches, step_ids, rates, np.int32(n)
-    )
-    state.step += n
-    run.report.dispatched([s + 1 for s in steps], losses, lrs)
-
-
-def save(run: Run, name: str) -> None:
-    """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step."""
-    setup, state = run.setup, run.state
-    val_step, val_loss = state.last_eval if state.last_eval is not None else (None, None)
-    run.report.flush()  # the trackers hold every record up to the checkpoint, whatever kills the run
-    save_checkpoint(
-        setup.out_dir, name, state.model, state.opt_state, step=state.step, tokenizer=setup.tokenizer,
-        train_config=setup.config.to_dict(), val_loss=val_loss, val_loss_step=val_step,
-        best_val_loss=None if math.isinf(state.best_val) else state.best_val,
-        schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
-    )  # fmt: skip
-    if name == LATEST:
-        state.last_saved = state.step
-
-
-def evaluate_and_save(run: Run) -> bool:
-    """Evaluate (`evaluate_run`: the train loss on fixed windows; the validation loss over the whole
-    split, in non-overlapping windows, so that no sampling noise can pick the best checkpoint, or
-    on a larger corpus over the same evenly spread windows each time, `--eval-tokens`), log it,
-    checkpoint `latest` (and `best` if it is) and redraw the loss plot. Returns False, having
-    recorded nothing, if the run was asked to stop before the evaluation finished."""
-    setup, state, report = run.setup, run.state, run.report
-    read_losses(run, state.step)
-    t0 = report.now()
-    figures = evaluate_run(
-        setup, state.model, run.stopping, Shown(report.bar, f"step {state.step} evaluation")
-    )
-    if figures is None:
-        return False
-    if state.step > setup.start:
-        run.plan.add_evaluation(report.now() - t0)
-    if not all(math.isfinite(value) for value in figures.values()):
-        raise TrainingError(
-            f"evaluation loss became non-finite at step {state.step}; stopped. {_last_good(run)}"
-        )
-    val = figures["val_loss"]
-    is_best = val < state.best_val
-    state.best_val = min(state.best_val, val)
-    state.last_eval = (state.step, val)
-    # The record first, then `best`, then `latest`: a kill before `latest` is written leaves it at the
-    # previous evaluation, whose resumption redoes this step (and drops the records after it).
-    report.record_evaluation(state.step, figures)
-    if is_best:
-        save(run, BEST)
-    save(run, LATEST)
-    report.evaluated(state.step, figures, is_best)
-    return True
-
-
-def fit_to_time(run: Run, *, announce: bool) -> None:
-    """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
-    # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
-    # step's worth of tokens): the fixed training windows, then the validation tokens it reads.
-    setup, state, c, now = run.setup, run.state, run.setup.config, run.report.now()
-    val_tokens = min(len(setup.val_ids), eval_budget(c.eval_tokens, setup.model_config))
-    eval_cost = (len(setup.eval_train_rows) / c.batch_size + val_tokens / setup.tokens_per_step) / 3
-    schedule_steps = run.plan.fit(state.step, state.schedule_steps, now, c.eval_interval, eval_cost)
-    if announce:
-        fits = run.plan.steps_that_fit(state.step, now, c.eval_interval, eval_cost)
-        if fits is not None and fits > c.max_steps:
-            # More steps than the recipe wants: a preset's max_steps is where its model stops gaining.
-            run.report.log(
-                f"time plan: {fits} steps would fit in {c.max_minutes:g} min; the run stops at {c.max_steps}"
-            )
-        elif schedule_steps != state.schedule_steps:
-            run.report.log(
-                f"time plan: {schedule_steps} steps fit in {c.max_minutes:g} min; schedule refitted"
-            )
-    state.schedule_steps = schedule_steps
-
-
-def steps_per_call(run: Run) -> int:
-    """Steps in the next call: 1 until the step rate is measured, then as many as run in about
-    `SECONDS_PER_CALL`, at most `STEPS_PER_CALL`. A stop waits for the call in flight, so slow steps
-    go one at a time. Every group size runs the same compiled program (`make_train_steps`), so the
-    grouping never changes what a step computes."""
-    rate = run.plan.steps_per_second(run.state.step, run.report.now())
-    return 1 if rate is None else max(1, min(STEPS_PER_CALL, int(SECONDS_PER_CALL * rate)))
-
-
-def train_loop(run: Run, sample_tokens: int) -> TrainResult:
-    """Evaluate where due, then step until the schedule's end or a stop; then finish, or save and
-    say how to resume."""
-    setup, state, c = run.setup, run.state, run.setup.config
-    run.report.start_rate(setup.start, run.report.t_start)
-    # The start of a run, and a resumption from a checkpoint whose evaluation was interrupted.
-    if (state.step % c.eval_interval == 0 or state.step == state.schedule_steps) and not state.evaluated:
-        evaluate_and_save(run)
-    while state.step < state.schedule_steps and not run.stopping():
-        # The first call is one step alone: it compiles, and the time plan starts after it.
-        # Calls end at the next evaluation.
-        next_eval = (state.step // c.eval_interval + 1) * c.eval_interval
-        first = state.step == setup.start
-        n = min(steps_per_call(run), state.schedule_steps - state.step, next_eval - state.step)
-        if first and run.report.bar.tty:  # the first call compiles: say so, in place, while it does
-            run.report.bar.update("compiling the training step")
-        dispatch_steps(run, n)
-        if first:
-            run.plan.start_timing(state.step, run.report.compiled(state.step))
-        elif state.step >= _timed_from(run) + PLAN_AFTER:
-            # Refitted after every call: calls run ahead of the steps done, so the first fit reads
-            # the rate high (798 steps planned where 650 fit in a 3-minute run, cut at step 500).
-            fit_to_time(run, announce=state.step - n < _timed_from(run) + PLAN_AFTER)
-        if (
-            state.step // c.log_interval > (state.step - n) // c.log_interval
-            or state.step == state.schedule_steps
-        ):
-            read_losses(run, state.step - READ_LAG)
-        if run.plan.out_of_time(run.report.now()) and state.step < state.schedule_steps:
-            state.schedule_steps = state.step
-            run.report.log(f"time limit reached at step {state.step}")
-        if state.step % c.eval_interval == 0 or state.step == state.schedule_steps:
-            if evaluate_and_save(run) and state.step < state.schedule_steps:
-                fit_to_time(run, announce=False)
-    read_losses(run, state.step)
-    if run.stopping() and not (state.step == state.schedule_steps and state.evaluated):
-        return interrupted(run)
-    return finish(run, sample_tokens)
-
-
-def _timed_from(run: Run) -> int:
-    """The step the time plan started timing at (after the first call, which compiles)."""
-    assert run.plan.timed_from is not None
-    return run.plan.timed_from[0]
-
-
-def _result(run: Run, *, val_loss: float | None, interrupted: bool, sample: str | None) -> TrainResult:
-    state = run.state
-    return TrainResult(
-        state.model, run.setup.tokenizer, state.step, val_loss=val_loss,
-        best_val_loss=None if math.isinf(state.best_val) else state.best_val, elapsed_s=run.report.elapsed(),
-        interrupted=interrupted, sample=sample, out_dir=run.setup.out_dir,
-    )  # fmt: skip
-
-
-def interrupted(run: Run) -> TrainResult:
-    """Ctrl-C or SIGTERM: log the step reached, checkpoint it, say how to resume."""
-    report, state, out_dir = run.report, run.state, run.setup.out_dir
-    report.record_last_read()
-    if state.last_saved is None or state.step > state.last_saved:
-        save(run, LATEST)
-    report.log(
-        f"interrupted at step {state.step}; saved {checkpoint_file(out_dir, LATEST)}. Resume with: "
-        f"{run.resume_with(out_dir)}"
-    )
-    val = state.last_eval[1] if state.last_eval is not None else None
-    return _result(run, val_loss=val, interrupted=True, sample=None)
-
-
-def finish(run: Run, sample_tokens: int) -> TrainResult:
-    """The end of a run that reached its schedule's end: the final model's loss over the whole
-    validation split in overlapping windows (the figure to quote; `final_validation`), a sample
-    from the best checkpoint, the summary. A stop during the final validation skips it and the
-    sample: the checkpoints are complete."""
-    setup, state, report = run.setup, run.state, run.report
-    assert state.last_eval is not None  # the loop evaluates at the schedule's end
-    t0, val = report.now(), state.last_eval[1]
-    shown = Shown(report.bar, "final validation")
-    final, covers = final_validation(setup, state.model, val, run.plan, t0, run.stopping, shown)
-    if final is None:
-        report.log(
-            f"interrupted during the final validation; the run is complete at step {state.step} (periodic "
-            f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
-            f"{checkpoint_file(setup.out_dir, LATEST)}"
-        )
-        return _result(run, val_loss=val, interrupted=True, sample=None)
-    record = {"step": state.step, "final_val_loss": final.loss, "val_tokens": final.n_predicted}
-    report.record_final({**record, "whole_split": final.whole})
-    report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
-    sample = None
-    if sample_tokens > 0 and not run.stopping():
-        has_best = checkpoint_file(setup.out_dir, BEST).exists()
-        best = load_model(setup.out_dir, kind="GPT")[0] if has_best else state.model
-        assert isinstance(best, GPT)  # kind="GPT" refuses another model
-        sample = sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
-    report.log(
-        f"done: step {state.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
-        f"{state.best_val:.4f}) in {report.elapsed() / 60:.1f} min; checkpoints in {setup.out_dir}/"
-    )
-    if sample is not None:
-        report.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
-        report.record_sample(state.step, sample)
-    return _result(run, val_loss=final.loss, interrupted=False, sample=sample)
+        report.log("trackers: " + "; ".join(where[name] for name in options.trackers))

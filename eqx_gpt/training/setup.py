@@ -30,7 +30,7 @@ from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
-from eqx_gpt.training.options import RunOptions
+from eqx_gpt.training.options import ModelSettings, RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
@@ -168,7 +168,7 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
     if meta is None:
         if config.init_from is not None:
             log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
-            model = load_gpt2(config.init_from, **options.model)
+            model = load_gpt2(config.init_from, **options.model.gpt2_options())
         else:
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
@@ -191,13 +191,13 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
     return TrainState(model, opt_state, start, schedule_steps, best_val, last_eval, last_saved=start)
 
 
-def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: dict) -> dict:
+def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: ModelSettings) -> dict:
     """What the corpus is tokenized with: the checkpoint's tokenizer on resume, GPT-2's (of
     --init-from's vocabulary) when fine-tuning, else --tokenizer ('char': the corpus's characters)."""
     if meta is not None:
         return {"kind": "char"} if meta["tokenizer"].get("kind") == "char" else meta["tokenizer"]
     if config.init_from is not None:
-        return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options)).to_dict()
+        return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options.gpt2_options())).to_dict()
     return {"kind": config.tokenizer}
 
 
@@ -217,12 +217,12 @@ def _load_corpus(
 
 
 def _model_config_and_tokenizer(
-    model_options: dict, config: TrainConfig, corpus: Corpus, meta: dict | None
+    model_options: ModelSettings, config: TrainConfig, corpus: Corpus, meta: dict | None
 ) -> tuple[GPTConfig, Tokenizer]:
     """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
-    (`model_options` then holds only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
+    (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
     if meta is None and config.init_from is not None:
-        model_config = read_gpt2_config(config.init_from, **model_options)
+        model_config = read_gpt2_config(config.init_from, **model_options.gpt2_options())
         return model_config, gpt2_tokenizer(model_config)
     tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
     if tokenizer != corpus.tokenizer and corpus.folder is not None:  # the same corpus: a damaged cache
@@ -236,7 +236,7 @@ def _model_config_and_tokenizer(
             f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with --data"
         )
     try:
-        return GPTConfig(vocab_size=tokenizer.vocab_size, **model_options), tokenizer
+        return model_options.config(tokenizer.vocab_size), tokenizer
     except (TypeError, ValueError) as e:
         raise TrainingError(str(e)) from None
 

@@ -203,9 +203,16 @@ def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = 
     return next_token_loss(model, batch[:, :-1], batch[:, 1:], key=keys, gradient=True)
 
 
+def step_figures(loss: Float[Array, ""], grads: PyTree) -> dict[str, Float[Array, ""]]:
+    """What a step reports, by name: the loss, and the global norm of the gradient before clipping.
+    A figure added here reaches metrics.jsonl, the trackers, `TrainResult.history` and the
+    callbacks' `on_step` with nothing else changed (name its tracker tag in `trackers.TAGS`)."""
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads)}  # as `clip_by_global_norm` computes it
+
+
 def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dropout: bool, loss):
-    """The un-jitted optimiser step `(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`
-    that `make_train_step` and `make_train_steps` compile."""
+    """The un-jitted optimiser step `(model, opt_state, batch, step, lr) -> (model, opt_state,
+    figures)` that `make_train_step` and `make_train_steps` compile (`figures`: `step_figures`)."""
     n_micro = config.grad_accum
     grad_of_loss = eqx.filter_value_and_grad(loss)
 
@@ -230,7 +237,7 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
             loss, grads = loss / n_micro, jax.tree.map(lambda g: g / n_micro, grads)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         updates = jax.tree.map(lambda u: lr * u, updates)
-        return eqx.apply_updates(model, updates), opt_state, loss
+        return eqx.apply_updates(model, updates), opt_state, step_figures(loss, grads)
 
     return step_fn
 
@@ -238,7 +245,9 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
 def make_train_step(
     optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
 ):
-    """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted.
+    """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted: `loss`
+    is the batch's mean next-token loss before the update (a 0-d array). The trainer's own steps
+    (`make_train_steps`) return every figure of `step_figures` by name, the gradient norm too.
 
     `batch` is `(batch_size, context_length + 1)` token ids; `step` (int32) and `lr` (float32) are
     0-d arrays, so every step runs the same compiled program. The model and optimiser buffers are
@@ -253,7 +262,8 @@ def make_train_step(
     # The first argument (the inputs) is not donated: callers may reuse a batch.
     @eqx.filter_jit(donate="all-except-first")
     def step_fn(inputs, model, opt_state):
-        return body(model, opt_state, *inputs)
+        model, opt_state, figures = body(model, opt_state, *inputs)
+        return model, opt_state, figures["loss"]
 
     def train_step(model, opt_state, batch, step, lr):
         return step_fn((batch, step, lr), model, opt_state)
@@ -264,11 +274,12 @@ def make_train_step(
 def make_train_steps(
     optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
 ):
-    """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, losses)`: the
-    first `n` of a stack of `make_train_step` steps in one dispatch.
+    """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, figures)`: the
+    first `n` of a stack of `make_train_step` steps in one dispatch; `figures[name]` is `(k,)`,
+    step `i`'s figure at `i`: the figures of `step_figures`, `loss` first and the others by name.
 
     `batches` is `(k, batch_size, context_length + 1)`, `steps` and `lrs` are `(k,)`, and `n <= k`
-    is a 0-d int32 array, so one compiled program serves any count up to `k`; `losses[i]` for
+    is a 0-d int32 array, so one compiled program serves any count up to `k`; a figure at
     `i >= n` is 0. The result is exactly that of `n` calls of `train_step`. Why: on CPU each call
     of a small model's step carries a cost that a loop inside one program does not pay (8 steps per
     call ran 1.26-1.29x faster than 1 at d_model 128: docs/PERFORMANCE.md).
@@ -283,17 +294,21 @@ def make_train_steps(
         params, static = eqx.partition(model, eqx.is_array)
 
         def one(i, carry):
-            params, opt_state, losses = carry
+            params, opt_state, figures = carry
             model = eqx.combine(params, static)
-            model, opt_state, loss = body(model, opt_state, batches[i], steps[i], lrs[i])
-            return eqx.filter(model, eqx.is_array), opt_state, losses.at[i].set(loss)
+            model, opt_state, step = body(model, opt_state, batches[i], steps[i], lrs[i])
+            figures = {name: figures[name].at[i].set(value) for name, value in step.items()}
+            return eqx.filter(model, eqx.is_array), opt_state, figures
 
-        zeros = jnp.zeros(steps.shape, jnp.float32)
-        params, opt_state, losses = jax.lax.fori_loop(0, n, one, (params, opt_state, zeros))
-        return eqx.combine(params, static), opt_state, losses
+        # One slot per step for each of the step's figures, whatever `step_figures` names.
+        names = jax.eval_shape(step_figures, jnp.zeros(()), eqx.filter(params, eqx.is_inexact_array))
+        zeros = {name: jnp.zeros(steps.shape, jnp.float32) for name in names}
+        params, opt_state, figures = jax.lax.fori_loop(0, n, one, (params, opt_state, zeros))
+        return eqx.combine(params, static), opt_state, figures
 
     def train_steps(model, opt_state, batches, steps, lrs, n):
-        return steps_fn((batches, steps, lrs, n), model, opt_state)
+        model, opt_state, figures = steps_fn((batches, steps, lrs, n), model, opt_state)
+        return model, opt_state, {"loss": figures["loss"], **figures}  # JAX returns a dict's keys sorted
 
     return train_steps
 

@@ -1,0 +1,95 @@
+"""A run's records, typed by kind: what `metrics.jsonl` holds, one JSON object per line, and what
+`TrainResult.history` and the callbacks (`callbacks.py`) are given.
+
+    StepRecord        every optimiser step: the step's figures by name (`loss`, `grad_norm`, and
+                      any the step adds: `step.step_figures`), the learning rate and tokens/s;
+                      metrics.jsonl holds every `log_interval`-th and the last
+    EvaluationRecord  each periodic evaluation: its figures by name (`train_loss`, `val_loss`:
+                      `evaluate.evaluate_run`) and the time since the run started
+    FinalRecord       the final validation, last
+
+Figures travel by name, so a new one is added where it is computed and nowhere here.
+"""
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# The keys of a step's record in metrics.jsonl that the loop adds to the step's figures.
+STEP_KEYS = ("step", "lr", "tokens_per_s")
+EVALUATION_KEYS = ("step", "elapsed_s")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimiser step, 1-based: `figures` by name (`loss` first, then `grad_norm`, the global
+    norm of the gradient before clipping), the learning rate it ran at, and tokens/s as measured
+    when its figures were read."""
+
+    step: int
+    figures: Mapping[str, float]
+    lr: float
+    tokens_per_s: float
+
+    @property
+    def loss(self) -> float:
+        """The mean next-token loss (nats) of the step's batch, before its update."""
+        return self.figures["loss"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The line of `metrics.jsonl`: `{"step", "loss", "grad_norm", ..., "lr", "tokens_per_s"}`."""
+        return {"step": self.step, **self.figures, "lr": self.lr, "tokens_per_s": self.tokens_per_s}
+
+
+@dataclass(frozen=True)
+class EvaluationRecord:
+    """A periodic evaluation after `step` steps: `figures` by name (`train_loss` on fixed training
+    windows, `val_loss`, the one that picks the best checkpoint), and seconds since the run started."""
+
+    step: int
+    figures: Mapping[str, float]
+    elapsed_s: float
+
+    @property
+    def val_loss(self) -> float:
+        return self.figures["val_loss"]
+
+    @property
+    def train_loss(self) -> float:
+        return self.figures["train_loss"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, **self.figures, "elapsed_s": self.elapsed_s}
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """The final validation of the model at `step`: its loss over `val_tokens` predicted tokens,
+    the whole validation split (`whole_split`) or an even sample of its windows."""
+
+    step: int
+    final_val_loss: float
+    val_tokens: int
+    whole_split: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "final_val_loss": self.final_val_loss, "val_tokens": self.val_tokens,
+            "whole_split": self.whole_split,
+        }  # fmt: skip
+
+
+Record = StepRecord | EvaluationRecord | FinalRecord
+
+
+def record_from_dict(d: Mapping[str, Any]) -> Record:
+    """The typed record of a line of `metrics.jsonl` (an older run's too, whose steps have no
+    `grad_norm`): a final validation has `final_val_loss`, an evaluation `val_loss`, a step the rest."""
+    if "final_val_loss" in d:
+        return FinalRecord(d["step"], d["final_val_loss"], d.get("val_tokens", 0), d.get("whole_split", True))
+    if "val_loss" in d:
+        figures = {k: v for k, v in d.items() if k not in EVALUATION_KEYS}
+        return EvaluationRecord(d["step"], figures, d.get("elapsed_s", math.nan))
+    figures = {k: v for k, v in d.items() if k not in STEP_KEYS}
+    return StepRecord(d["step"], figures, d.get("lr", math.nan), d.get("tokens_per_s", math.nan))
