@@ -30,7 +30,15 @@ import numpy as np
 import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GPT2_VOCAB_SIZE, add_malloc_argument, cpu_description, preset_configs, set_malloc  # noqa: E402
+from common import (  # noqa: E402
+    GPT2_VOCAB_SIZE,
+    add_malloc_argument,
+    add_smoke_argument,
+    cpu_description,
+    preset_configs,
+    set_malloc,
+    smoke_config,
+)
 
 from eqx_gpt import (  # noqa: E402
     GPT,
@@ -94,9 +102,14 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: the preset's)")
     p.add_argument("--blocks", type=int, nargs="*", default=[], help="other block widths (columns) to time")
     add_malloc_argument(p)
+    add_smoke_argument(p)
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.seconds, args.batch_size = 1, 0.0, 2
     print(f"CPU: {cpu_description()}; load {os.getloadavg()}; jax {jax.__version__}; {set_malloc(args)}")
     model_config, config = preset_configs("cpu", GPT2_VOCAB_SIZE)
+    if args.smoke:
+        model_config = smoke_config(model_config)
     if args.batch_size is not None:
         config = dataclasses.replace(config, batch_size=args.batch_size)
     variants = {"plain loss": plain_loss, "chunked loss (default block)": loss_fn}
@@ -114,7 +127,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for advance, _, times, faults in runs.values():
             end = time.perf_counter() + args.seconds
-            while time.perf_counter() < end:
+            while not times or time.perf_counter() < end:  # one step at least
                 start, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 advance()
                 times.append(time.perf_counter() - start)

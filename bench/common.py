@@ -174,3 +174,27 @@ def set_malloc(args: argparse.Namespace) -> str:
     if args.reuse_host_memory and reuse_host_memory():
         return "malloc: freed buffers kept (reuse_host_memory)"
     return "malloc: glibc's defaults"
+
+
+# `--smoke`: each bench in its smallest setting, so that tests/test_runnable_scripts.py runs every
+# one in seconds and none rots unnoticed; its figures mean nothing. Models keep their every option
+# (dropout, norms, positions) at this size.
+SMOKE_SHAPE = dict(d_model=16, n_heads=2, n_layers=1, context_length=16)
+SMOKE_PEAK = 64  # n of the smoke run's n x n matmul
+
+
+def add_smoke_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="the smallest setting (tiny models, one short round): checks that the bench runs; no figures",
+    )  # fmt: skip
+
+
+def smoke_shape(options: dict) -> dict:
+    """`options` (GPTConfig fields) at `SMOKE_SHAPE`'s size, every other option kept."""
+    return {**options, **SMOKE_SHAPE, **({"scan_unroll": 1} if "scan_unroll" in options else {})}
+
+
+def smoke_config(config: GPTConfig) -> GPTConfig:
+    """`config` at `SMOKE_SHAPE`'s size (its hidden width recomputed), every other option kept."""
+    return GPTConfig(**{**smoke_shape(config.to_dict()), "d_hidden": None})

@@ -13,12 +13,14 @@ import time
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from common import add_smoke_argument, smoke_shape  # bench/common.py
 
 from eqx_gpt import GPT, GPTConfig
 
 
-def compile_seconds(n_layers: int, batch: int) -> float:
-    config = GPTConfig(vocab_size=65, context_length=256, d_model=384, n_heads=6, n_layers=n_layers)
+def compile_seconds(n_layers: int, batch: int, smoke: bool = False) -> float:
+    shape = dict(context_length=256, d_model=384, n_heads=6)
+    config = GPTConfig(vocab_size=65, **{**(smoke_shape(shape) if smoke else shape), "n_layers": n_layers})
     model = GPT(config, key=jax.random.key(0))
     tokens = jnp.zeros((batch, config.context_length), jnp.int32)
 
@@ -38,11 +40,14 @@ def main():
     )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.reps, args.batch = 1, 1
     times = {2: [], 12: []}
     for _ in range(args.reps):  # interleaved, so machine load hits both depths alike
         for n_layers in times:
-            times[n_layers].append(compile_seconds(n_layers, args.batch))
+            times[n_layers].append(compile_seconds(n_layers, args.batch, args.smoke))
     med = {n: statistics.median(t) for n, t in times.items()}
     for n, t in med.items():
         print(f"n_layers={n:2d}: compile {t:.2f} s (forward + backward, median of {args.reps})")

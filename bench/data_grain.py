@@ -9,6 +9,7 @@ Grain is not a dependency; run it in a throwaway environment:
     uv run --no-project --with grain --with numpy python bench/data_grain.py
 """
 
+import argparse
 import os
 import re
 import tempfile
@@ -27,6 +28,13 @@ def rss_mb() -> int:
 def main() -> None:
     import grain
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="a 1M-token file and 20 batches: runs, no figures"
+    )
+    global N_TOKENS, BATCHES
+    if parser.parse_args().smoke:
+        N_TOKENS, BATCHES = 1_000_000, 20
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         np.random.default_rng(0).integers(0, 65, N_TOKENS, dtype=np.uint16).tofile(path)

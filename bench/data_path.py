@@ -26,7 +26,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from common import SMOKE_SHAPE, add_smoke_argument  # noqa: E402
 from train_default import cpu_model  # noqa: E402
+
+# `--smoke`: a tiny model in every run (its figures mean nothing), and batches of 2.
+SMOKE_SETTINGS = {**SMOKE_SHAPE, "batch_size": 2, "scan_unroll": 1, "eval_batches": 1}
 
 PREPARE = """
 import sys, time
@@ -70,8 +74,10 @@ def make_text(folder: Path, mb: int) -> Path:
     return path
 
 
-def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict) -> None:
+def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict, kinds=("char", "gpt2")) -> None:
     for kind, source in (("char", text), ("gpt2", None)):
+        if kind not in kinds:
+            continue
         if source is None:
             source = tmp / f"slice-{gpt2_mb}mb.txt"
             with open(text, "rb") as f:
@@ -86,11 +92,13 @@ def preparation(text: Path, gpt2_mb: int, tmp: Path, env: dict) -> None:
         )
 
 
-def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
+def issue_check(text: Path, steps: int, tmp: Path, env: dict, smoke: bool = False) -> None:
     env = {**env, "EQX_GPT_DATA_CACHE": str(tmp / "cache-check")}
     for name in ("first run (prepares)", "second run (reads the cache)"):
         out = tmp / f"run-{name.split()[0]}"
         argv = ["--data", str(text), "--out-dir", str(out), "--max-steps", str(steps), "--max-minutes", "0"]
+        if smoke:
+            argv += [f"--{k.replace('_', '-')}={v}" for k, v in SMOKE_SETTINGS.items()]
         result = run_child(
             [sys.executable, "train.py", *argv, "--sample-tokens", "0"],
             env,
@@ -103,7 +111,8 @@ def issue_check(text: Path, steps: int, tmp: Path, env: dict) -> None:
         )
 
 
-def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -> None:
+def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300, smoke: bool = False) -> None:
+    after = 0 if smoke else 40  # the steps whose rate counts (past the compiling ones)
     os.environ["EQX_GPT_DATA_CACHE"] = str(tmp / "cache-check")  # prepared by the check above
     from eqx_gpt import train
 
@@ -120,10 +129,11 @@ def steps_per_second(text: Path, tmp: Path, rounds: int = 2, steps: int = 300) -
                 "max_minutes": 0,
                 "eval_interval": steps,
                 "eval_tokens": 4096,
+                **(SMOKE_SETTINGS if smoke else {}),
             }
             train(out_dir=out, sample_tokens=0, log=lambda _: None, progress=False, **settings)
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-            rates[name] += [x["tokens_per_s"] for x in records if "tokens_per_s" in x and x["step"] > 40]
+            rates[name] += [x["tokens_per_s"] for x in records if "tokens_per_s" in x and x["step"] > after]
     for name, values in rates.items():
         print(
             f"steps: {name}: median {statistics.median(values) / 1e3:.2f}k tokens/s over {len(values)} logs"
@@ -139,7 +149,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps of the issue's check")
     parser.add_argument("--parts", default="prepare,check,speed", help="which of prepare,check,speed to run")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds of the speed comparison")
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    # The smoke run prepares with GPT-2's BPE only where its files are at hand (never the network).
+    kinds = ("char", "gpt2") if not args.smoke or os.environ.get("TIKTOKEN_CACHE_DIR") else ("char",)
+    if args.smoke:
+        args.mb, args.gpt2_mb, args.steps, args.rounds = 1, 1, 2, 1
     print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores; load {os.getloadavg()[0]:.1f}")
     env = {**os.environ}
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,11 +163,11 @@ def main() -> None:
         print(f"text: {text.stat().st_size / 1e6:,.0f} MB (Tiny Shakespeare repeated)")
         parts = args.parts.split(",")
         if "prepare" in parts:
-            preparation(text, args.gpt2_mb, tmp, env)
+            preparation(text, args.gpt2_mb, tmp, env, kinds)
         if "check" in parts or "speed" in parts:  # the speed comparison reads the check's cache
-            issue_check(text, args.steps, tmp, env)
+            issue_check(text, args.steps, tmp, env, args.smoke)
         if "speed" in parts:
-            steps_per_second(text, tmp, rounds=args.rounds)
+            steps_per_second(text, tmp, rounds=args.rounds, steps=12 if args.smoke else 300, smoke=args.smoke)
     print(f"load after: {os.getloadavg()[0]:.1f}")
 
 

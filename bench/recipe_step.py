@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import STEPS_PER_CALL, preset_configs  # noqa: E402 (bench/common.py)
+from common import STEPS_PER_CALL, add_smoke_argument, preset_configs, smoke_config  # noqa: E402 (bench/common.py)
 
 from eqx_gpt import GPT, GPTConfig, TrainConfig, init_optimizer_state, make_optimizer, make_train_steps  # noqa: E402
 
@@ -69,18 +69,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the variants")
     p.add_argument("--seconds", type=float, default=4.0, help="timed seconds per variant per round")
+    add_smoke_argument(p)
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.seconds = 1, 0.0
     print(f"CPU: {cpu_model()}; {os.cpu_count()} cores; load {os.getloadavg()}; jax {jax.__version__}")
     model_config, train_config = preset_configs("cpu", VOCAB)
+    if args.smoke:
+        model_config = smoke_config(model_config)
     runs = {}
-    for name, change in VARIANTS.items():
+    # The smoke run builds two variants: the preset and the one that undoes every change.
+    variants = {k: VARIANTS[k] for k in ("cpu preset", "before issue 33")} if args.smoke else VARIANTS
+    for name, change in variants.items():
         advance, tokens = make_advance(model_config, dataclasses.replace(train_config, **change))
         advance(), advance()  # compile, then one warm call
         runs[name] = (advance, tokens, [])
     for _ in range(args.rounds):
         for advance, _, times in runs.values():
             end = time.perf_counter() + args.seconds
-            while time.perf_counter() < end:
+            while not times or time.perf_counter() < end:  # one call at least
                 start = time.perf_counter()
                 advance()
                 times.append((time.perf_counter() - start) / STEPS_PER_CALL)

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from oracles import naive_generate, naive_step, prompt_bucket  # noqa: E402  (the tests' oracle)
 
 sys.path.insert(0, str(ROOT / "bench"))
-from common import DEFAULT_PRESET, cpu_description  # noqa: E402
+from common import DEFAULT_PRESET, add_smoke_argument, cpu_description, smoke_shape  # noqa: E402
 
 SHAPES = {
     "6L-384-ctx256": dict(context_length=256, d_model=384, n_heads=6, n_layers=6),
@@ -231,12 +231,18 @@ def main():
     )
     parser.add_argument("--choice", action="store_true", help="time one token's choice among 50,257 ids")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    add_smoke_argument(parser)
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.smoke:  # one shape, tiny, with both prompts: a full window that slides and one that grows
+        shapes = {name: smoke_shape(shape) for name, shape in list(SHAPES.items())[-1:]}
+    if args.smoke:  # the throughput of tiny models, then the choice, each as briefly as it runs
+        args.new_tokens, args.reps = 4, 1
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPU cores", flush=True)
 
     if args.choice:
         print(f"CPU: {cpu_description()}; one token's choice among GPT-2's 50,257 ids", flush=True)
-        results = bench_choice()
+        results = bench_choice(**({"reps": 1, "calls": 2} if args.smoke else {}))
     elif args.first_token:
         with tempfile.TemporaryDirectory() as cache_home:
             cold = first_token_seconds(args.first_token, Path(cache_home))
@@ -250,8 +256,10 @@ def main():
         results = [
             bench_shape(name, shape, args.new_tokens, args.reps, prompt_len)
             for prompt_len in (0, 8)
-            for name, shape in SHAPES.items()
+            for name, shape in shapes.items()
         ]
+        if args.smoke:
+            bench_choice(reps=1, calls=2)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 

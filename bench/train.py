@@ -32,15 +32,18 @@ import numpy as np
 from common import (  # bench/common.py
     CONFIGS,
     OPTIMIZERS,
+    SMOKE_PEAK,
     STEPS_PER_CALL,
     MatmulPeak,
     add_malloc_argument,
+    add_smoke_argument,
     check_batch,
     data_mesh,
     flops_per_token,
     replicate,
     set_malloc,
     shard_batch,
+    smoke_shape,
 )
 
 from eqx_gpt import (
@@ -154,7 +157,8 @@ def bench_config(name: str, model_options: dict, batch_size: int, args, peak: Ma
 def compile_seconds(n_layers: int, args) -> float:
     """Seconds to trace and compile the training step of the shakespeare-char widths with `n_layers`,
     its layers scanned (not unrolled, as the preset runs them): what scanning keeps constant."""
-    options = dict(CONFIGS["shakespeare-char"][0], n_layers=n_layers, scan_unroll=1)
+    widths = smoke_shape(CONFIGS["shakespeare-char"][0]) if args.smoke else CONFIGS["shakespeare-char"][0]
+    options = dict(widths, n_layers=n_layers, scan_unroll=1)
     _, model, opt_state, advance = make_step(options, args.compile_batch, args)
     lowered_at = time.perf_counter()
     out = advance(model, opt_state, 0)
@@ -220,10 +224,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="rounds per optimiser when several are timed")
     p.add_argument("--muon-ns-steps", type=int, default=5, help="Newton-Schulz iterations under Muon")
     add_malloc_argument(p)
+    add_smoke_argument(p)
     args = p.parse_args(argv)
     malloc = set_malloc(args)  # before JAX starts its threads
     args.optimizer_now = args.optimizer[0]  # what make_step builds (compile timings use the first)
-    if args.peak_size < 2048:
+    if args.smoke:  # every config tiny, one group of 2 steps each; the compile comparison too
+        args.steps_per_call, args.warmup, args.min_samples = 2, 1, 1
+        args.seconds = args.group_seconds = 0.0
+        args.compile_layers, args.compile_reps, args.compile_batch, args.peak_size = True, 1, 2, SMOKE_PEAK
+    elif args.peak_size < 2048:
         p.error("--peak-size must be at least 2048 (a small matmul underestimates the peak)")
 
     info = machine()
@@ -234,7 +243,8 @@ def main(argv=None) -> int:
     if not args.compile_only:
         for name in args.configs:
             options, batch = CONFIGS[name]
-            options = dict(options)
+            options = smoke_shape(options) if args.smoke else dict(options)
+            batch = 2 if args.smoke else batch
             for field, value in (("compute_dtype", args.compute_dtype), ("scan_unroll", args.scan_unroll),
                                  ("dropout", args.dropout)):  # fmt: skip
                 if value is not None:

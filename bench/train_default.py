@@ -19,6 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_MINUTES, TARGET_VAL = 10.0, 1.50
+SMOKE_FLAGS = [
+    "--max-steps", "2", "--eval-interval", "2", "--sample-tokens", "0", "--max-minutes", "0",
+    "--d-model", "16", "--n-heads", "2", "--n-layers", "1", "--context-length", "16", "--batch-size", "2",
+    "--scan-unroll", "1", "--eval-batches", "1", "--eval-tokens", "256",
+]  # fmt: skip
 
 
 def cpu_model() -> str:
@@ -34,7 +39,14 @@ def cpu_model() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results" / "default"))
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny model, 2 steps: checks that the bench runs; no figures",
+    )
     args, extra = parser.parse_known_args()
+    if args.smoke:
+        extra = [*SMOKE_FLAGS, *extra]
     out = Path(args.out_dir)
     cmd = [sys.executable, str(ROOT / "train.py"), "--out-dir", str(out), *extra]
     print(f"CPU: {cpu_model()}; cores: {os.cpu_count()}, load average before: {os.getloadavg()}")

@@ -33,18 +33,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import numpy as np
 from common import (  # bench/common.py
     CONFIGS,
+    SMOKE_PEAK,
     STEPS_PER_CALL,
     MatmulPeak,
+    add_smoke_argument,
     count_params,
     cpu_description,
     data_mesh,
     mfu,
     replicate,
     shard_batch,
+    smoke_shape,
 )
 
 from eqx_gpt import (
@@ -111,7 +115,10 @@ def torch_side(spec: dict, args, workdir: Path) -> dict:
     path.write_text(json.dumps(spec))
     torch_req = args.torch_wheel or f"torch=={args.torch}"
     cmd = ["uv", "run", "--no-project", "--python", f"{sys.version_info.major}.{sys.version_info.minor}"]
-    cmd += ["--with", torch_req, "--with", "numpy", "python", str(ROOT / "bench" / "torch_gpt.py"), str(path)]
+    cmd += ["--with", torch_req, "--with", "numpy", "python"]
+    if args.smoke:  # the environment this runs in has torch (the smoke test skips where it has not)
+        cmd = [sys.executable]
+    cmd += [str(ROOT / "bench" / "torch_gpt.py"), str(path)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=workdir)
     if out.returncode != 0:
         raise SystemExit(f"the PyTorch side failed:\n{out.stderr[-3000:]}")
@@ -129,19 +136,23 @@ def check_same_work(name: str, model: GPT, loss0: float, result: dict) -> None:
 
 def bench(name: str, args, workdir: Path, peak: MatmulPeak) -> str:
     options, batch_size = CONFIGS[name]
+    if args.smoke:
+        options, batch_size = smoke_shape(options), 2
     config = GPTConfig(vocab_size=VOCAB, **options)
     model = GPT(config, key=jax.random.key(0))
     train_config = TrainConfig(batch_size=batch_size, lr=1e-4, seed=0)
     rng = np.random.default_rng(0)
     batches = rng.integers(0, VOCAB, (4, batch_size, config.context_length + 1), dtype=np.int32)
     export(model, batches, workdir / "weights.npz")
-    steps = args.steps or STEPS[name]
+    steps = args.steps or (1 if args.smoke else STEPS[name])
     spec = {
         "weights": str(workdir / "weights.npz"), "threads": args.threads, "compile": False,
         "config": {**config.to_dict(), "d_hidden": config.d_hidden}, "warmup": 2, "steps": steps,
         "train": {k: getattr(train_config, k) for k in ("lr", "beta1", "beta2", "weight_decay", "grad_clip")},
     }  # fmt: skip
-    loss0 = float(loss_fn(model, jax.numpy.asarray(batches[0])))
+    # The first batch's loss without dropout (PyTorch's side: `model.eval()`): the same weights give
+    # the same number, whatever dropout the config trains with.
+    loss0 = float(loss_fn(eqx.nn.inference_mode(model), jax.numpy.asarray(batches[0])))
     time_block = jax_side(model, batches, train_config, args.steps_per_call)
     calls = max(1, steps // args.steps_per_call)
     ours, theirs, compiled = [], [], []
@@ -183,8 +194,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--torch", default="2.13.*", help="torch version for the throwaway environment")
     p.add_argument("--torch-wheel", help="a local torch wheel to use instead (path)")
+    add_smoke_argument(p)
     args = p.parse_args(argv)
-    peak = MatmulPeak(2048)
+    if args.smoke:
+        args.rounds = 1
+    peak = MatmulPeak(SMOKE_PEAK if args.smoke else 2048)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             print(bench(name, args, Path(tmp), peak), flush=True)

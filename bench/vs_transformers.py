@@ -36,7 +36,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import add_malloc_argument, cpu_description, set_malloc  # noqa: E402 (bench/common.py)
+from common import add_malloc_argument, add_smoke_argument, cpu_description, set_malloc  # noqa: E402
 
 from eqx_gpt import (  # noqa: E402
     SamplingOptions,
@@ -139,14 +139,20 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per task (default 3)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (default: all cores)")
     add_malloc_argument(p)
+    add_smoke_argument(p)
     args = p.parse_args()
+    global PROMPT, NEW_TOKENS, BATCH, SEQ
+    shape = {}
+    if args.smoke:  # a one-layer GPT-2 of GPT-2's vocabulary, a few tokens, one round
+        PROMPT, NEW_TOKENS, BATCH, SEQ, args.rounds = 4, 4, 2, 8, 1
+        shape = dict(n_layer=1, n_embd=32, n_head=2, n_positions=64)
     malloc = set_malloc(args)  # one process: torch's buffers come from the same malloc as XLA's
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_description()}; torch {torch.__version__} ({args.threads} threads), transformers "
           f"{transformers.__version__}, jax {jax.__version__}; {malloc}")  # fmt: skip
 
     torch.manual_seed(0)
-    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**shape)).eval()
     with tempfile.TemporaryDirectory() as directory:
         reference.save_pretrained(directory, safe_serialization=True)
         model = load_gpt2(directory)

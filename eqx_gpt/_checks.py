@@ -4,9 +4,16 @@
 check runs when JAX traces the function, so inside `jit` it costs nothing at run time.
 """
 
+import functools
+import inspect
 import math
 import numbers
+import os
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.core import Tracer
 from jaxtyping import jaxtyped
@@ -55,9 +62,89 @@ def check_eps(eps, what: str) -> float:
     return eps
 
 
+def as_path(value, what: str):
+    """`value` as a `pathlib.Path` if it is a path (a `str` or an `os.PathLike`, not bytes or
+    empty), else a one-line `TypeError` naming `what`: not pathlib's own, which names neither."""
+    if isinstance(value, bytes) or not isinstance(value, str | os.PathLike) or str(value) == "":
+        raise TypeError(f"{what} must be a path (a non-empty str or pathlib.Path), got {value!r}")
+    return Path(value)
+
+
 def check_size(value, what: str, low: int = 1) -> int:
     """`value` if it is a whole number in `[low, INT32_MAX]` (a module's size), else a one-line
     `ValueError` naming it and the range."""
     if not is_whole(value, low):
         raise ValueError(f"{what} must be an integer in [{low}, {INT32_MAX}], got {value!r}")
     return value
+
+
+def as_token_ids(tokens, what: str, vocab: tuple[str, int] | None = None):
+    """`tokens` as a JAX integer array of token ids, or a one-line error naming `what` and what it
+    would accept.
+
+    Accepted: a JAX array of any integer dtype (as given), and what converts to one exactly: a
+    NumPy array or a (nested) list of integers, of any integer dtype, unsigned ones (`uint8`)
+    included, since every id they hold is a whole number >= 0. Refused: bool, float or complex
+    ids, strings, a 0-d id and an empty sequence (the last axis is `seq`). `vocab` is
+    `(field, size)`: ids that are known (not traced) must lie in `[0, size)`; NumPy ids are
+    checked before the conversion to int32, so none wraps around into range.
+    """
+    if isinstance(tokens, jax.Array):  # tracers included: their dtype and shape are known
+        ids = tokens
+    elif isinstance(tokens, np.ndarray | np.generic | list | tuple):
+        try:
+            ids = np.asarray(tokens)
+        except ValueError:  # a ragged list
+            raise ValueError(f"{what} must be a rectangular array of token ids, got a ragged list") from None
+    else:
+        raise TypeError(
+            f"{what} must be an array of integer token ids, shape (seq,) or (batch, seq), got "
+            f"{type(tokens).__name__}"
+        )
+    if ids.ndim == 0 or ids.shape[-1] == 0:
+        raise ValueError(
+            f"{what} must hold at least one token id on its last axis, shape (seq,) or (batch, seq), "
+            f"got shape {tuple(ids.shape)}"
+        )
+    if not np.issubdtype(ids.dtype, np.integer):  # bool is not an integer dtype to NumPy
+        raise TypeError(
+            f"{what} must be integer token ids (any int or uint dtype), got dtype {ids.dtype}; "
+            f"encode text with the model's tokenizer"
+        )
+    if vocab is not None and not is_traced(ids) and ids.size:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab[1]:
+            raise ValueError(
+                f"{what}: token ids from {low} to {high} are outside [0, {vocab[0]}={vocab[1]}); "
+                f"encode text with the model's tokenizer"
+            )
+    if isinstance(ids, jax.Array):  # unsigned ids as int32, the type the model's annotations name
+        return ids.astype(jnp.int32) if np.issubdtype(ids.dtype, np.unsignedinteger) else ids
+    return jnp.asarray(ids.astype(np.int32))
+
+
+def takes_token_ids(**vocab_fields: str | None):
+    """Decorate a model's method whose arguments named in `vocab_fields` are token ids: each is
+    converted or refused by `as_token_ids` (in one line, naming the argument) before the method,
+    and its shape check, sees it. A field names the `self.config` attribute that bounds the ids
+    (None: no bound checked here)."""
+
+    def decorate(method):
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def checked(self, *args, **kwargs):
+            bound = signature.bind(self, *args, **kwargs)
+            for name, field in vocab_fields.items():
+                if name in bound.arguments:
+                    where = type(self).__name__
+                    if method.__name__ != "__call__":
+                        where += f".{method.__name__}"
+                    what = f"{where}'s {name}"
+                    vocab = None if field is None else (field, getattr(self.config, field))
+                    bound.arguments[name] = as_token_ids(bound.arguments[name], what, vocab)
+            return method(*bound.args, **bound.kwargs)
+
+        return checked
+
+    return decorate

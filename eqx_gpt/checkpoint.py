@@ -31,6 +31,7 @@ import equinox as eqx
 import jax
 from jax.experimental import multihost_utils
 
+from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import CONFIG_NAME, WEIGHTS_NAME, gpt2_tokenizer, is_gpt2_directory, load_gpt2
@@ -122,7 +123,7 @@ def save_checkpoint(
     """
     if not isinstance(model, GPT | Transformer):
         raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")
-    out_dir = Path(out_dir)
+    out_dir = as_path(out_dir, "out_dir")
     weights = _serialise(model, opt_state)
     digest = hashlib.sha256(weights).hexdigest()
     weights_name = f"{name}-{digest[:16]}.eqx"
@@ -180,7 +181,7 @@ def find_checkpoint(path: str | Path) -> Path:
     `path` is a run directory (its best checkpoint, else its latest) or a checkpoint's `.json` or
     `.eqx` file.
     """
-    path = Path(path)
+    path = as_path(path, "a checkpoint's path")
     if path.is_dir():
         for name in NAMES:
             if checkpoint_file(path, name).is_file():
@@ -337,7 +338,7 @@ def load_model(
     """
     if lora not in ("merged", "separate"):
         raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
-    path = Path(path)
+    path = as_path(path, "a checkpoint's path")
     if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
         model = load_gpt2(path)
         tokenizer = gpt2_tokenizer(model.config)

@@ -20,6 +20,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
+from eqx_gpt._checks import as_path
 from eqx_gpt.errors import GPT2FormatError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.config import GPTConfig
@@ -76,7 +77,7 @@ def read_gpt2_config(directory: str | Path, **options) -> GPTConfig:
     position table is cropped, as nanoGPT's `crop_block_size`), `dropout`, `compute_dtype`,
     `scan_unroll`.
     """
-    return _read_config(Path(directory), options)[0]
+    return _read_config(as_path(directory, "a GPT-2 directory"), options)[0]
 
 
 def _read_config(directory: Path, options: dict) -> tuple[GPTConfig, int]:
@@ -210,7 +211,7 @@ def load_gpt2(directory: str | Path, **options) -> GPT:
     `CheckpointError`) naming what is missing or wrong. The model is in training mode, as built
     (it matters with `dropout=`): `eqx.nn.inference_mode(model)` for inference.
     """
-    directory = Path(directory)
+    directory = as_path(directory, "a GPT-2 directory")
     config, n_positions = _read_config(directory, options)
     tensors = _read_tensors(directory)
     template = model_template(config)
@@ -272,7 +273,7 @@ def save_gpt2(model: GPT, directory: str | Path) -> Path:
     from safetensors.numpy import save
 
     config_dict = gpt2_config_dict(model.config)
-    directory = Path(directory)
+    directory = as_path(directory, "directory")
     directory.mkdir(parents=True, exist_ok=True)
     v = model.config.vocab_size
     tensors = {"wte.weight": np.asarray(model.embed)[:v]}

@@ -14,6 +14,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from eqx_gpt.errors import ConfigError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.positions import sinusoidal_positions
@@ -22,19 +23,19 @@ FORMATS = tuple(sorted(FigureCanvasAgg.get_supported_filetypes()))
 
 
 def check_figure_path(path: str | Path, flag: str) -> Path:
-    """`path` as a `Path` if a picture can be written there, else a one-line `ValueError` naming
-    `flag` and the fix. Call it before any work whose result the picture shows."""
+    """`path` as a `Path` if a picture can be written there, else a one-line `ConfigError` (a
+    `ValueError`) naming `flag` and the fix. Call it before any work whose result the picture shows."""
     path = Path(path)
     if path.suffix.lower().lstrip(".") not in FORMATS:
-        raise ValueError(
+        raise ConfigError(
             f"{flag} {path}: unsupported picture format {path.suffix or '(none)'!r}; end the name in .png "
             f"(or one of {', '.join('.' + f for f in FORMATS)})"
         )
     parent = path.parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: folder {parent} does not exist; create it or pass another path")
+        raise ConfigError(f"{flag} {path}: folder {parent} does not exist; create it or pass another path")
     if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; pass a file name such as {path / 'picture.png'}")
+        raise ConfigError(f"{flag} {path} is a folder; pass a file name such as {path / 'picture.png'}")
     return path
 
 

@@ -143,7 +143,7 @@ def date_pairs(n_train: int, n_held_out: int, seed: int) -> tuple[list, list]:
     return [pair(rest[i % len(rest)]) for i in range(n_train)], [pair(d) for d in held]
 
 
-def read_pairs(path: Path, max_chars: int) -> list[tuple[str, str]]:
+def read_pairs(path: Path) -> list[tuple[str, str]]:
     """(English, French) pairs of a Tatoeba/Anki file; one-line `ValueError`s for bad files."""
     try:
         text = path.read_bytes().decode("utf-8")
@@ -160,11 +160,28 @@ def read_pairs(path: Path, max_chars: int) -> list[tuple[str, str]]:
         fields = line.split("\t")
         if len(fields) < 2:
             raise ValueError(f"--pairs {path}, line {number}: no tab; each line must be english<TAB>french")
-        if 0 < len(fields[0]) <= max_chars and 0 < len(fields[1]) <= max_chars:
+        if fields[0] and fields[1]:
             pairs.append((fields[0], fields[1]))
     if not pairs:
-        raise ValueError(f"--pairs {path} holds no pairs of at most {max_chars} characters a side")
+        raise ValueError(f"--pairs {path} holds no pairs")
     return list(dict.fromkeys(pairs))  # no pair twice, so none is in both training and held-out data
+
+
+def fitting(pairs: list, max_len: int, what: str) -> list[tuple[str, str]]:
+    """The pairs whose source and target both fit `--max-len` (at most `max_len - 2` characters a
+    side: the target also holds its begin and end marks). Every task is filtered so, never cut: a
+    cut pair teaches a wrong answer. Says how many were left out; none left is a one-line error."""
+    limit = max_len - 2
+    kept = [(s, t) for s, t in pairs if len(s) <= limit and len(t) <= limit]
+    if not kept:
+        longest = min(max(len(s), len(t)) for s, t in pairs)
+        raise ValueError(
+            f"--max-len {max_len} fits none of the {len(pairs):,} {what} (a side may hold --max-len - 2 = "
+            f"{limit} characters; the shortest pair needs {longest}); pass --max-len {longest + 2} or more"
+        )
+    if len(kept) < len(pairs):
+        print(f"--max-len {max_len}: {len(kept):,} of {len(pairs):,} {what} fit ({limit} characters a side)")
+    return kept
 
 
 def _padded(rows: list[list[int]], length: int | None = None, cap: int | None = None) -> np.ndarray:
@@ -443,8 +460,11 @@ def check_batch(args, n_train: int) -> None:
 def load_data(args) -> tuple[list, list]:
     """`(training pairs, held-out pairs)`; held-out sources never occur in training."""
     if args.pairs is None:
-        return date_pairs(N_DATE_PAIRS, args.held_out, args.seed)
-    pairs = read_pairs(args.pairs, args.max_len - 2)
+        train_pairs, held_out = date_pairs(N_DATE_PAIRS, args.held_out, args.seed)
+        return fitting(train_pairs, args.max_len, "training dates"), fitting(
+            held_out, args.max_len, "held-out dates"
+        )
+    pairs = fitting(read_pairs(args.pairs), args.max_len, f"pairs of --pairs {args.pairs}")
     random.Random(args.seed).shuffle(pairs)
     if len(pairs) <= args.held_out:
         raise ValueError(f"only {len(pairs)} pairs: fewer than --held-out {args.held_out} plus training data")

@@ -4,6 +4,7 @@ truncation or a deep traceback."""
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,9 +27,12 @@ from eqx_gpt import (
     dropout,
     generate,
     generate_batch,
+    load_gpt2,
+    load_model,
     pad_vocab,
     padding_mask,
     sample_next_token,
+    save_checkpoint,
     sinusoidal_positions,
     top_k_filter,
     top_p_filter,
@@ -43,6 +47,11 @@ NAN, INF = math.nan, math.inf
 
 def _gpt():
     return GPT(GPTConfig(vocab_size=9, context_length=8, d_model=8, n_heads=2, n_layers=1), key=KEY)
+
+
+def _gpt_with_dropout():
+    config = GPTConfig(vocab_size=9, context_length=8, d_model=8, n_heads=2, n_layers=1, dropout=0.1)
+    return eqx.nn.inference_mode(GPT(config, key=KEY))
 
 
 def _transformer():
@@ -104,6 +113,53 @@ CASES = {
         "got 0",
     ),
     "init_cache batch 0": (lambda: _gpt().init_cache(batch=0), ValueError, "batch >= 1"),
+    "generate bool prompt": (lambda: generate(_gpt(), [True], 3, key=KEY), ValueError, "integers"),
+    # token ids into the models: integer arrays, NumPy arrays or lists of integers (issue 53)
+    "GPT bool ids": (lambda: _gpt()(np.asarray([True, False])), TypeError, "GPT's tokens must be integer"),
+    "GPT float ids": (lambda: _gpt()([1.0, 2.0]), TypeError, "got dtype float64"),
+    "GPT float32 ids": (lambda: _gpt()(jnp.ones(3)), TypeError, "got dtype float32"),
+    "GPT string ids": (lambda: _gpt()("abc"), TypeError, "got str"),
+    "GPT 0-d ids": (lambda: _gpt()(jnp.int32(3)), ValueError, "got shape ()"),
+    "GPT ragged ids": (lambda: _gpt()([[1, 2], [3]]), ValueError, "ragged"),
+    "GPT int64 id past int32": (lambda: _gpt()(np.asarray([2**40])), ValueError, "[0, vocab_size=9)"),
+    "GPT uint8 id 200": (lambda: _gpt()(np.asarray([200], np.uint8)), ValueError, "from 200 to 200"),
+    "GPT empty ids": (lambda: _gpt()([]), ValueError, "GPT's tokens must hold at least one token id"),
+    "GPT empty array": (lambda: _gpt()(jnp.zeros((2, 0), jnp.int32)), ValueError, "got shape (2, 0)"),
+    "GPT.decode empty": (
+        lambda: _gpt().decode(jnp.zeros((0,), jnp.int32), _gpt().init_cache(), 0),
+        ValueError,
+        "GPT.decode's tokens must hold at least one",
+    ),
+    "GPT.features float": (lambda: _gpt().features(np.ones(2)), TypeError, "GPT.features's tokens"),
+    "Transformer float src": (lambda: _transformer()([1.5], [1]), TypeError, "Transformer's src"),
+    "Transformer empty tgt": (lambda: _transformer()([1], []), ValueError, "Transformer's tgt must hold"),
+    "Transformer tgt id 9": (lambda: _transformer()([1], [9]), ValueError, "[0, tgt_vocab_size=9)"),
+    "Transformer.encode bool": (lambda: _transformer().encode([True]), TypeError, "dtype bool"),
+    "jax.jit over dropout": (
+        lambda: jax.jit(lambda m, x: m(x))(_gpt_with_dropout(), jnp.asarray([1, 2])),
+        TypeError,
+        "use eqx.filter_jit",
+    ),
+    "jax.jit over a Block's dropout": (
+        lambda: jax.jit(lambda b, x: b(x))(Block(8, 2, 16, key=KEY, dropout=0.1, inference=True), X[:, :2]),
+        TypeError,
+        "use eqx.filter_jit",
+    ),
+    # paths: one line naming the argument, not pathlib's "expected str, bytes or os.PathLike object"
+    "load_model 5": (lambda: load_model(5), TypeError, "a checkpoint's path must be a path"),
+    "load_gpt2 None": (lambda: load_gpt2(None), TypeError, "a GPT-2 directory must be a path"),
+    "save_checkpoint 5": (
+        lambda: save_checkpoint(
+            5, "latest", _gpt(), None, step=0, tokenizer=CharTokenizer("abc"), train_config={}
+        ),
+        TypeError,
+        "out_dir must be a path",
+    ),
+    # logits of one position
+    "sample empty logits": (lambda: sample_next_token(jnp.zeros(0), KEY), ValueError, "got shape (0,)"),
+    "sample 2-d logits": (lambda: sample_next_token(jnp.zeros((2, 3)), KEY), ValueError, "(vocab,)"),
+    "top_k empty logits": (lambda: top_k_filter(jnp.zeros(0), 1), ValueError, "top_k_filter takes"),
+    "top_p empty logits": (lambda: top_p_filter(jnp.zeros(0), 0.5), ValueError, "top_p_filter takes"),
     # norms
     "LayerNorm eps -1": (lambda: LayerNorm(4, eps=-1.0), ValueError, "> 0, got -1.0"),
     "LayerNorm eps nan": (lambda: LayerNorm(4, eps=NAN), ValueError, "got nan"),
@@ -173,6 +229,30 @@ def test_a_bad_value_gives_a_one_line_error_naming_it(case):
     message = str(raised.value)
     assert fragment in message
     assert "\n" not in message
+
+
+def test_token_ids_that_convert_exactly_give_the_logits_of_int32_ids():
+    """NumPy ids of any integer dtype (uint8 included: every id it holds is a whole number) and
+    lists of integers are the same ids as a JAX int32 array; so are a generate prompt's."""
+    model, ids = _gpt(), [1, 2, 8]
+    expected = np.asarray(model(jnp.asarray(ids, jnp.int32)))
+    for given in (
+        ids,
+        np.asarray(ids),
+        np.asarray(ids, np.uint8),
+        np.asarray(ids, np.int16),
+        jnp.asarray(ids, jnp.uint8),
+    ):
+        np.testing.assert_array_equal(np.asarray(model(given)), expected)
+    np.testing.assert_array_equal(np.asarray(model([ids, ids])), np.stack([expected, expected]))
+    t = _transformer()
+    np.testing.assert_array_equal(
+        np.asarray(t(np.asarray([1, 2]), [3])), np.asarray(t(jnp.asarray([1, 2]), jnp.asarray([3])))
+    )
+    np.testing.assert_array_equal(
+        generate(_gpt(), np.asarray([1, 2], np.uint8), 2, key=KEY, temperature=0),
+        generate(_gpt(), [1, 2], 2, key=KEY, temperature=0),
+    )
 
 
 def test_the_good_values_next_to_the_bad_ones_work():

@@ -48,7 +48,8 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
 @pytest.mark.parametrize(
     "settings, words",
     [({"learning_rate": 1.0}, "unknown setting"), ({"preset": "gpu"}, "unknown preset"),
-     ({"lr": -1.0}, "lr > 0"), ({"preset": "finetune-shakespeare"}, "pass --init-from DIR")],
+     ({"lr": -1.0}, "lr must be > 0, got lr=-1.0"),
+     ({"preset": "finetune-shakespeare"}, "pass --init-from DIR")],
 )  # fmt: skip
 def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
     with pytest.raises(ConfigError, match=words) as error:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -84,14 +85,43 @@ def test_the_readme_example_trains_from_python_in_an_empty_folder(tmp_path):
 def test_python_m_eqx_gpt_names_its_commands_and_refuses_another(capsys):
     from eqx_gpt.__main__ import main
 
-    assert main([]) == 2
-    assert "usage: python -m eqx_gpt {train,sample,evaluate,export,serve}" in capsys.readouterr().err
-    assert main(["fly"]) == 2
-    assert "unknown command 'fly'" in capsys.readouterr().err
+    assert main([], prog="python -m eqx_gpt") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m eqx_gpt [--version] [--help] <command>")
+    assert "error: name a command: train, sample, evaluate, export, serve" in err
+    assert main(["fly"], prog="python -m eqx_gpt") == 2
+    assert capsys.readouterr().err == (
+        "python -m eqx_gpt: error: unknown command 'fly'; choose one of train, sample, evaluate, export, "
+        "serve (see --help)\n"
+    )
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "--help"])
+        main(["train", "--help"], prog="python -m eqx_gpt")
     assert exit_.value.code == 0
     assert capsys.readouterr().out.startswith("usage: python -m eqx_gpt train")
+
+
+def test_the_console_script_calls_itself_eqx_gpt_and_has_help_and_version(capsys, monkeypatch):
+    """Issue 53: `eqx-gpt` named itself `python -m eqx_gpt`, took `--version` for a command and
+    said nothing of what its commands do."""
+    from eqx_gpt.__main__ import main
+    from eqx_gpt.commands import COMMANDS
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/eqx-gpt", "--help"])
+    assert main() == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: eqx-gpt [--version] [--help] <command> [flags]\n")
+    for name, line in COMMANDS.items():  # one line each, as `git --help` lists its commands
+        assert any(row.split()[:1] == [name] and row.endswith(line) for row in out.splitlines()), name
+    assert "--version" in out and "python -m" not in out
+    for flag in ("--version", "-V"):
+        assert main([flag]) == 0
+        assert capsys.readouterr().out == f"eqx_gpt {metadata.version('eqx_gpt')}\n"
+    assert main(["fly"]) == 2
+    assert capsys.readouterr().err.startswith("eqx-gpt: error: unknown command 'fly'")
+    with pytest.raises(SystemExit) as exit_:
+        main(["sample", "--bogus"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "eqx-gpt sample: error: unrecognized arguments: --bogus (see --help)\n"
 
 
 def _user_env() -> dict:
@@ -180,3 +210,29 @@ def test_the_wheel_is_typed_and_the_docs_python_passes_pyright_downstream(instal
     proc = subprocess.run([str(pyright), "--pythonpath", str(python), "docs_snippets.py"], cwd=tmp_path,
                           env=_user_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "0 errors" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_readmes_start_up_lines_are_what_train_py_prints(tmp_path, monkeypatch, capsys):
+    """README's output block starts with the `data:` and `model:` lines of `uv run train.py`; they
+    must be the code's (issue 53: a `data:` line the code no longer printed)."""
+    import importlib.util
+
+    import eqx_gpt.training.run as run_module
+
+    class Started(Exception):
+        pass
+
+    def stop(run, sample_tokens):
+        raise Started
+
+    monkeypatch.setattr(run_module, "train_loop", stop)  # the start-up lines only, no step
+    spec = importlib.util.spec_from_file_location("train_cli_readme", ROOT / "train.py")
+    train_cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_cli)
+    with pytest.raises(Started):
+        train_cli.main(["--out-dir", str(tmp_path / "out")])
+    printed = capsys.readouterr().out.splitlines()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    for start in ("data: ", "model: "):
+        line = next(line for line in printed if line.startswith(start))
+        assert line in readme, (line, [r for r in readme if r.startswith(start)])

@@ -276,7 +276,7 @@ def test_the_example_refuses_bad_pairs_files_with_one_line(tmp_path, capsys):
     ):
         pairs = example.read_pairs  # the checks themselves, without sacrebleu
         with pytest.raises(ValueError, match=message) as e:
-            pairs(tmp_path / name, 40)
+            pairs(tmp_path / name)
         assert "\n" not in str(e.value)
     # Its own --out-dir: the default, out-translate/ in the working folder, may hold a run already.
     assert example.main(["--pairs", str(tmp_path / "no-tab.txt"), "--out-dir", str(tmp_path / "out")]) == 2
@@ -300,6 +300,35 @@ def test_the_example_refuses_bad_settings_in_one_line_before_training(tmp_path, 
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "loop"]  # nothing made
+
+
+def test_a_max_len_filters_every_task_alike_and_one_that_fits_nothing_is_refused(
+    tmp_path, capsys, monkeypatch
+):
+    """Issue 53: `--max-len 3` cut every date to 3 characters and scored 0.000 without a word,
+    where `--pairs` files were filtered. Now both tasks keep only the pairs that fit, say how many,
+    and refuse a --max-len that fits none in one line naming what would."""
+    example = _example()
+    monkeypatch.setattr(example, "train", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(example, "date_pairs", lambda n, held_out, seed: (
+        [("3 March 2009", "2009-03-03"), ("mardi 3 mars 2009", "2009-03-03")], [("3/3/2009", "2009-03-03")]
+    ))  # fmt: skip
+    (tmp_path / "pairs.txt").write_text("Go.\tVa !\nI am very hungry now.\tJ'ai très faim maintenant.\n")
+    out = ["--out-dir", str(tmp_path / "out")]
+    for task in ([], ["--pairs", str(tmp_path / "pairs.txt")]):
+        assert example.main([*out, *task, "--max-len", "3"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--max-len 3 fits none of the" in err and "pass --max-len" in err, err
+    args = example.parse_args([*out, "--max-len", "14", "--held-out", "1"])
+    train_pairs, held_out = example.load_data(args)
+    assert train_pairs == [("3 March 2009", "2009-03-03")] and held_out == [("3/3/2009", "2009-03-03")]
+    assert "--max-len 14: 1 of 2 training dates fit (12 characters a side)" in capsys.readouterr().out
+    args = example.parse_args(
+        [*out, "--max-len", "8", "--held-out", "1", "--pairs", str(tmp_path / "pairs.txt")]
+    )
+    with pytest.raises(ValueError, match="only 1 pairs"):  # Go./Va ! fits; the long pair is left out
+        example.load_data(args)
+    assert "1 of 2 pairs of --pairs" in capsys.readouterr().out
 
 
 def test_the_example_pads_no_batch_past_max_len():

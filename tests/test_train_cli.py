@@ -14,7 +14,6 @@ from pathlib import Path
 import jax
 import pytest
 
-import eqx_gpt.commands.train as train_command
 import eqx_gpt.training.run as run_module
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TrainResult, load_model, save_checkpoint, train
 from eqx_gpt.training.config import TrainConfig
@@ -167,7 +166,7 @@ def test_an_abort_says_whether_there_is_a_checkpoint_to_resume(tmp_path, corpus,
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_command, "train", interrupted)
+    monkeypatch.setattr(run_module, "_train", interrupted)
     out = tmp_path / "run"
     assert train_cli.main([*TINY, "--data", str(corpus), "--out-dir", str(out)]) == 130
     err = capsys.readouterr().err

@@ -1,16 +1,19 @@
 """`train`: train a GPT on Tiny Shakespeare (or any UTF-8 text); `python -m eqx_gpt train --help`.
 
 Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag. This parses the command
-line and calls `eqx_gpt.train` with the flags given as settings by name; where each value comes
-from (defaults, `--preset`, flags, and on `--resume` the checkpoint) is decided in one place,
-`eqx_gpt.training.options.resolve_options`. Bad input exits with one line on stderr and code 2.
+line and calls the body of `eqx_gpt.train` (`run._train`, told how this command resumes a run) with
+the flags given as settings by name; where each value comes from (defaults, `--preset`, flags, and
+on `--resume` the checkpoint) is decided in one place, `eqx_gpt.training.options.resolve_options`.
+Bad input exits with one line on stderr and code 2.
 """
 
 import argparse
 import dataclasses
 import sys
+import time
 import types
 import typing
+from pathlib import Path
 
 from eqx_gpt.checkpoint import checkpoint_paths
 from eqx_gpt.commands.cli import OneLineParser, finite_float, run_command, whole_number
@@ -22,11 +25,13 @@ from eqx_gpt.model.config import (
     POSITION_KINDS,
     GPTConfig,
 )
+from eqx_gpt.training import run as run_module
+from eqx_gpt.training.arguments import resume_on_the_command_line
 from eqx_gpt.training.config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.training.run import AUTO, train
+from eqx_gpt.training.run import AUTO
 
 CHOICES = {
     "compute_dtype": COMPUTE_DTYPES,
@@ -126,18 +131,19 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     preset = settings.pop("preset", AUTO)
     resume, overwrite = settings.pop("resume", False), settings.pop("overwrite", False)
     sample_tokens = settings.pop("sample_tokens", 300)
+    resume_with = resume_on_the_command_line(prog)
 
     def body() -> int:
         try:
             initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
-            result = train(
-                preset=preset, out_dir=out_dir, resume=resume, overwrite=overwrite,
-                sample_tokens=sample_tokens, **settings,
+            result = run_module._train(
+                {**settings, **({} if preset == AUTO else {"preset": preset})}, Path(out_dir), resume=resume,
+                overwrite=overwrite, sample_tokens=sample_tokens, log=print, progress=True,
+                now=time.monotonic, resume_with=resume_with,
             )  # fmt: skip
         except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run
             if any(p.suffix == ".json" for p in checkpoint_paths(out_dir)):
-                again = "uv run train.py" if prog == "train.py" else prog
-                hint = f"resume from the last checkpoint with: {again} --resume --out-dir {out_dir}"
+                hint = f"resume from the last checkpoint with: {resume_with(Path(out_dir))}"
             else:
                 hint = f"no checkpoint was saved in {out_dir}, nothing to resume: run the command again"
             print(f"{prog}: aborted; {hint}", file=sys.stderr)

@@ -245,8 +245,9 @@ def _expands(source: Source) -> bool:
     return source.compression is not None or source.table
 
 
-class _TooLarge(Exception):
-    """A corpus read in memory passed the limit of its text (`_in_memory`)."""
+class _TooLarge(DataError):
+    """A corpus read in memory passed the limit of its text (`_in_memory`): a signal that `prepare`
+    catches, an `EqxGptError` as every exception eqx_gpt defines is (tests/test_exceptions.py)."""
 
 
 @dataclass(frozen=True)

@@ -67,8 +67,9 @@ def _damaged(snapshot: Snapshot, what: str) -> DataError:
     return DataError(f"the token cache {snapshot.path} is damaged ({what}); delete that folder and run again")
 
 
-class Damaged(Exception):
-    """What `verify` found wrong with a shard."""
+class Damaged(DataError):
+    """What `verify` found wrong with a shard (a `DataError`, as every eqx_gpt exception is one of
+    `EqxGptError`'s)."""
 
 
 def verify(snapshot: Snapshot, shard: Shard, dtype: str, vocab_size: int) -> int:

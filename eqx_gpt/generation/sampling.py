@@ -108,6 +108,18 @@ def _largest_where(holds, low: Int[Array, ""], high: Int[Array, ""]) -> Int[Arra
     return jax.lax.fori_loop(0, 32, halve, (low, high))[0]
 
 
+def _check_logits(logits, what: str) -> None:
+    """Refuse, in one line naming `what`, logits that are not one position's: a float array of shape
+    `(vocab,)` with at least one id."""
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 1 or shape[0] == 0:
+        got = f"shape {tuple(shape)}" if shape is not None else type(logits).__name__
+        raise ValueError(
+            f"{what} takes the logits of one position, a float array of shape (vocab,) with vocab >= 1, "
+            f"got {got}"
+        )
+
+
 def _check_known(temperature=None, top_k=None, top_p=None) -> None:
     """`check_sampling_args` on the settings that are known (not traced under `jit`)."""
     t, k, p = _concrete(temperature), _concrete(top_k), _concrete(top_p)
@@ -117,6 +129,7 @@ def _check_known(temperature=None, top_k=None, top_p=None) -> None:
 def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
     """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id).
     `k` is an integer >= 1 (checked where it is known, i.e. not traced under `jit`)."""
+    _check_logits(logits, "top_k_filter")
     _check_known(top_k=k)
     return _top_k_filter(logits, k)
 
@@ -139,6 +152,7 @@ def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) ->
     reaches `p`, set the rest to `-inf`. The most probable token is always kept; `p == 1` keeps
     all. `p` is in `(0, 1]` (checked where it is known, i.e. not traced under `jit`).
     """
+    _check_logits(logits, "top_p_filter")
     _check_known(top_p=p)
     return _top_p_filter(logits, p)
 
@@ -177,6 +191,7 @@ def sample_next_token(
     where they are known (not traced under `jit`): `temperature` finite and >= 0, `top_k` >= 1,
     `top_p` in `(0, 1]`.
     """
+    _check_logits(logits, "sample_next_token")
     _check_known(temperature, top_k, top_p)
     return _sample_next_token(logits, key, temperature, top_k, top_p)
 

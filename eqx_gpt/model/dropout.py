@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.extend.random import threefry_2x32
 from jaxtyping import Array, Bool, PRNGKeyArray
 
+from eqx_gpt._checks import is_traced
 from eqx_gpt.streams import typed_key
 
 # Dropout decides with 16 random bits per element, so rates are multiples of 1/65536.
@@ -43,9 +44,22 @@ def keep_mask(key: PRNGKeyArray, rate: float, shape: tuple[int, ...]) -> Bool[Ar
     return (draws >= threshold).reshape(shape)
 
 
+def check_static(rate, inference, what: str) -> None:
+    """Refuse, in one line, a dropout rate (or, at a rate above 0, an inference flag) that is a JAX
+    tracer. They decide in Python whether to drop out, so they must be known: `jax.jit` over a
+    model traces every field, its Python floats and bools included; `eqx.filter_jit` keeps them as
+    they are. A model without dropout never reads its flag, so `jax.jit` over it works."""
+    if is_traced(rate) or (is_traced(inference) and rate > 0):
+        raise TypeError(
+            f"{what}'s dropout rate or inference flag is traced: jax.jit traces a model's Python floats and "
+            f"bools too; use eqx.filter_jit, which keeps them static"
+        )
+
+
 def check_rate(rate: float, what: str = "dropout") -> float:
     """`rate` if it is a dropout rate: a number in `[0, 1)` that stays below 1 at the 1/65536
     resolution of `keep_mask`; else a one-line `TypeError`/`ValueError` naming it and the range."""
+    check_static(rate, False, what)
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
         raise TypeError(f"{what} rate must be a number in [0, 1), got {rate!r}")
     if not 0.0 <= rate < 1.0 or round(rate * _LEVELS) >= _LEVELS:
@@ -57,6 +71,7 @@ def dropout_active(rate: float, inference: bool, key, what: str) -> bool:
     """Whether a module drops out on this call: `rate > 0` and not in inference mode. Active
     without a `key` is a one-line `ValueError` (as `eqx.nn.Dropout` refuses it), never silently
     no dropout."""
+    check_static(rate, inference, what)
     active = rate > 0 and not inference
     if active and key is None:
         raise ValueError(
@@ -78,6 +93,7 @@ def dropout(x: Array, rate: float, key: PRNGKeyArray | None = None, *, inference
     `keep_mask`).
     """
     check_rate(rate)
+    check_static(rate, inference, "dropout")
     if rate == 0 or inference:
         return x
     if key is None:

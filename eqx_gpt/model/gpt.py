@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import is_traced, is_whole, typechecked
+from eqx_gpt._checks import is_traced, is_whole, takes_token_ids, typechecked
 from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
@@ -156,6 +156,7 @@ class GPT(eqx.Module):
                 f"pass at most the last {self.config.context_length} tokens."
             )
 
+    @takes_token_ids(tokens="vocab_size")
     @typechecked
     def __call__(
         self,
@@ -177,6 +178,7 @@ class GPT(eqx.Module):
         """
         return self.logits(self.features(tokens, key=key, inference=inference))
 
+    @takes_token_ids(tokens="vocab_size")
     @typechecked
     def features(
         self,
@@ -209,6 +211,7 @@ class GPT(eqx.Module):
         x, _ = self.blocks.run(layer, x, layer_keys)
         return self._normed(x)
 
+    @takes_token_ids(tokens="vocab_size")
     @typechecked
     def attention_weights(self, tokens: Int[Array, " seq"]) -> Float[Array, "layers heads seq seq"]:
         """Every layer's and head's attention weights for `tokens` (deterministic, no dropout).
@@ -260,6 +263,7 @@ class GPT(eqx.Module):
         empty = lambda layers: KVCache.zeros((*layers, *rows), c.n_heads, c.d_head, capacity, c.compute_dtype)
         return self.blocks.per_layer(empty)
 
+    @takes_token_ids(tokens="vocab_size")
     @typechecked
     def decode(
         self,

@@ -16,7 +16,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
-from eqx_gpt._checks import is_whole, typechecked
+from eqx_gpt._checks import is_whole, takes_token_ids, typechecked
 from eqx_gpt.configs import DictConfig, check_fields
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.attention import KVCache, causal_mask, padding_mask
@@ -130,6 +130,7 @@ class Transformer(eqx.Module):
                 f"shorten it or build the model with a larger max_len"
             )
 
+    @takes_token_ids(src="src_vocab_size")
     @typechecked
     def encode(
         self,
@@ -177,6 +178,7 @@ class Transformer(eqx.Module):
         x, _ = self.decoder.run(layer, x, layer_keys)
         return self.head(x if self.decoder_norm is None else self.decoder_norm(x))
 
+    @takes_token_ids(src="src_vocab_size", tgt="tgt_vocab_size")
     @typechecked
     def __call__(
         self,
@@ -241,6 +243,7 @@ class Transformer(eqx.Module):
         x, cache = self.decoder.run(layer, x, (cache, memory_kv))
         return self.head(x if self.decoder_norm is None else self.decoder_norm(x)), cache
 
+    @takes_token_ids(src="src_vocab_size", tgt="tgt_vocab_size")
     @typechecked
     def cross_attention_weights(
         self, src: Int[Array, " src_seq"], tgt: Int[Array, " tgt_seq"]

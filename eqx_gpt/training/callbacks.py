@@ -21,15 +21,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eqx_gpt.errors import EqxGptError
 from eqx_gpt.training.records import EvaluationRecord, StepRecord
 
 if TYPE_CHECKING:  # the result imports the records, not the callbacks
     from eqx_gpt.training.result import TrainResult
 
 
-class StopTraining(Exception):
+class StopTraining(EqxGptError):
     """Raised by a callback to stop the run cleanly, resumable, as Ctrl-C does; its message is logged.
-    Not an error: `train` catches it and returns a result with `interrupted`."""
+    Not an error: `train` catches it and returns a result with `interrupted`. An `EqxGptError`, as
+    every exception class eqx_gpt defines is (tests/test_exceptions.py)."""
 
 
 class Callback:

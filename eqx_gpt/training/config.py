@@ -140,33 +140,15 @@ class TrainConfig(DictConfig):
 
     def __post_init__(self):
         check_fields(
-            self,
-            positive=(
-                "batch_size",
-                "grad_accum",
-                "max_steps",
-                "eval_interval",
-                "muon_ns_steps",
-                "eval_batches",
-                "eval_tokens",
-                "log_interval",
-            ),
-            finite=(
-                "max_minutes",
-                "lr",
-                "min_lr",
-                "weight_decay",
-                "beta1",
-                "beta2",
-                "grad_clip",
-                "adam_weight_decay",
-                "muon_momentum",
-                "decay_fraction",
-                "lora_alpha",
-                "lora_dropout",
-                *(("adam_lr",) if self.adam_lr is not None else ()),
-            ),
+            self, positive=_POSITIVE, finite=_FINITE + (("adam_lr",) if self.adam_lr is not None else ())
         )
+        self._check_kinds()
+        self._check_choices()
+        self._check_ranges()
+        self._check_fine_tuning()
+
+    def _check_kinds(self) -> None:
+        """Whole numbers, paths, names and switches: each of the type its field says."""
         if not is_whole(self.seed, 0, SEED_MAX):
             raise ConfigError(f"seed must be an integer in [0, {SEED_MAX}], got {self.seed!r}")
         if not is_whole(self.warmup_steps, 0):
@@ -186,43 +168,36 @@ class TrainConfig(DictConfig):
         for name in ("fsdp", "muon_split_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.batch_size % self.grad_accum:
-            raise ConfigError(
-                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
-                f"each micro-batch must hold batch_size / grad_accum sequences"
-            )
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.adam_lr is not None and not self.adam_lr > 0:
-            raise ConfigError(f"adam_lr must be > 0, got {self.adam_lr}")
-        if not 0 <= self.muon_momentum < 1 or self.adam_weight_decay < 0:
-            raise ConfigError(
-                f"need 0 <= muon_momentum < 1 and adam_weight_decay >= 0, got {self.muon_momentum}, "
-                f"{self.adam_weight_decay}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(f"tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
-        self._check_fine_tuning()
-        if not (self.lr > 0 and 0 <= self.min_lr <= self.lr):
-            raise ConfigError(f"need lr > 0 and 0 <= min_lr <= lr, got lr={self.lr}, min_lr={self.min_lr}")
-        if self.max_minutes < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ConfigError("max_minutes, weight_decay and grad_clip must be >= 0")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ConfigError(f"betas must be in [0, 1), got beta1={self.beta1}, beta2={self.beta2}")
 
-    def _check_fine_tuning(self) -> None:
-        """`init_from`'s tokenizer, and LoRA's settings. That LoRA needs `init_from`, and the rank's
-        bound by the model's width, are checked with the run's options (`resolve_options`): the
-        step's config leaves out `init_from` (it is not the step's to read)."""
+    def _check_choices(self) -> None:
+        """Settings that name one of a few things, and the ones that must agree."""
+        for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("tokenizer", TOKENIZERS)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.init_from is not None and self.tokenizer != "gpt2":
             raise ConfigError(
                 f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
                 f"{self.tokenizer!r}; leave out --tokenizer"
             )
+        if self.batch_size % self.grad_accum:
+            raise ConfigError(
+                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}; "
+                f"each micro-batch must hold batch_size / grad_accum sequences"
+            )
+
+    def _check_ranges(self) -> None:
+        """Each number in its range (`_RANGES`), named with its value: `got max_minutes=-1`."""
+        for name, (accepts, description) in _RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not accepts(value):
+                raise ConfigError(f"{name} must be {description}, got {name}={value!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"min_lr must be in [0, lr={self.lr!r}], got min_lr={self.min_lr!r}")
+
+    def _check_fine_tuning(self) -> None:
+        """LoRA's settings. That LoRA needs `init_from`, and the rank's
+        bound by the model's width, are checked with the run's options (`resolve_options`): the
+        step's config leaves out `init_from` (it is not the step's to read)."""
         if not isinstance(self.lora_targets, str):
             raise ConfigError(f"lora_targets must be a comma list of names, got {self.lora_targets!r}")
         lora_modules(self.lora_targets)  # an unknown target is refused whether or not LoRA is on
@@ -238,6 +213,29 @@ class TrainConfig(DictConfig):
                 f"--lora-dropout {self.lora_dropout}: eqx_gpt's LoRA trains without dropout on the "
                 f"adapters (its projections take no dropout key); pass 0, or --dropout for the model's"
             )
+
+
+# The checks of `TrainConfig.__post_init__`: whole numbers >= 1, finite numbers, and each number's range.
+_POSITIVE = (
+    "batch_size", "grad_accum", "max_steps", "eval_interval", "muon_ns_steps", "eval_batches",
+    "eval_tokens", "log_interval",
+)  # fmt: skip
+_FINITE = (
+    "max_minutes", "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip", "adam_weight_decay",
+    "muon_momentum", "decay_fraction", "lora_alpha", "lora_dropout",
+)  # fmt: skip
+_RANGES = {
+    "max_minutes": (lambda v: v >= 0, ">= 0 (0: no limit)"),
+    "lr": (lambda v: v > 0, "> 0"),
+    "adam_lr": (lambda v: v > 0, "> 0 (or None: --lr)"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "adam_weight_decay": (lambda v: v >= 0, ">= 0"),
+    "grad_clip": (lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "decay_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
+}
 
 
 def _check_corpus_fields(text_field, split) -> None:

@@ -33,7 +33,7 @@ def interrupted(run: Run) -> TrainResult:
         save(run, LATEST)
     report.log(
         f"interrupted at step {state.step}; saved {checkpoint_file(out_dir, LATEST)}. Resume with: "
-        f"uv run train.py --resume --out-dir {out_dir}"
+        f"{run.resume_with(out_dir)}"
     )
     val = state.last_eval[1] if state.last_eval is not None else None
     return result(run, val_loss=val, interrupted=True, sample=None)

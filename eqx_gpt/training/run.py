@@ -23,11 +23,10 @@ from pathlib import Path
 
 import jax
 
-from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, delete_checkpoints, read_metadata
-from eqx_gpt.errors import TrainingError
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, require_trackers
+from eqx_gpt.training.arguments import check_train_arguments, resume_in_python
 from eqx_gpt.training.callbacks import Callback, Callbacks
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.evaluate import final_evaluations, plan_evaluations
@@ -47,7 +46,6 @@ from eqx_gpt.training.run_dir import (
     Metrics,
     RunDirLock,
     check_run_dir,
-    check_writable,
     kept_records,
 )
 from eqx_gpt.training.running import Run
@@ -111,14 +109,14 @@ def train(
     if preset != AUTO:
         settings["preset"] = preset
     return _train(
-        settings, Path(out_dir), resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now, callbacks=callbacks,
+        settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
+        progress=progress, now=now, callbacks=callbacks, resume_with=resume_in_python,
     )  # fmt: skip
 
 
 def _train(
     settings: dict,
-    out_dir: Path,
+    out_dir: str | Path,
     *,
     resume: bool,
     overwrite: bool,
@@ -127,13 +125,16 @@ def _train(
     progress: bool,
     now: Callable[[], float],
     callbacks: Sequence[Callback] = (),
+    resume_with: Callable[[Path], str] = resume_in_python,
 ) -> TrainResult:
-    """`train` with its settings by name (`options.resolve_options`)."""
+    """`train` with its settings by name (`options.resolve_options`) and its arguments checked
+    (`check_train_arguments`); `resume_with` says how the caller resumes an interrupted run
+    (`train.py` calls this with its command line's)."""
+    out_dir = check_train_arguments(
+        out_dir=out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
+        progress=progress, now=now,
+    )  # fmt: skip
     t_start = now()
-    if not is_whole(sample_tokens, 0):  # checked here, not after the run when the sample is drawn
-        raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
-    if resume and overwrite:
-        raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
     if log is print:  # a path its lines cannot print: refused now, not at the line that names it
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
     stop = StopFlag()
@@ -141,7 +142,6 @@ def _train(
     options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
     if options is not None:  # a missing extra is refused before anything is written
         require_trackers(options.trackers)
-    check_writable(out_dir)
     with RunDirLock(out_dir) as lock:
         check_run_dir(out_dir, resume=resume, overwrite=overwrite)
         records = []
@@ -175,7 +175,7 @@ def _train(
         ):  # fmt: skip
             _describe_start(report, options, setup, state)
             with stop:
-                run = Run(setup, state, report, plan, evaluations, stopping=stop)
+                run = Run(setup, state, report, plan, evaluations, stopping=stop, resume_with=resume_with)
                 result = train_loop(run, sample_tokens)
     told.on_end(result)
     return result

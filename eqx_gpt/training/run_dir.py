@@ -1,15 +1,17 @@
 """The run directory: who may write into it, whether it already holds a run, and its metrics log.
 
-A run directory holds at most one run. `RunDirLock` keeps two live processes out of one folder at
-once, and `check_run_dir` refuses to start afresh over a run already there unless told to replace
-it: a finished run is never lost to a repeated command.
+A run directory holds at most one run. `RunDirLock` keeps two live runs (two processes, or two
+threads of one) out of one folder at once, and `check_run_dir` refuses to start afresh over a run
+already there unless told to replace it: a finished run is never lost to a repeated command.
 """
 
+import errno
 import fcntl
 import json
 import os
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 from eqx_gpt.checkpoint import (
@@ -29,17 +31,51 @@ LOCK_NAME = ".lock"
 METRICS_NAME = "metrics.jsonl"
 
 
-def check_writable(out_dir: Path) -> None:
-    """Create `out_dir` and prove it writable, or raise a one-line `TrainingError`."""
+def _missing_folders(out_dir: Path) -> list[Path]:
+    """The folders of `out_dir` that do not exist yet, deepest first (what `mkdir` would create)."""
+    missing, folder = [], out_dir
+    while not folder.exists() and not folder.is_symlink() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def check_writable(out_dir: Path) -> list[Path]:
+    """Create `out_dir` and prove it writable, or raise a one-line `TrainingError`; returns the
+    folders it created, deepest first (`RunDirLock` removes them again if the run is refused)."""
+    try:
+        os.stat(out_dir)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # as --data names it, not mkdir's "File exists"
+            raise TrainingError(
+                f"--out-dir {out_dir}: a loop of symbolic links; pass a path that resolves"
+            ) from None
+        if out_dir.is_symlink():
+            raise TrainingError(
+                f"--out-dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; "
+                f"create that folder or pass another --out-dir"
+            ) from None
+    created = _missing_folders(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
     except OSError as e:
+        _remove_empty(created)
         raise TrainingError(
             f"cannot write to output folder {out_dir} ({e.strerror or e}); "
             f"pass --out-dir to a writable folder"
         ) from None
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove `folders` (deepest first) while each is empty: what a refused run created."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def describe_run(out_dir: Path) -> str | None:
@@ -79,30 +115,58 @@ class RunDirLock:
     """An exclusive lock on a run directory for as long as a run writes into it.
 
     `fcntl.flock` on the directory itself: the kernel releases it when the process ends, however
-    it ends, so a lock left by a killed run is simply taken over. Taking the lock writes nothing;
-    `claim` then records the holder's pid and host in `out_dir/.lock`, so that a refused run can
-    name the live one and a new run can say whose stale lock it took over.
+    it ends, so a lock left by a killed run is simply taken over. Within one process, the folders
+    held are also kept in `_HELD` (by device and inode), so that a second run in another thread
+    is told it is this process's. Taking the lock creates the folder if need be (`check_writable`)
+    and writes nothing in it; `claim` then records the holder's pid and host in `out_dir/.lock`,
+    so that a refused run can name the live one and a new run can say whose stale lock it took
+    over. A run refused before it claims the folder leaves no folder it created behind.
     """
+
+    _HELD: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) of each folder held -> holder thread
+    _HELD_LOCK = threading.Lock()
 
     def __init__(self, out_dir: Path):
         self.out_dir = out_dir
         self.info = out_dir / LOCK_NAME
         self.fd: int | None = None
         self.claimed = False
+        self.created: list[Path] = []
+        self.identity: tuple[int, int] | None = None
 
     def __enter__(self) -> "RunDirLock":
-        self.fd = os.open(self.out_dir, os.O_RDONLY)
+        self.created = check_writable(self.out_dir)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
+            self._take()
+        except BaseException:
+            _remove_empty(self.created)
+            raise
+        return self
+
+    def _take(self) -> None:
+        self.fd = os.open(self.out_dir, os.O_RDONLY)
+        stat = os.fstat(self.fd)
+        with self._HELD_LOCK:
+            thread = self._HELD.get((stat.st_dev, stat.st_ino))
+            if thread is None:
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    pass
+                else:
+                    self.identity = (stat.st_dev, stat.st_ino)
+                    self._HELD[self.identity] = threading.current_thread().name
+                    return
+        os.close(self.fd)
+        self.fd = None
+        if thread is not None:
+            who = f"another run in this process (thread {thread!r})"
+        else:
             holder = self._holder()
             who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
-            raise TrainingError(
-                f"{self.out_dir}/ is in use by a live run ({who}); "
-                f"wait for it to end, or pass another --out-dir"
-            ) from None
-        return self
+        raise TrainingError(
+            f"{self.out_dir}/ is in use by a live run ({who}); wait for it to end, or pass another --out-dir"
+        ) from None
 
     def _holder(self) -> dict | None:
         try:
@@ -123,8 +187,13 @@ class RunDirLock:
     def __exit__(self, *exc) -> None:
         if self.claimed:
             self.info.unlink(missing_ok=True)
+        with self._HELD_LOCK:
+            if self.identity is not None:
+                del self._HELD[self.identity]
         if self.fd is not None:
             os.close(self.fd)
+        if not self.claimed:  # refused before it was the run's: the folders it created go again
+            _remove_empty(self.created)
 
 
 def final_recorded(metrics: Path, step: int) -> bool:

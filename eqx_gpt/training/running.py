@@ -3,7 +3,9 @@
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from eqx_gpt.training.arguments import resume_in_python
 from eqx_gpt.training.evaluate import RunEvaluations
 from eqx_gpt.training.report import Report
 from eqx_gpt.training.setup import RunSetup, TrainState
@@ -22,3 +24,4 @@ class Run:
     plan: TimePlan
     evaluations: RunEvaluations
     stopping: Callable[[], bool] = lambda: False
+    resume_with: Callable[[Path], str] = resume_in_python  # how the caller resumes it

@@ -144,9 +144,7 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
         # A LoRA run's base, identified, so that resuming on a changed one is refused.
         **_lora_base(config, options.checkpoint),
     }
-    read = f" ({corpus.summary})" if corpus.listing is not None else ""
-    log(f"data: {source}{read}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
-        f"tokenizer {tokenizer.name} ({tokenizer.vocab_size} ids)")  # fmt: skip
+    log(data_line(source, corpus, tokenizer, given=config.data is not None))
     setup = RunSetup(
         config=config, model_config=model_config, out_dir=out_dir, tokenizer=tokenizer,
         train_ids=corpus.train, val_ids=corpus.val, mesh=mesh, train_steps=train_steps,
@@ -162,6 +160,16 @@ def _lora_base(config: TrainConfig, meta: dict | None) -> dict:
     if config.lora_rank is None or config.init_from is None:
         return {}
     return {"lora_base": meta.get("lora_base") if meta is not None else base_identity(config.init_from)}
+
+
+def data_line(source: str, corpus: Corpus, tokenizer: Tokenizer, *, given: bool) -> str:
+    """The run's `data:` line: the corpus, what was read of data given (in square brackets, as its
+    summary has round ones: `[read 2 files (2 .arrow)]`), the splits' tokens and the tokenizer."""
+    read = f" [{corpus.summary}]" if given and corpus.summary else ""
+    return (
+        f"data: {source}{read}, {len(corpus.train):,} train / {len(corpus.val):,} validation tokens; "
+        f"tokenizer {tokenizer.name} ({tokenizer.vocab_size} ids)"
+    )
 
 
 def _initial_state(options, config, model_config, optimizer, out_dir: Path, log) -> TrainState:
@@ -186,6 +194,11 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
             model = GPT(model_config, key=batch_key(config.seed, INIT, 0))
         opt_state = init_optimizer_state(optimizer, model)
         return TrainState(model, opt_state, step=0, schedule_steps=options.schedule_steps)
+    if options.schedule_steps < meta["step"]:  # a schedule that ends before the run's step
+        raise TrainingError(
+            f"max_steps={options.schedule_steps} ends before step {meta['step']}, where the run in "
+            f"{out_dir}/ is; pass a --max-steps of at least {meta['step']} to go on, or leave it out"
+        )
     if meta.get("lora_base") is not None:
         check_base(meta["lora_base"])
     template = run_template(model_config, config.to_dict())
