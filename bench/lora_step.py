@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_description  # noqa: E402
+from common import SMOKE_SHAPE, add_smoke_argument, cpu_description  # noqa: E402
 
 from eqx_gpt import (  # noqa: E402
     GPT,
@@ -56,7 +56,8 @@ GPT2_124M = dict(
 def one_side(args) -> dict:
     """Build, compile and time one side's step in this process; its figures as a dict."""
     config = TrainConfig(batch_size=args.batch_size, grad_clip=1.0, weight_decay=0.1)
-    model = GPT(GPTConfig(context_length=args.context, **GPT2_124M), key=jax.random.key(0))
+    shape = {**GPT2_124M, **SMOKE_SHAPE, "vocab_size": 512} if args.smoke else GPT2_124M
+    model = GPT(GPTConfig(**{"context_length": args.context, **shape}), key=jax.random.key(0))
     if args.side == "lora":
         model = apply_lora(
             model, args.rank, alpha=2.0 * args.rank, targets=args.targets, key=jax.random.key(1)
@@ -65,7 +66,8 @@ def one_side(args) -> dict:
     opt_state = init_optimizer_state(optimizer, model)
     opt_bytes = sum(x.nbytes for x in jax.tree.leaves(opt_state) if eqx.is_array(x))
     step_fn = make_train_step(optimizer, config, dropout=False)
-    batch = jax.random.randint(jax.random.key(2), (args.batch_size, args.context + 1), 0, 50257)
+    context = model.config.context_length
+    batch = jax.random.randint(jax.random.key(2), (args.batch_size, context + 1), 0, model.config.vocab_size)
     step, lr = np.int32(0), np.float32(1e-4)
     t0 = time.perf_counter()
     model, opt_state, loss = step_fn(model, opt_state, batch, step, lr)
@@ -98,7 +100,10 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--targets", default="c_attn,c_proj,c_fc")
     p.add_argument("--side", choices=("full", "lora"), help=argparse.SUPPRESS)  # one side, in a child process
+    add_smoke_argument(p)
     args = p.parse_args()
+    if args.smoke:  # a tiny GPT-2-shaped model, one round of one step: checks that the bench runs
+        args.rounds, args.steps, args.batch_size, args.rank = 1, 1, 2, 2
     if args.side:
         print(json.dumps(one_side(args)))
         return
