@@ -23,6 +23,7 @@ import numpy as np
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import GPT2FormatError
 from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.template import model_template
@@ -30,22 +31,15 @@ from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE, GPT2Tokenizer
 
 CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME = "config.json", "model.safetensors", "model.safetensors.index.json"
 
-# Hugging Face's `Conv1D` modules (per block after "h.{i}.") and the `Linear` each is in a `GPT`
-# (LoRA's targets use these names too). A `Conv1D`'s weight is stored `(in, out)`, as `Linear`'s is.
-BLOCK_LINEARS = {
-    "attn.c_attn": lambda b: b.attn.qkv,
-    "attn.c_proj": lambda b: b.attn.out,
-    "mlp.c_fc": lambda b: b.mlp.up,
-    "mlp.c_proj": lambda b: b.mlp.down,
-}
-# Hugging Face's tensor names (per block after "h.{i}.") and where each lives in a `GPT`.
+# Hugging Face's tensor names (per block after "h.{i}.") and where each lives in a `GPT`. Its `Conv1D`
+# modules are our `Linear`s (`GPT2_PROJECTIONS`); a `Conv1D`'s weight is stored `(in, out)`, as ours is.
 BLOCK_TENSORS = {
     "ln_1.weight": lambda b: b.attn_norm.scale,
     "ln_1.bias": lambda b: b.attn_norm.bias,
     "ln_2.weight": lambda b: b.mlp_norm.scale,
     "ln_2.bias": lambda b: b.mlp_norm.bias,
-    **{f"{name}.weight": (lambda b, get=get: get(b).weight) for name, get in BLOCK_LINEARS.items()},
-    **{f"{name}.bias": (lambda b, get=get: get(b).bias) for name, get in BLOCK_LINEARS.items()},
+    **{f"{name}.weight": (lambda b, get=get: get(b).weight) for name, get in GPT2_PROJECTIONS.items()},
+    **{f"{name}.bias": (lambda b, get=get: get(b).bias) for name, get in GPT2_PROJECTIONS.items()},
 }
 TENSORS = {
     "wpe.weight": lambda m: m.pos_embed,

@@ -19,16 +19,12 @@ from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
 from eqx_gpt._checks import check_last_dim, typechecked
 from eqx_gpt.errors import ConfigError
+from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.linear import Linear, linear
 
-# The projections of a GPT block LoRA can adapt, by Hugging Face GPT-2's module names (what PEFT's
-# `target_modules` and tensor names use), with where each is in a `Block`.
-LORA_MODULES = {
-    "attn.c_attn": lambda b: b.attn.qkv,
-    "attn.c_proj": lambda b: b.attn.out,
-    "mlp.c_fc": lambda b: b.mlp.up,
-    "mlp.c_proj": lambda b: b.mlp.down,
-}
+# The projections of a GPT block LoRA can adapt: all of them, by GPT-2's module names (what PEFT's
+# `target_modules` and tensor names use).
+LORA_MODULES = GPT2_PROJECTIONS
 # Every name a target may be given as: PEFT's (a suffix of the module's name, so `c_proj` is both
 # attention's output projection and the MLP's down projection) and eqx_gpt's attribute paths.
 TARGET_NAMES = {
