@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from eqx_gpt._checks import check_last_dim, typechecked
+from eqx_gpt._checks import typechecked
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.linear import Linear, linear
@@ -105,9 +105,8 @@ class LoRALinear(Linear):
     @typechecked
     def __call__(self, x: Float[Array, "*rows d_in"]) -> Float[Array, "*rows d_out"]:
         """`x @ weight + bias + scale * (x @ lora_a) @ lora_b` for `x` `(*rows, in_features)`."""
-        check_last_dim(x, self.in_features, "LoRALinear", "in_features")
         update = linear(linear(x, self.lora_a), self.lora_b)
-        return linear(x, self.weight, self.bias) + jnp.asarray(self.scale, x.dtype) * update
+        return super().__call__(x) + jnp.asarray(self.scale, x.dtype) * update
 
     def columns(self, start: int, stop: int) -> "LoRALinear":
         """The projection restricted to output features `start:stop`: B is sliced with the weight."""
