@@ -59,10 +59,11 @@ else
 fi
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 # GPT-2's BPE files, for the tests that read them (without them they skip; there is no network).
-if [[ -z "${TIKTOKEN_CACHE_DIR:-}" && -d "$wheels/tiktoken-cache" ]]; then
+# The carried ones win: the GPU image sets TIKTOKEN_CACHE_DIR to a folder without them.
+if [[ -d "$wheels/tiktoken-cache" ]]; then
+  echo "gpu_check: GPT-2's BPE files from $wheels/tiktoken-cache${TIKTOKEN_CACHE_DIR:+ (not $TIKTOKEN_CACHE_DIR)}"
   TIKTOKEN_CACHE_DIR=$(cd "$wheels/tiktoken-cache" && pwd)
   export TIKTOKEN_CACHE_DIR
-  echo "gpu_check: GPT-2's BPE files from $wheels/tiktoken-cache"
 elif [[ -z "${TIKTOKEN_CACHE_DIR:-}" ]]; then
   echo "gpu_check: no $wheels/tiktoken-cache: the tests that read GPT-2's BPE files skip. To carry them:"
   echo "  cp -r ../shared/data/tiktoken-cache $wheels/"

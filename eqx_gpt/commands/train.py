@@ -28,6 +28,7 @@ from eqx_gpt.model.config import (
 from eqx_gpt.training import run as run_module
 from eqx_gpt.training.arguments import resume_on_the_command_line
 from eqx_gpt.training.config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
+from eqx_gpt.training.determinism import request_deterministic_gpu_ops
 from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
 
     def body() -> int:
         try:
+            request_deterministic_gpu_ops()  # resume continues the same bits on a GPU too
             initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
             result = run_module._train(
                 {**settings, **({} if preset == AUTO else {"preset": preset})}, Path(out_dir), resume=resume,

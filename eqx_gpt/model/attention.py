@@ -353,6 +353,10 @@ class MultiHeadAttention(eqx.Module):
         if _cudnn_attention_available(q.dtype) and rate == 0.0 and not cached:
             per_sequence = mask is not None and mask.ndim > 2
             fused_mask = mask[..., None, :, :] if mask is not None and per_sequence else mask  # heads=1
+            if mask is not None and q.ndim == 3:
+                # One sequence, as under `jax.vmap(model)`: JAX's batching rule for cuDNN's kernel
+                # reshapes the mask as if it held every head (0.11.2 fails on a (1, q, kv) one).
+                fused_mask = jnp.broadcast_to(mask, (q.shape[-2], *mask.shape[-2:]))
             try:
                 out = fused_attention(q, k, v, fused_mask, "cudnn")
             except (RuntimeError, ValueError, NotImplementedError):
