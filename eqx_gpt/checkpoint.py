@@ -8,6 +8,11 @@ A checkpoint named `latest` (or `best`) in a run directory is a pair of files:
     latest-<sha256[:16]>.eqx  `eqx.tree_serialise_leaves` of the model's arrays, then the
                             optimiser state
 
+A LoRA run's checkpoint (format version 3, `"weights_hold": "adapters"`) holds its adapters alone
+(`lora_a`, `lora_b`) and their optimiser state: its frozen base is the GPT-2 folder the metadata
+identifies (`lora_base`: path, and each file's size and sha256), read back from there and checked
+unchanged, so a GPT-2-124M run writes megabytes per checkpoint rather than the whole model again.
+
 The model's `inference` flags (see `eqx.nn.inference_mode`) are a mode, not weights: they are not
 stored, and a model always loads in training mode, as built. Format version 2 records the model's
 class (`"model"`); version 1, whose weights files are the same, may lack it, and then holds a GPT
@@ -34,17 +39,26 @@ from jax.experimental import multihost_utils
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError
 from eqx_gpt.files import atomic_write_bytes
-from eqx_gpt.gpt2 import CONFIG_NAME, WEIGHTS_NAME, gpt2_tokenizer, is_gpt2_directory, load_gpt2
+from eqx_gpt.gpt2 import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    gpt2_changed,
+    gpt2_tokenizer,
+    is_gpt2_directory,
+    load_gpt2,
+)
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.lora import lora_options, lora_template, merge_lora
+from eqx_gpt.model.lora import apply_lora, has_lora, lora_options, lora_template, lora_trainable, merge_lora
 from eqx_gpt.model.template import model_template
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
 
 FORMAT = "eqx_gpt-checkpoint"
 VERSION = 2  # what `save_checkpoint` writes
-READABLE_VERSIONS = (1, 2)
+ADAPTERS_VERSION = 3  # ... for a LoRA model with its base named: the adapters alone (`ADAPTERS`)
+ADAPTERS = "adapters"  # `weights_hold` of such a checkpoint
+READABLE_VERSIONS = (1, 2, 3)
 # A run directory's two checkpoints; `find_checkpoint` prefers them in the order of NAMES.
 BEST, LATEST = "best", "latest"
 NAMES = (BEST, LATEST)
@@ -58,7 +72,7 @@ WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (example
 METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model": str, "model_config": dict,
                   "train_config": dict, "tokenizer": dict}  # fmt: skip
 OPTIONAL_TYPES = {"val_loss": float, "best_val_loss": float, "val_loss_step": int, "schedule_steps": int,
-                  "data_sha256": str, "lora_base": dict}  # fmt: skip
+                  "data_sha256": str, "lora_base": dict, "weights_hold": str}  # fmt: skip
 
 
 def _is_of(value: Any, kind: type) -> bool:
@@ -119,17 +133,22 @@ def save_checkpoint(
     (`inference`) is not. `tokenizer` is eqx_gpt's (`CharTokenizer`, `GPT2Tokenizer`) or, for a
     `Transformer`, any object whose `to_dict()` describes it (`load_model` then returns None for
     it, and its description as `metadata["tokenizer"]`). `metadata` holds any further JSON-ready
-    values (losses, the schedule length, ...).
+    values (losses, the schedule length, ...). A LoRA model whose `metadata` names its base GPT-2
+    folder (`lora_base=eqx_gpt.gpt2.gpt2_identity(folder)`) is saved as its adapters alone, and
+    read back on that base (see the module's docstring).
     """
     if not isinstance(model, GPT | Transformer):
         raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")
     out_dir = as_path(out_dir, "out_dir")
-    weights = _serialise(model, opt_state)
+    adapters_only = has_lora(model) and metadata.get("lora_base") is not None
+    stored = eqx.filter(model, lora_trainable(model)) if adapters_only else model
+    weights = _serialise(stored, opt_state)
     digest = hashlib.sha256(weights).hexdigest()
     weights_name = f"{name}-{digest[:16]}.eqx"
     meta = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": ADAPTERS_VERSION if adapters_only else VERSION,
+        **({"weights_hold": ADAPTERS} if adapters_only else {}),
         "step": int(step),
         "weights": weights_name,
         "sha256": digest,
@@ -308,6 +327,40 @@ def _deserialise(
         ) from None
 
 
+def _read_model(f: io.BytesIO, meta: dict, config: GPTConfig | TransformerConfig) -> Any:
+    """The checkpoint's model from its weights file `f`: whole, or its adapters on its base."""
+    like = run_template(config, meta["train_config"])
+    if meta.get("weights_hold") != ADAPTERS:
+        return _deserialise(f, like, meta, _read_model_leaf)
+    adapters = _deserialise(f, eqx.filter(like, lora_trainable(like)), meta)
+    return eqx.combine(adapters, _frozen_base(meta, config))
+
+
+def _frozen_base(meta: dict, config: GPTConfig | TransformerConfig) -> Any:
+    """The frozen part of an adapters-only checkpoint's model: its base GPT-2 folder, checked to
+    be the one the run started from, loaded as the run loaded it, with the adapters' places empty."""
+    recorded, lora = meta.get("lora_base"), lora_options(meta["train_config"])
+    if recorded is None or lora is None or not isinstance(config, GPTConfig):
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds LoRA adapters alone but does not name their base; it is corrupt"
+        )
+    changed = gpt2_changed(recorded)
+    if changed is not None:
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds LoRA adapters for the GPT-2 in {recorded.get('path')}/, which "
+            f"{changed}; restore that folder (the adapters alone are beside the checkpoint, in PEFT's format)"
+        )
+    options = {k: getattr(config, k) for k in ("context_length", "dropout", "compute_dtype", "scan_unroll")}
+    base = load_gpt2(recorded["path"], **options)
+    if base.config != config:
+        raise CheckpointError(
+            f"checkpoint {meta['path']}: the GPT-2 in {recorded['path']}/ loads as another model than the "
+            f"run's; the checkpoint is corrupt"
+        )
+    adapted = apply_lora(base, **lora, key=jax.random.key(0))
+    return eqx.filter(adapted, lora_trainable(adapted), inverse=True)
+
+
 @overload
 def load_model(
     path: str | Path, *, kind: Literal["GPT"], lora: str = "merged"
@@ -347,8 +400,7 @@ def load_model(
     meta = read_metadata(path)
     config = _model_config(meta, kind)
     tokenizer = _tokenizer(meta, config)
-    like = run_template(config, meta["train_config"])
-    model = _deserialise(_read_weights(meta), like, meta, _read_model_leaf)
+    model = _read_model(_read_weights(meta), meta, config)
     if lora == "merged":
         model = merge_lora(model)
     return model, tokenizer, meta
@@ -367,7 +419,7 @@ def load_checkpoint(path: str | Path | dict, opt_state_like: Any) -> tuple[GPT, 
     if not isinstance(config, GPTConfig) or tokenizer is None:  # a GPT's tokenizer is checked
         raise CheckpointError(f"checkpoint {meta['path']} does not hold a GPT with its tokenizer")
     f = _read_weights(meta)
-    model = _deserialise(f, run_template(config, meta["train_config"]), meta, _read_model_leaf)
+    model = _read_model(f, meta, config)
     opt_state = _deserialise(f, opt_state_like, meta)
     if f.read(1):
         raise CheckpointError(

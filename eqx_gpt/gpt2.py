@@ -13,6 +13,7 @@ code), sharded checkpoints (`model.safetensors.index.json`) included. The sizes 
 `config.json`, so gpt2, gpt2-medium, gpt2-large and gpt2-xl load alike.
 """
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -284,3 +285,29 @@ def save_gpt2(model: GPT, directory: str | Path) -> Path:
     atomic_write_bytes(directory / WEIGHTS_NAME, data)
     atomic_write_bytes(directory / CONFIG_NAME, (json.dumps(config_dict, indent=2) + "\n").encode())
     return directory
+
+
+def gpt2_identity(directory: str | Path) -> dict:
+    """What identifies a GPT-2 folder's weights: its path and each file's size and sha256
+    (`config.json` and every `.safetensors`), as a LoRA run records its frozen base."""
+    directory = Path(directory).resolve()  # read back from any working directory
+    files = {}
+    for path in sorted([directory / CONFIG_NAME, *directory.glob("*.safetensors")]):
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        files[path.name] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"path": str(directory), "files": files}
+
+
+def gpt2_changed(recorded: dict) -> str | None:
+    """None if the folder `recorded` (a `gpt2_identity`) names still holds the same files, else
+    what happened to it ("is gone", "has changed since ...")."""
+    try:
+        now = gpt2_identity(Path(str(recorded.get("path"))))["files"]
+    except OSError:
+        return "is gone"
+    if now != recorded.get("files"):
+        return "has changed since the run started (its files' sha256 differ)"
+    return None

@@ -50,3 +50,15 @@ def split_key(key: PRNGKeyArray, n: int) -> PRNGKeyArray:
         return jax.random.split(key, n)
     split = jax.vmap(lambda k: jax.random.split(k, n), out_axes=1)(key.reshape(-1))
     return split.reshape(n, *key.shape)
+
+
+def projection_keys(key: PRNGKeyArray | None, batch: tuple[int, ...], n: int) -> tuple:
+    """`n` keys for a module's projections (a `LoRALinear` drops out its input), derived from the
+    module's own `key`: one per sequence of `batch`, each folded with `1, ..., n`, so the keys the
+    module already splits from `key` (its attention dropout) draw what they drew before. `None`s
+    without a key."""
+    if key is None:
+        return (None,) * n
+    per_sequence = keys_per_sequence(key, batch).reshape(-1)
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+    return tuple(fold(per_sequence, i).reshape(batch) for i in range(1, n + 1))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from eqx_gpt import (
+    CheckpointError,
     ConfigError,
     Linear,
     LoRALinear,
@@ -25,9 +26,11 @@ from eqx_gpt import (
     lora_trainable,
     merge_lora,
     save_adapters,
+    save_checkpoint,
     train,
 )
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
+from eqx_gpt.model.dropout import dropout
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
 from eqx_gpt.training import loop as loop_module
 from eqx_gpt.training.data import load_text
@@ -40,7 +43,9 @@ RUN = dict(
     context_length=32, batch_size=2, eval_batches=1, max_steps=4, eval_interval=2, log_interval=1,
     warmup_steps=1, lr=1e-2, min_lr=1e-3,
 )  # fmt: skip
-LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn,c_proj")
+# With LoRA dropout, so that the run tests below (step 0 is the base, resume is bit-exact, PEFT's
+# folder) hold with the adapters' input dropped out in training.
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn,c_proj", lora_dropout=0.1)
 
 
 def _cli(name: str):
@@ -122,6 +127,41 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
     )
 
 
+def test_lora_dropout_drops_out_the_adapters_input_alone_in_training():
+    base = Linear(8, 6, key=jax.random.key(0), use_bias=True)
+    lora = LoRALinear(base, 2, alpha=4.0, dropout=0.5, key=jax.random.key(1))
+    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.random.normal(jax.random.key(2), (2, 6)))
+    x, key = jax.random.normal(jax.random.key(3), (3, 5, 8)), jax.random.key(4)
+    with pytest.raises(ValueError, match="LoRALinear has dropout 0.5 and is in training mode, so it needs"):
+        lora(x)
+    dropped = dropout(x, 0.5, key)
+    expected = base(x) + 2.0 * (dropped @ lora.lora_a) @ lora.lora_b  # PEFT's: the frozen path keeps x
+    np.testing.assert_allclose(lora(x, key=key), expected, rtol=1e-5, atol=1e-6)
+    plain = base(x) + 2.0 * (x @ lora.lora_a) @ lora.lora_b
+    np.testing.assert_allclose(lora(x, inference=True), plain, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(eqx.nn.inference_mode(lora)(x, key=key), plain, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(lora(x, key=key), plain)
+    # One key per sequence: each sequence gets the output it gets alone, as under jax.vmap.
+    keys = jax.random.split(key, 3)
+    alone = jax.vmap(lambda x, k: lora(x, key=k))(x, keys)
+    np.testing.assert_allclose(lora(x, key=keys), alone, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
+    base = load_gpt2(TINY_GPT2)
+    tokens = jnp.arange(16) % 100
+    for targets in ("c_attn", "attn.out", "c_fc", "mlp.down"):
+        model = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
+        model = _random_b(model, jax.random.key(1))
+        plain = model(tokens, inference=True)
+        one, two = model(tokens, key=jax.random.key(2)), model(tokens, key=jax.random.key(3))
+        assert not np.allclose(one, plain) and not np.allclose(one, two), targets
+        np.testing.assert_array_equal(one, model(tokens, key=jax.random.key(2)))
+        undropped = apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0))
+        undropped = _random_b(undropped, jax.random.key(1))
+        np.testing.assert_array_equal(undropped(tokens, key=jax.random.key(2)), plain)
+
+
 def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
     model = load_adapters(load_gpt2(TINY_GPT2), PEFT_FIXTURE)
     layers = model.blocks.layers
@@ -162,7 +202,8 @@ def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone
     separate, _, meta = load_model(lora_run, lora="separate")
     base = load_gpt2(TINY_GPT2, context_length=32)
     frozen = eqx.filter(separate, lora_trainable(separate), inverse=True)
-    for a, b in zip(jax.tree.leaves(frozen), jax.tree.leaves(base), strict=True):
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    for a, b in zip(arrays(frozen), arrays(base), strict=True):
         np.testing.assert_array_equal(a, b)  # not one frozen weight moved
     assert float(jnp.abs(separate.blocks.layers.attn.qkv.lora_b).max()) > 0  # the adapters did
     # The optimiser holds AdamW's two moments for the adapters, nothing for the frozen base.
@@ -196,6 +237,7 @@ def _opt_like(meta):
 def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
     config = json.loads((lora_run / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(TINY_GPT2) and config["r"] == 4
+    assert config["lora_dropout"] == 0.1
     assert config["target_modules"] == ["attn.c_attn", "attn.c_proj", "mlp.c_proj"]
     separate, _, _ = load_model(lora_run, lora="separate")
     from_peft = load_adapters(load_gpt2(TINY_GPT2, context_length=32), lora_run)
@@ -226,6 +268,31 @@ def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
     assert _losses(out) == _losses(lora_run)
 
 
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_reads_its_base_back(tmp_path, lora_run):
+    meta = read_metadata(checkpoint_file(lora_run, LATEST))
+    assert (meta["version"], meta["weights_hold"]) == (3, "adapters")
+    separate, _, _ = load_model(lora_run, lora="separate")
+    n_adapters = sum(x.size for x in jax.tree.leaves(eqx.filter(separate, lora_trainable(separate))))
+    n_arrays = 3 * len(jax.tree.leaves(eqx.filter(separate, lora_trainable(separate))))
+    # The adapters and AdamW's two moments of them (float32), each array with its .npy header, and
+    # the optimiser's counters: nothing of the frozen base.
+    size = (lora_run / meta["weights"]).stat().st_size
+    assert 3 * 4 * n_adapters < size < 3 * 4 * n_adapters + 256 * (n_arrays + 8)
+    # The same model saved whole (no base named: version 2, as before) loads to the same arrays.
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
+    _, opt_state, tokenizer, _ = load_checkpoint(checkpoint_file(lora_run, LATEST), _opt_like(meta))
+    whole = save_checkpoint(
+        tmp_path, LATEST, separate, opt_state, step=4, tokenizer=tokenizer, train_config=meta["train_config"]
+    )
+    whole_meta = read_metadata(whole)
+    assert whole_meta["version"] == 2 and "weights_hold" not in whole_meta
+    n_frozen = sum(x.size for x in arrays(eqx.filter(separate, lora_trainable(separate), inverse=True)))
+    assert (tmp_path / whole_meta["weights"]).stat().st_size - size >= 4 * n_frozen  # the base, whole
+    again, _, _ = load_model(tmp_path, lora="separate")
+    for a, b in zip(arrays(again), arrays(separate), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_resuming_on_a_changed_base_is_refused(tmp_path, corpus):
     base, out = tmp_path / "gpt2", tmp_path / "run"
     shutil.copytree(TINY_GPT2, base)
@@ -236,6 +303,12 @@ def test_resuming_on_a_changed_base_is_refused(tmp_path, corpus):
     weights.write_bytes(bytes(data))
     with pytest.raises(TrainingError, match="base model .* has changed since the run started"):
         _train(out, resume=True, max_steps=4)
+    # Its checkpoints hold the adapters alone: read on another base, they are refused too.
+    with pytest.raises(CheckpointError, match="holds LoRA adapters for the GPT-2 in .*, which has changed"):
+        load_model(out)
+    shutil.rmtree(base)
+    with pytest.raises(CheckpointError, match="which is gone; restore that folder"):
+        load_model(out)
 
 
 def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, corpus):
@@ -277,6 +350,17 @@ def test_bad_lora_settings_are_one_line_before_any_work(tmp_path, capsys, flags,
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_adapters_of_another_rank_than_the_runs_are_refused_through_train(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"adapters in .* are rank 4, alpha 8 on .* but the run asks for rank 8"
+    ):
+        train(
+            init_from=str(TINY_GPT2), lora_adapters=str(PEFT_FIXTURE), lora_rank=8, lora_alpha=8.0,
+            lora_targets="c_attn,c_proj", out_dir=tmp_path / "run", log=lambda s: None,
+        )  # fmt: skip
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_nan_alpha_is_refused_through_train():

@@ -13,7 +13,7 @@ from eqx_gpt._checks import check_last_dim, check_size, is_traced, is_whole, typ
 from eqx_gpt.model.dropout import check_rate, dropout, dropout_active
 from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.positions import rotary_embedding
-from eqx_gpt.streams import keys_per_sequence
+from eqx_gpt.streams import keys_per_sequence, projection_keys
 
 
 def causal_mask(seq_len: int) -> Bool[Array, "{seq_len} {seq_len}"]:
@@ -272,17 +272,22 @@ class MultiHeadAttention(eqx.Module):
         """A projection `(..., n * d_model)` as `n` arrays' heads `(..., n, heads, d_head)`."""
         return x.reshape(*x.shape[:-1], n, self.n_heads, self.d_head)
 
-    def project_q(self, x):
-        """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `qkv`)."""
+    def project_q(self, x, *, key=None, inference: bool | None = None):
+        """Queries of every head `(*batch, seq, heads, d_head)` (the first third of `qkv`).
+        `key` and `inference` reach the projection (`Linear.__call__`: a `LoRALinear` drops out)."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        return self._heads(self.qkv.columns(0, self.d_model)(x), 1)[..., 0, :, :]
+        q = self.qkv.columns(0, self.d_model)(x, key=key, inference=inference)
+        return self._heads(q, 1)[..., 0, :, :]
 
-    def _project(self, x, context, start: Int[Array, ""] | int = 0):
+    def _project(self, x, context, start: Int[Array, ""] | int = 0, *, key=None, inference=None):
         """`(q, k, v)`: all from `x` in one matrix multiply, or keys and values from `context`.
-        Under `rope`, self-attention's queries and keys are rotated as positions `start, ...`."""
+        Under `rope`, self-attention's queries and keys are rotated as positions `start, ...`.
+        `key` (the projections') and `inference` reach `qkv`."""
         if context is not None:
-            return self.project_q(x), *self.project_kv(context)
-        q, k, v = self.project_qkv(x)
+            k_q, k_kv = projection_keys(key, x.shape[:-2], 2)
+            q = self.project_q(x, key=k_q, inference=inference)
+            return q, *self.project_kv(context, key=k_kv, inference=inference)
+        q, k, v = self.project_qkv(x, key=key, inference=inference)
         if self.rope:
             positions = start + jnp.arange(x.shape[-2])
             q, k = rotary_embedding(q, positions), rotary_embedding(k, positions)
@@ -290,25 +295,36 @@ class MultiHeadAttention(eqx.Module):
 
     @typechecked
     def project_qkv(
-        self, x: Float[Array, "*batch seq d_model"]
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> tuple[
         Float[Array, "*batch seq heads d_head"],
         Float[Array, "*batch seq heads d_head"],
         Float[Array, "*batch seq heads d_head"],
     ]:
-        """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`."""
+        """Queries, keys and values of every head, each of shape `(seq, n_heads, d_head)`. `key` and
+        `inference` reach the projection (`Linear.__call__`: a `LoRALinear` drops out)."""
         check_last_dim(x, self.d_model, "MultiHeadAttention", "d_model")
-        qkv = self._heads(self.qkv(x), 3)
+        qkv = self._heads(self.qkv(x, key=key, inference=inference), 3)
         return qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :]
 
     @typechecked
     def project_kv(
-        self, context: Float[Array, "*batch kv_seq d_model"]
+        self,
+        context: Float[Array, "*batch kv_seq d_model"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
     ) -> tuple[Float[Array, "*batch kv_seq heads d_head"], Float[Array, "*batch kv_seq heads d_head"]]:
         """Keys and values of `context` for cross-attention. A decoder computes them once per
-        source sequence and passes them to `attend` at every step."""
+        source sequence and passes them to `attend` at every step. `key` and `inference` as in
+        `project_qkv`."""
         check_last_dim(context, self.d_model, "MultiHeadAttention context", "d_model")
-        kv = self._heads(self.qkv.columns(self.d_model, 3 * self.d_model)(context), 2)
+        kv_part = self.qkv.columns(self.d_model, 3 * self.d_model)
+        kv = self._heads(kv_part(context, key=key, inference=inference), 2)
         return kv[..., 0, :, :], kv[..., 1, :, :]
 
     def _full_mask(self, mask, q_shape, kv_seq: int):
@@ -341,9 +357,10 @@ class MultiHeadAttention(eqx.Module):
         `(*batch, kv_seq, heads, d_head)` (from `project_kv`); returns `(*batch, seq, d_model)`.
         `key` and `inference` as in `__call__`."""
         rate = self._rate(key, inference)
-        q = self.project_q(x)
+        k_q, k_out = projection_keys(key, x.shape[:-2], 2)
+        q = self.project_q(x, key=k_q, inference=inference)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return self.out(self._attend(q, k, v, mask, key, rate))
+        return self.out(self._attend(q, k, v, mask, key, rate), key=k_out, inference=inference)
 
     def _attend(self, q, k, v, mask, key, rate: float, cached: bool = False):
         """All heads' outputs `(*batch, seq, d_model)`, attention weights dropped out at `rate`:
@@ -386,9 +403,12 @@ class MultiHeadAttention(eqx.Module):
         when `dropout > 0`; `inference=True` or `False` overrides `self.inference` for this call.
         """
         rate = self._rate(key, inference)
-        q, k, v = self._project(x, context)
+        # The projections' own keys (a LoRALinear's dropout), folded from `key`: the attention
+        # dropout below draws from `key` itself, as it did before projections took keys.
+        k_in, k_out = projection_keys(key, x.shape[:-2], 2)
+        q, k, v = self._project(x, context, key=k_in, inference=inference)
         mask = self._full_mask(mask, q.shape, k.shape[-3])
-        return self.out(self._attend(q, k, v, mask, key, rate))
+        return self.out(self._attend(q, k, v, mask, key, rate), key=k_out, inference=inference)
 
     @typechecked
     def weights(
@@ -399,7 +419,7 @@ class MultiHeadAttention(eqx.Module):
         mask: Bool[Array, "..."] | None = None,
     ) -> Float[Array, "heads seq kv_seq"]:
         """The attention weights `(n_heads, seq, kv_seq)` that `__call__` uses (no dropout)."""
-        q, k, v = self._project(x, context)
+        q, k, v = self._project(x, context, inference=True)
         return multi_head_attention(q, k, v, self._full_mask(mask, q.shape, k.shape[-3]))[1]
 
     @typechecked
@@ -421,7 +441,7 @@ class MultiHeadAttention(eqx.Module):
         matters here: under `jax.vmap` the update would become a scatter, which XLA:CPU turns
         into a copy of the whole cache per token.)
         """
-        q, k, v = self._project(x, None, start)  # (*batch, new, heads, d_head)
+        q, k, v = self._project(x, None, start, inference=True)  # (*batch, new, heads, d_head)
         lead = (0,) * (x.ndim - 2)
         k_t = jnp.moveaxis(k, -3, -1).astype(cache.k.dtype)  # (*batch, heads, d_head, new)
         v_h = jnp.swapaxes(v, -3, -2).astype(cache.v.dtype)  # (*batch, heads, new, d_head)
@@ -430,4 +450,4 @@ class MultiHeadAttention(eqx.Module):
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
         out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, 0.0, cached=True)
-        return self.out(out), KVCache(k=k_all, v=v_all)
+        return self.out(out, inference=True), KVCache(k=k_all, v=v_all)

@@ -134,7 +134,10 @@ class Block(eqx.Module):
             cross_norm, cross_attn = self.cross_sublayer()
             cross = lambda h: cross_attn(h, context, mask=context_mask, key=k_cross, inference=inference)
             x = self._residual(x, cross_norm, cross, k_res2, own)
-        return self._residual(x, self.mlp_norm, self.mlp, k_res3, own)
+        # The MLP's projections fold their keys from k_res3 (`projection_keys`): the residual
+        # dropout draws from k_res3 itself, as before projections took keys.
+        feed_forward = lambda h: self.mlp(h, key=k_res3, inference=inference)
+        return self._residual(x, self.mlp_norm, feed_forward, k_res3, own)
 
     def attention_weights(self, x, *, mask=None):
         """The self-attention weights `(heads, seq, seq)` that `__call__` uses on `x` `(seq,
@@ -183,4 +186,5 @@ class Block(eqx.Module):
             k, v = context_kv
             cross = lambda h: cross_attn.attend(h, k, v, mask=context_mask, inference=True)
             x = self._residual(x, cross_norm, cross, None, True)
-        return self._residual(x, self.mlp_norm, self.mlp, None, True), cache
+        feed_forward = lambda h: self.mlp(h, inference=True)
+        return self._residual(x, self.mlp_norm, feed_forward, None, True), cache

@@ -4,7 +4,7 @@ it computes."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, check_size, typechecked
 
@@ -74,8 +74,19 @@ class Linear(eqx.Module):
         return self.weight.shape[-1]
 
     @typechecked
-    def __call__(self, x: Float[Array, "*rows d_in"]) -> Float[Array, "*rows d_out"]:
-        """`x @ weight + bias` for `x` of shape `(*rows, in_features)`: `(*rows, out_features)`."""
+    def __call__(
+        self,
+        x: Float[Array, "*rows d_in"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "*rows d_out"]:
+        """`x @ weight + bias` for `x` of shape `(*rows, in_features)`: `(*rows, out_features)`.
+
+        `key` and `inference` are ignored (a plain projection is deterministic), as in
+        `eqx.nn.Linear`; they are there so that every projection is called alike, and a subclass
+        that drops out (`LoRALinear`) gets them from the module that calls it."""
+        del key, inference
         check_last_dim(x, self.in_features, "Linear", "in_features")
         return linear(x, self.weight, self.bias)
 

@@ -6,11 +6,12 @@ from collections.abc import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, check_size, typechecked
 from eqx_gpt.model.config import ACTIVATION_KINDS
 from eqx_gpt.model.linear import Linear
+from eqx_gpt.streams import projection_keys
 
 
 @jax.custom_vjp
@@ -61,7 +62,7 @@ class MLP(eqx.Module):
     Not `eqx.nn.MLP`: this is the transformer's two-layer feed-forward network, built from
     `(d_model, d_hidden)` (no `depth`, `in_size`/`out_size` or activation function argument), and
     acting on a whole sequence `(seq, d_model)` rather than one vector. It has no dropout (the
-    `Block` drops out its output).
+    `Block` drops out its output; a `key` passed reaches the projections, for LoRA's dropout).
 
     `up` maps `d_model -> d_hidden`, `down` maps back; each is a `Linear`, one matrix multiply for
     a whole sequence (or batch of sequences). Biases are optional (`bias=True`, GPT-2's; zeros at
@@ -98,7 +99,18 @@ class MLP(eqx.Module):
         self.down = Linear(d_hidden, d_model, key=k_out, use_bias=bias, init_std=init_std)
 
     @typechecked
-    def __call__(self, x: Float[Array, "*batch seq d_model"]) -> Float[Array, "*batch seq d_model"]:
-        """Map `x` of shape `(seq, d_model)` (or a batch `(batch, seq, d_model)`) to the same shape."""
+    def __call__(
+        self,
+        x: Float[Array, "*batch seq d_model"],
+        *,
+        key: PRNGKeyArray | Key[Array, "*batch"] | None = None,
+        inference: bool | None = None,
+    ) -> Float[Array, "*batch seq d_model"]:
+        """Map `x` of shape `(seq, d_model)` (or a batch `(batch, seq, d_model)`) to the same shape.
+
+        The MLP itself is deterministic; `key` (one, or one per sequence) and `inference` reach
+        its projections, for those that drop out (`LoRALinear`)."""
         check_last_dim(x, self.d_model, "MLP", "d_model")
-        return self.down(ACTIVATIONS[self.activation](self.up(x)))
+        k_up, k_down = projection_keys(key, x.shape[:-2], 2)
+        hidden = ACTIVATIONS[self.activation](self.up(x, key=k_up, inference=inference))
+        return self.down(hidden, key=k_down, inference=inference)

@@ -54,7 +54,7 @@ class TrainConfig(DictConfig):
         "LoRA's alpha: the adapters' update is scaled by alpha / rank", default=16.0
     )
     lora_dropout: float = described(
-        "LoRA dropout on the adapters' input: recorded in adapter_config.json; training supports 0 only",
+        "LoRA dropout on the adapters' input (PEFT's lora_dropout; 0.05 is usual), in training only",
         default=0.0,
     )
     lora_targets: str = described(
@@ -208,11 +208,6 @@ class TrainConfig(DictConfig):
                 )
             return
         check_lora(self.lora_rank, self.lora_alpha, self.lora_dropout)
-        if self.lora_dropout:
-            raise ConfigError(
-                f"--lora-dropout {self.lora_dropout}: eqx_gpt's LoRA trains without dropout on the "
-                f"adapters (its projections take no dropout key); pass 0, or --dropout for the model's"
-            )
 
 
 # The checks of `TrainConfig.__post_init__`: whole numbers >= 1, finite numbers, and each number's range.

@@ -25,7 +25,7 @@ from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.gpt2 import read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.lora import check_lora
+from eqx_gpt.model.lora import check_lora, lora_modules
 from eqx_gpt.trackers import parse_trackers
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.peft import adapter_targets, base_directory, is_adapter_directory, read_adapter_config
@@ -196,6 +196,8 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             )
         width = read_gpt2_config(train.init_from).d_model  # the rank's bound
         check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
+        if train.lora_adapters is not None:
+            _check_adapters_match(train)
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     before = preset_values(preset)
@@ -215,11 +217,32 @@ def _from_adapters(init_from: str, settings: dict) -> dict:
             f"adapter_config.json); leave it out to continue those adapters"
         )
     config = read_adapter_config(init_from)
+    # Its dropout too, unless the run gives its own (a training setting, not the adapters' shape).
+    dropout = {} if "lora_dropout" in settings else {"lora_dropout": float(config.get("lora_dropout", 0.0))}
     return {
         "init_from": str(base_directory(init_from)), "lora_adapters": init_from,
         "lora_rank": int(config["r"]), "lora_alpha": float(config["lora_alpha"]),
-        "lora_targets": ",".join(adapter_targets(init_from)),
+        "lora_targets": ",".join(adapter_targets(init_from)), **dropout,
     }  # fmt: skip
+
+
+def _check_adapters_match(train: TrainConfig) -> None:
+    """A one-line `ConfigError` unless the PEFT folder `lora_adapters` holds adapters of the run's
+    rank, alpha and targets (the checkpoints are read back by those), as `--init-from ADAPTER_DIR`
+    sets them."""
+    config = read_adapter_config(str(train.lora_adapters))
+    theirs = (
+        int(config["r"]),
+        float(config["lora_alpha"]),
+        lora_modules(adapter_targets(str(train.lora_adapters))),
+    )
+    ours = (train.lora_rank, float(train.lora_alpha), lora_modules(train.lora_targets))
+    if theirs != ours:
+        raise ConfigError(
+            f"the adapters in {train.lora_adapters}/ are rank {theirs[0]}, alpha {theirs[1]:g} on "
+            f"{','.join(theirs[2])}, but the run asks for rank {ours[0]}, alpha {ours[1]:g} on "
+            f"{','.join(ours[2])}; pass --init-from {train.lora_adapters} alone to continue them"
+        )
 
 
 def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:

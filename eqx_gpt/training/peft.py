@@ -11,7 +11,6 @@ projections are `Conv1D`s (weight stored `(in, out)`), hence `fan_in_fan_out: tr
 rsLoRA and per-module ranks are refused).
 """
 
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -23,7 +22,7 @@ import numpy as np
 
 from eqx_gpt.errors import CheckpointError, TrainingError
 from eqx_gpt.files import atomic_write_bytes
-from eqx_gpt.gpt2 import CONFIG_NAME
+from eqx_gpt.gpt2 import CONFIG_NAME, gpt2_changed
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import LORA_MODULES, LoRALinear, apply_lora, check_lora
 
@@ -47,20 +46,20 @@ def _adapted(model: GPT) -> dict[str, LoRALinear]:
     return {name: get(layers) for name, get in LORA_MODULES.items() if isinstance(get(layers), LoRALinear)}
 
 
-def adapter_config(model: GPT, base: str, dropout: float = 0.0) -> dict:
+def adapter_config(model: GPT, base: str) -> dict:
     """The `adapter_config.json` PEFT writes for `model`'s adapters on the GPT-2 in folder `base`."""
     adapted = _adapted(model)
     first = next(iter(adapted.values()))
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
-        "r": first.rank, "lora_alpha": first.scale * first.rank, "lora_dropout": dropout,
+        "r": first.rank, "lora_alpha": first.scale * first.rank, "lora_dropout": first.dropout,
         "target_modules": sorted(adapted), "fan_in_fan_out": True, "bias": "none",
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {},
     }  # fmt: skip
 
 
-def save_adapters(model: GPT, directory: str | Path, *, base: str, dropout: float = 0.0) -> Path:
+def save_adapters(model: GPT, directory: str | Path, *, base: str) -> Path:
     """Write `model`'s adapters as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)
     for the GPT-2 in folder `base`. Each file is replaced atomically, the config last."""
     from safetensors.numpy import save
@@ -74,7 +73,7 @@ def save_adapters(model: GPT, directory: str | Path, *, base: str, dropout: floa
             tensors[f"{PREFIX}{i}.{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             tensors[f"{PREFIX}{i}.{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
     atomic_write_bytes(directory / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
-    config = adapter_config(model, base, dropout)
+    config = adapter_config(model, base)
     atomic_write_bytes(directory / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
     return directory
 
@@ -150,9 +149,10 @@ def adapter_targets(directory: str | Path) -> list[str]:
     return sorted({m[2] for m in matches if m is not None})
 
 
-def load_adapters(model: GPT, directory: str | Path) -> GPT:
+def load_adapters(model: GPT, directory: str | Path, *, dropout: float | None = None) -> GPT:
     """`model` (the base GPT-2, plain `Linear`s) with the PEFT adapters of `directory` applied:
-    `LoRALinear`s holding the saved A and B at the saved rank and alpha."""
+    `LoRALinear`s holding the saved A and B at the saved rank and alpha, and the saved
+    `lora_dropout` unless `dropout` is given (a run that continues them may choose its own)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
@@ -175,7 +175,9 @@ def load_adapters(model: GPT, directory: str | Path) -> GPT:
     if not found:
         raise CheckpointError(f"{path} holds no LoRA tensors")
     rank, alpha, n = int(config["r"]), float(config["lora_alpha"]), model.config.n_layers
-    adapted = apply_lora(model, rank, alpha=alpha, targets=sorted(found), key=jax.random.key(0))
+    dropout = float(config.get("lora_dropout", 0.0)) if dropout is None else dropout
+    targets = sorted(found)
+    adapted = apply_lora(model, rank, alpha=alpha, targets=targets, dropout=dropout, key=jax.random.key(0))
     getters, arrays = [], []
     for module, per_layer in found.items():
         for which, field in (("A", "lora_a"), ("B", "lora_b")):
@@ -198,32 +200,13 @@ def load_adapters(model: GPT, directory: str | Path) -> GPT:
     return eqx.tree_at(lambda m: [get(m) for get in getters], adapted, arrays)
 
 
-def base_identity(directory: str | Path) -> dict:
-    """What identifies a GPT-2 folder's weights: its path and each file's size and sha256
-    (`config.json` and every `.safetensors`), as a run records it to refuse a changed base."""
-    directory = Path(directory)
-    files = {}
-    for path in sorted([directory / CONFIG_NAME, *directory.glob("*.safetensors")]):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        files[path.name] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-    return {"path": str(directory), "files": files}
-
-
 def check_base(recorded: dict) -> None:
     """A one-line `TrainingError` unless the base folder a run recorded still holds the same files."""
-    directory = Path(str(recorded.get("path")))
-    try:
-        now = base_identity(directory)["files"]
-    except OSError:
-        now = None
-    if now != recorded.get("files"):
-        changed = "is gone" if now is None else "has changed since the run started (its files' sha256 differ)"
+    changed = gpt2_changed(recorded)
+    if changed is not None:
         raise TrainingError(
-            f"the LoRA run's base model {directory}/ {changed}: its adapters are for the weights it had; "
-            f"restore that folder to resume, or start a new run with --out-dir"
+            f"the LoRA run's base model {recorded.get('path')}/ {changed}: its adapters are for the weights "
+            f"it had; restore that folder to resume, or start a new run with --out-dir"
         )
 
 

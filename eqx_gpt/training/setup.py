@@ -22,7 +22,7 @@ from eqx_gpt.checkpoint import load_checkpoint, run_template
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import TrainingError
-from eqx_gpt.gpt2 import GPT2FormatError, gpt2_tokenizer, load_gpt2, read_gpt2_config
+from eqx_gpt.gpt2 import GPT2FormatError, gpt2_identity, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import apply_lora
@@ -32,7 +32,7 @@ from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
 from eqx_gpt.training.options import ModelSettings, RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
-from eqx_gpt.training.peft import base_identity, check_base, describe, load_adapters
+from eqx_gpt.training.peft import check_base, describe, load_adapters
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
 from eqx_gpt.training.step import count_params, init_optimizer_state, make_optimizer, make_train_steps
@@ -122,7 +122,9 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
         check_split(ids, name, model_config.context_length, source)
     mesh = data_mesh()
     check_batch(mesh, config.batch_size, config.grad_accum)
-    optimizer, train_steps = optimizer_and_step(config, dropout=model_config.dropout > 0)
+    # Dropout keys for the model's dropout, or LoRA's on the adapters' input.
+    dropout = model_config.dropout > 0 or (config.lora_rank is not None and config.lora_dropout > 0)
+    optimizer, train_steps = optimizer_and_step(config, dropout=dropout)
     state = _initial_state(options, config, model_config, optimizer, out_dir, log)
     # Data parallelism: each batch split over the devices; parameters and optimiser state on every
     # device, or (--fsdp) split over them too.
@@ -159,7 +161,7 @@ def _lora_base(config: TrainConfig, meta: dict | None) -> dict:
     then against the folder), so that a changed base is refused; `{}` for other runs."""
     if config.lora_rank is None or config.init_from is None:
         return {}
-    return {"lora_base": meta.get("lora_base") if meta is not None else base_identity(config.init_from)}
+    return {"lora_base": meta.get("lora_base") if meta is not None else gpt2_identity(config.init_from)}
 
 
 def data_line(source: str, corpus: Corpus, tokenizer: Tokenizer, *, given: bool) -> str:
@@ -182,12 +184,13 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
             model = load_gpt2(config.init_from, **options.model.gpt2_options())
             if config.lora_adapters is not None:
                 log(f"init: LoRA adapters of {config.lora_adapters}/ (PEFT)")
-                model = load_adapters(model, config.lora_adapters)
+                model = load_adapters(model, config.lora_adapters, dropout=config.lora_dropout)
             elif config.lora_rank is not None:
                 key = batch_key(config.seed, LORA_INIT, 0)
                 model = apply_lora(
-                    model, config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets, key=key
-                )
+                    model, config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
+                    dropout=config.lora_dropout, key=key,
+                )  # fmt: skip
             if config.lora_rank is not None:
                 log(describe(model) + "; the base is frozen")
         else:
