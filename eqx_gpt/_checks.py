@@ -9,6 +9,9 @@ import inspect
 import math
 import numbers
 import os
+import re
+import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -16,9 +19,55 @@ import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
 from jax.core import Tracer
-from jaxtyping import jaxtyped
+from jaxtyping import TypeCheckError, jaxtyped
 
-typechecked = jaxtyped(typechecker=beartype)
+_F = typing.TypeVar("_F", bound=Callable)
+
+
+def typechecked(function: _F) -> _F:
+    """`function` with its jaxtyping annotations checked by beartype (`jaxtyped`), a failed check
+    raised as a one-line `TypeCheckError`: which argument, what it was, what to pass, and the axis
+    sizes bound so far. (jaxtyping's own message is a dozen lines; one that does not read as
+    expected, from another jaxtyping version say, is raised as it is.)"""
+    checked = jaxtyped(typechecker=beartype)(function)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return checked(*args, **kwargs)
+        except TypeCheckError as error:
+            line = _one_line(str(error))
+            if line is None:
+                raise
+            raise TypeCheckError(line) from None
+
+    return typing.cast(_F, call)
+
+
+def _one_line(message: str) -> str | None:
+    """jaxtyping's message of a failed parameter check as one line, or None if it reads otherwise."""
+    where = re.search(r"checking the parameters of ([\w.<>]+?)\.?$", message, re.M)
+    name = re.search(r"typechecking parameter '(\w+)'", message)
+    actual = re.search(r"^Actual value: (.*)$", message, re.M)
+    expected = re.search(r"^Expected type: (.*?)\.?$", message, re.M)
+    if not (where and name and actual and expected):
+        return None
+    owner = ".".join(where[1].split(".")[-2:])  # Class.method
+    wanted = re.sub(r"<class '(.*?)'>", r"\1", expected[1])
+    wanted = re.sub(r"\b(jaxlib\._jax|jax|jaxtyping|typing)\.", "", wanted).replace("NoneType", "None")
+    union = re.fullmatch(r"Union\[(.*)\]", wanted)
+    if union:  # its members, split at the commas outside brackets
+        members, depth, part = [], 0, ""
+        for char in union[1] + ",":
+            depth += (char == "[") - (char == "]")
+            if char == "," and depth == 0:
+                members, part = [*members, part.strip()], ""
+            else:
+                part += char
+        wanted = " | ".join(members)
+    axes = message.split("are as follows.", 1)[1].split() if "are as follows." in message else []
+    bound = f" (axes so far: {', '.join(axes)})" if axes else ""
+    return f"{owner}: {name[1]} is {actual[1]}; pass {wanted}{bound}"
 
 
 def check_last_dim(x, expected: int, what: str, field: str) -> None:

@@ -239,8 +239,22 @@ def test_modules_reject_a_wrong_feature_size():
 
 
 def test_modules_reject_a_missing_sequence_axis():
-    with pytest.raises(TypeCheckError):
+    with pytest.raises(TypeCheckError) as error:
         MLP(8, 16, key=jax.random.key(0))(jnp.zeros((8,)))
+    assert str(error.value) == "MLP.__call__: x is f32[8]; pass Float[Array, '*batch seq d_model']"
+
+
+def test_a_wrong_argument_type_is_one_line_naming_it_and_what_to_pass():
+    model = GPT(
+        GPTConfig(vocab_size=16, d_model=8, n_heads=2, n_layers=1, context_length=8), key=jax.random.key(0)
+    )
+    with pytest.raises(TypeCheckError) as error:
+        model(jnp.arange(4), key=5)  # an int, not a PRNG key
+    message = str(error.value)
+    assert len(message.splitlines()) == 1 and message.startswith(
+        "GPT.__call__: key is 5; pass Key[Array, ''] |"
+    )
+    assert message.endswith("| None (axes so far: seq=4, batch=())")
 
 
 # --- configuration ---
