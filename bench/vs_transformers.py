@@ -65,8 +65,10 @@ def eqx_generation(model, prompt, sampled: bool = False):
     return lambda: generate(model, prompt, NEW_TOKENS, key=jax.random.key(0), options=options)
 
 
-def hf_generation(model, prompt, sampled: bool = False, new_tokens: int = NEW_TOKENS):
-    """`transformers`' KV-cached `generate` of `new_tokens` after `prompt`, on the model's device."""
+def hf_generation(model, prompt, sampled: bool = False, new_tokens: int | None = None):
+    """`transformers`' KV-cached `generate` of `new_tokens` (default `NEW_TOKENS`, read when called:
+    `--smoke` changes it) after `prompt`, on the model's device."""
+    new_tokens = NEW_TOKENS if new_tokens is None else new_tokens
     ids = torch.from_numpy(prompt[None]).long().to(model.device)
     mask = torch.ones_like(ids)
     how = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
@@ -161,7 +163,8 @@ def main() -> int:
     with torch.no_grad():
         expected = reference(torch.from_numpy(prompt[None]).long()).logits[0].numpy()
     diff = float(np.abs(np.asarray(model(jnp.asarray(prompt))) - expected).max())
-    print(f"GPT-2-124M shapes, random weights: logits max |diff| {diff:.1e} (eqx_gpt vs transformers)")
+    what = "a one-layer GPT-2 (--smoke)" if args.smoke else "GPT-2-124M shapes"
+    print(f"{what}, random weights: logits max |diff| {diff:.1e} (eqx_gpt vs transformers)")
     if diff > 1e-3:
         raise SystemExit("the two models disagree; timing them would compare different work")
 
