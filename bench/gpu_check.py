@@ -5,7 +5,7 @@ PyTorch's nanoGPT and with `transformers`, within one time budget. `bench/gpu_ch
     JAX_PLATFORMS=cpu bash bench/gpu_check.sh --dry-run     # the same stages at tiny sizes, on the CPU
 
 The stages (`bench/gpu_stages.py`) run in turn in one process, each with its own time limit, the
-budget left shared in order: peaks, tests, train, nanogpt, gpt2, dtype. A stage that fails is marked
+budget left shared in order: peaks, tests, train, nanogpt, gpt2, dtype, variants. A stage that fails is marked
 so and the next one starts; one that outruns its limit is stopped with its process, and a new
 process runs the rest; whatever happens, one summary table is printed last and
 written with every figure to OUT/gpu_check.json, and all output to OUT/gpu_check.log.
@@ -47,6 +47,7 @@ STAGES = [
     Stage("nanogpt", 120, "the shakespeare-char step against nanoGPT's, torch.compile, bf16"),
     Stage("gpt2", 120, "GPT-2-124M's shapes against transformers: generation and a bf16 step"),
     Stage("dtype", 90, "the training step at compute_dtype float32 against bfloat16"),
+    Stage("variants", 90, "where the bf16 step's time goes: no dropout (char), layers unrolled (GPT-2)"),
 ]
 TARGETS = [
     # (stage, figure, how it compares, target, what)
@@ -173,6 +174,15 @@ def headline(name: str, r: dict) -> str:
             f"{case} ms/step fp32 {v.get('fp32_step_ms')}, bf16 {v.get('bf16_step_ms')}: ratio "
             f"{v.get('bf16_over_fp32')}"
             for case, v in cases
+        )
+    if name == "variants":
+        return "; ".join(
+            f"{case} "
+            + ", ".join(
+                f"{label} {v.get('step_ms')} ms ({v.get('over_as_timed')}x)" for label, v in cases.items()
+            )
+            for case, cases in r.items()
+            if isinstance(cases, dict)
         )
     return ""
 

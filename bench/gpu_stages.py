@@ -556,8 +556,55 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
         del steps  # its models and optimiser states, before the next case's
 
 
+# --- variants ------------------------------------------------------------------------------------
+
+
+def stage_variants(record: Record, sizes: Sizes, args) -> None:
+    """Where the bf16 step's time goes, each variant against the step as timed above (interleaved):
+    shakespeare-char without dropout (with attention dropout the step leaves cuDNN's fused kernel),
+    and GPT-2-124M with every layer unrolled (`scan_unroll = n_layers`). The first H100 run
+    (docs/PERFORMANCE.md) measured these by hand: 9.26 -> 5.95 ms and 52.8 -> 45.8 ms."""
+    import dataclasses
+
+    import jax
+    from common import flops_per_token
+
+    from eqx_gpt import GPT
+
+    peak = peaks_of(record.path.parent).get("bf16_tflops")
+    char, gpt2 = char_config(sizes, "bfloat16"), gpt2_config(sizes, "bfloat16")
+    cases = {
+        "shakespeare-char": ("shakespeare-char", sizes.char_batch, char, {"dropout 0": dict(dropout=0.0)}),
+        "gpt2-124m": ("gpt2-124m", sizes.gpt2_batch, gpt2, {"unrolled": dict(scan_unroll=gpt2.n_layers)}),
+    }
+    for name, (preset, batch, config, changes) in cases.items():
+        train_config = train_config_of(preset, batch)
+        configs = {"as timed": config, **{k: dataclasses.replace(config, **v) for k, v in changes.items()}}
+        steps = {}
+        for label, c in configs.items():
+            batches = random_batches(c.vocab_size, batch, c.context_length + 1)
+            steps[label] = EqxStep(GPT(c, key=jax.random.key(0)), train_config, batches)
+            steps[label].first()
+        times = {label: [] for label in steps}
+        for _ in range(sizes.rounds):
+            for label, step in steps.items():
+                times[label] += time_blocks(step, step.sync, sizes.block, sizes.blocks)
+        flops_step = flops_per_token(config) * batch * config.context_length
+        base = statistics.median(times["as timed"])
+        figures = {}
+        for label, t in times.items():
+            step_s = statistics.median(t)
+            figures[label] = dict(
+                step_ms=median_ms(t),
+                over_as_timed=round(step_s / base, 3),
+                mfu_bf16=mfu(flops_step, step_s, peak),
+            )
+        record.put(**{name: figures})
+        del steps
+
+
 STAGES = {"peaks": stage_peaks, "tests": stage_tests, "train": stage_train, "nanogpt": stage_nanogpt,
-          "gpt2": stage_gpt2, "dtype": stage_dtype}  # fmt: skip
+          "gpt2": stage_gpt2, "dtype": stage_dtype, "variants": stage_variants}  # fmt: skip
 
 
 def run(name: str, record: Record, sizes: Sizes, args) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["peaks", "tests", "train", "nanogpt", "gpt2", "dtype"]
+STAGES = ["peaks", "tests", "train", "nanogpt", "gpt2", "dtype", "variants"]
 
 
 def probe_wheel(folder: Path) -> Path:
@@ -85,6 +85,9 @@ def test_each_stage_measured_what_it_measures_on_a_gpu(dry_run):
     assert s["gpt2"]["generation_tok_s"]["eqx_gpt"] > 0 and s["gpt2"]["train_mfu_bf16"]["eqx_gpt"] > 0
     for case in ("shakespeare-char", "gpt2-124m"):
         assert s["dtype"][case]["fp32_step_ms"] > 0 and s["dtype"][case]["bf16_step_ms"] > 0
+    assert s["variants"]["shakespeare-char"]["as timed"]["over_as_timed"] == 1.0
+    assert s["variants"]["shakespeare-char"]["dropout 0"]["step_ms"] > 0
+    assert s["variants"]["gpt2-124m"]["unrolled"]["step_ms"] > 0
 
 
 @pytest.mark.slow
