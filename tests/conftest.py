@@ -46,6 +46,19 @@ def gpt2_bpe_missing() -> str | None:
     return None
 
 
+@pytest.fixture(scope="module")
+def gpt2_corpus(tmp_path_factory):
+    """A text file of Tiny Shakespeare's first 20,000 characters, for runs that fine-tune the tiny
+    GPT-2 (its BPE tokenizer): skipped with the reason where GPT-2's BPE files are missing."""
+    from eqx_gpt.training.data import load_text
+
+    if (reason := gpt2_bpe_missing()) is not None:
+        pytest.skip(reason)
+    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
+    path.write_text(load_text()[:20_000], encoding="utf-8")
+    return path
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpt2_bpe: needs GPT-2's BPE files; skipped with the reason without them"

@@ -10,8 +10,7 @@ import pytest
 
 from eqx_gpt import load_model
 from eqx_gpt.gpt2 import load_gpt2
-from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
-from eqx_gpt.training.data import load_text
+from eqx_gpt.tokenizer import GPT2Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
@@ -29,20 +28,9 @@ train_cli, export_cli = _cli("train"), _cli("export")
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    try:
-        GPT2Tokenizer(512)
-    except TokenizerError as error:
-        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {error}")
-    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
-    path.write_text(load_text()[:20_000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def fine_tuned(tmp_path_factory, corpus):
+def fine_tuned(tmp_path_factory, gpt2_corpus):
     out = tmp_path_factory.mktemp("finetune") / "run"
-    argv = ["--init-from", str(TINY_GPT2), "--data", str(corpus), "--out-dir", str(out), *FAST]
+    argv = ["--init-from", str(TINY_GPT2), "--data", str(gpt2_corpus), "--out-dir", str(out), *FAST]
     assert train_cli.main([*argv, "--max-steps", "3", "--eval-interval", "3"]) == 0
     return out
 
@@ -83,8 +71,8 @@ def test_the_fine_tuned_model_exports_to_a_gpt2_directory(fine_tuned, tmp_path, 
     ],
     ids=["shape-flag", "char-tokenizer", "context-too-long", "preset-context", "missing-dir", "preset-alone"],
 )
-def test_bad_fine_tuning_input_is_one_line_and_exit_2(argv, words, corpus, tmp_path, capsys):
-    code = train_cli.main([*argv, "--data", str(corpus), "--out-dir", str(tmp_path / "run")])
+def test_bad_fine_tuning_input_is_one_line_and_exit_2(argv, words, gpt2_corpus, tmp_path, capsys):
+    code = train_cli.main([*argv, "--data", str(gpt2_corpus), "--out-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and words in err and err.count("\n") == 1
 
@@ -112,12 +100,20 @@ def test_a_fine_tuning_run_resumes_from_its_checkpoint(fine_tuned, tmp_path):
     assert meta["step"] == 4 and model.config.positions == "learned" and model.head is None
 
 
-def test_the_fine_tuning_command_repeated_with_resume_goes_on(fine_tuned, corpus, tmp_path, monkeypatch):
+def test_the_fine_tuning_command_repeated_with_resume_goes_on(fine_tuned, gpt2_corpus, tmp_path, monkeypatch):
     import shutil
 
     run = tmp_path / "run"
     shutil.copytree(fine_tuned, run)
     monkeypatch.chdir(ROOT)  # --init-from as typed: relative, while the checkpoint records it absolute
-    argv = ["--init-from", "tests/fixtures/tiny-gpt2", "--data", str(corpus), "--out-dir", str(run), *FAST]
+    argv = [
+        "--init-from",
+        "tests/fixtures/tiny-gpt2",
+        "--data",
+        str(gpt2_corpus),
+        "--out-dir",
+        str(run),
+        *FAST,
+    ]
     assert train_cli.main([*argv, "--max-steps", "4", "--eval-interval", "3", "--resume"]) == 0
     assert load_model(run / "latest.json")[2]["step"] == 4

@@ -31,9 +31,7 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
 from eqx_gpt.model.dropout import dropout
-from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
 from eqx_gpt.training import loop as loop_module
-from eqx_gpt.training.data import load_text
 from eqx_gpt.training.step import loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,19 +53,8 @@ def _cli(name: str):
     return module
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    try:
-        GPT2Tokenizer(512)
-    except TokenizerError as error:
-        pytest.skip(f"GPT-2 BPE files unavailable (set TIKTOKEN_CACHE_DIR): {error}")
-    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
-    path.write_text(load_text()[:20_000], encoding="utf-8")
-    return path
-
-
-def _train(out, corpus=None, resume=False, **settings):
-    settings = {} if resume else {"init_from": str(TINY_GPT2), "data": str(corpus), **RUN, **settings}
+def _train(out, gpt2_corpus=None, resume=False, **settings):
+    settings = {} if resume else {"init_from": str(TINY_GPT2), "data": str(gpt2_corpus), **RUN, **settings}
     return train(out_dir=out, resume=resume, sample_tokens=0, log=lambda s: None, progress=False, **settings)
 
 
@@ -78,9 +65,9 @@ def _losses(out: Path) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, corpus):
+def lora_run(tmp_path_factory, gpt2_corpus):
     out = tmp_path_factory.mktemp("lora") / "run"
-    _train(out, corpus, **LORA)
+    _train(out, gpt2_corpus, **LORA)
     return out
 
 
@@ -190,9 +177,11 @@ def test_saved_adapters_read_back_exactly(tmp_path):
 # -- training ------------------------------------------------------------------------------------
 
 
-def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone(tmp_path, corpus, lora_run):
+def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone(
+    tmp_path, gpt2_corpus, lora_run
+):
     full = tmp_path / "full"
-    _train(full, corpus, max_steps=1)
+    _train(full, gpt2_corpus, max_steps=1)
     lora_first, full_first = _losses(lora_run)[:2], _losses(full)[:2]
     # Step 0: the evaluation (train and validation loss) and the first step's loss are the base's.
     for a, b in zip(lora_first, full_first, strict=True):
@@ -246,7 +235,7 @@ def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
 
 
 def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
-    tmp_path, corpus, lora_run, monkeypatch
+    tmp_path, gpt2_corpus, lora_run, monkeypatch
 ):
     out, real_save = tmp_path / "killed", loop_module.save
 
@@ -260,7 +249,7 @@ def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
 
     monkeypatch.setattr(loop_module, "save", save_then_die)
     with pytest.raises(Killed):
-        _train(out, corpus, **LORA)
+        _train(out, gpt2_corpus, **LORA)
     monkeypatch.setattr(loop_module, "save", real_save)
     assert read_metadata(checkpoint_file(out, LATEST))["step"] == 2
     result = _train(out, resume=True)
@@ -293,10 +282,10 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_reads_its_base_back(tmp_
         np.testing.assert_array_equal(a, b)
 
 
-def test_resuming_on_a_changed_base_is_refused(tmp_path, corpus):
+def test_resuming_on_a_changed_base_is_refused(tmp_path, gpt2_corpus):
     base, out = tmp_path / "gpt2", tmp_path / "run"
     shutil.copytree(TINY_GPT2, base)
-    _train(out, corpus, **{**LORA, "init_from": str(base)}, max_steps=2)
+    _train(out, gpt2_corpus, **{**LORA, "init_from": str(base)}, max_steps=2)
     weights = base / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
@@ -311,9 +300,9 @@ def test_resuming_on_a_changed_base_is_refused(tmp_path, corpus):
         load_model(out)
 
 
-def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, corpus):
+def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, gpt2_corpus):
     out = tmp_path / "run"
-    _train(out, corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6)
+    _train(out, gpt2_corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6)
     meta = read_metadata(checkpoint_file(out, LATEST))
     train_config = meta["train_config"]
     assert (train_config["init_from"], train_config["lora_adapters"]) == (str(TINY_GPT2), str(PEFT_FIXTURE))
