@@ -146,7 +146,8 @@ def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
         np.testing.assert_array_equal(one, model(tokens, key=jax.random.key(2)))
         undropped = apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0))
         undropped = _random_b(undropped, jax.random.key(1))
-        np.testing.assert_array_equal(undropped(tokens, key=jax.random.key(2)), plain)
+        # another program than `plain`'s (it traces the unused keys), so equal within rounding
+        np.testing.assert_allclose(undropped(tokens, key=jax.random.key(2)), plain, rtol=1e-6, atol=1e-6)
 
 
 def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
