@@ -53,7 +53,7 @@ from eqx_gpt.model.vocab import pad_vocab
 from eqx_gpt.peft import load_adapters, save_adapters
 from eqx_gpt.serve import Batcher, create_app
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
-from eqx_gpt.training.callbacks import Callback, StopTraining
+from eqx_gpt.training.callbacks import Callback, EarlyStopping, RunView, SampleText, StopTraining, every
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.presets import PRESETS
 from eqx_gpt.training.records import EvaluationRecord, FinalRecord, StepRecord, TrainResult
@@ -66,6 +66,7 @@ from eqx_gpt.training.step import (
     make_train_step,
     make_train_steps,
 )
+from eqx_gpt.training.trackers import TensorBoardTracker, WandbTracker
 
 __all__ = [
     # Models and their modules
@@ -118,7 +119,13 @@ __all__ = [
     "TrainResult",
     "PRESETS",
     "Callback",
+    "RunView",
+    "every",
     "StopTraining",
+    "EarlyStopping",
+    "SampleText",
+    "TensorBoardTracker",
+    "WandbTracker",
     "StepRecord",
     "EvaluationRecord",
     "FinalRecord",

@@ -9,10 +9,36 @@ from typing import Any, ClassVar
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
 
+# What kind of setting a field is, beside its type, as `described` records it in the field's
+# metadata: the one table that the checks, the merging of settings and the flags read.
+KINDS = {
+    "choices": (),  # the names it may take
+    "positive": False,  # a whole number in [1, INT32_MAX]
+    "finite": False,  # a finite number (NaN and infinities would poison a run)
+    "bounds": None,  # (accepts(value) -> bool, "a description of its range")
+    "resumable": False,  # a resumed run may change it (how long and how often it reports, where)
+    "read_by_step": True,  # part of the compiled training step's identity
+    "repeatable": False,  # its flag may be given more than once, the values joined into a comma list
+    "fine_tune": False,  # a model setting that a run from a GPT-2 (`init_from`) may still set
+}
 
-def described(help: str, **kwargs):
-    """A dataclass field with its one-line help (shown by `train.py --help`)."""
-    return dataclasses.field(metadata={"help": help}, **kwargs)
+
+def described(help: str, *, default: Any, **kinds: Any):
+    """A dataclass field with its one-line help (shown by `train.py --help`) and its `KINDS`."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise TypeError(f"described() got unknown kind(s) {sorted(unknown)}; kinds are {sorted(KINDS)}")
+    return dataclasses.field(default=default, metadata={"help": help, **kinds})
+
+
+def kind(field: dataclasses.Field, name: str) -> Any:
+    """What `field` says of kind `name` (`KINDS`), its default if nothing."""
+    return field.metadata.get(name, KINDS[name])
+
+
+def fields_of_kind(cls: type, name: str, value: Any = True) -> tuple[str, ...]:
+    """The names of `cls`'s fields whose kind `name` is `value`, in field order."""
+    return tuple(f.name for f in dataclasses.fields(cls) if kind(f, name) == value)
 
 
 class DictConfig:

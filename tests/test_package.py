@@ -46,8 +46,8 @@ def test_every_public_name_resolves_and_nothing_private_or_a_test_oracle_is_expo
     assert all(isinstance(e, type) and issubclass(e, eqx_gpt.EqxGptError) for e in errors), errors
 
 
-def test_the_readme_lists_every_public_name():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_guide_lists_every_public_name():
+    text = (ROOT / "docs" / "GUIDE.md").read_text(encoding="utf-8")
     table = text[text.index("## Public API") :].split("\n## ", 1)[0]
     assert not [name for name in eqx_gpt.__all__ if f"`{name}`" not in table]
 

@@ -335,7 +335,7 @@ def test_a_symlink_loop_given_as_init_from_is_one_line(tmp_path, monkeypatch, ca
 def test_init_from_under_another_preset_takes_gpt2s_tokenizer_and_blames_only_a_given_one():
     options = resolve_options({"init_from": str(TINY_GPT2), "preset": "cpu"})
     assert options.train.tokenizer == "gpt2"
-    with pytest.raises(ConfigError, match="not 'char'; leave out --tokenizer"):
+    with pytest.raises(ConfigError, match="not 'char'; leave out tokenizer"):  # a Python caller's words
         resolve_options({"init_from": str(TINY_GPT2), "preset": "cpu", "tokenizer": "char"})
 
 

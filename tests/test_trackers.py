@@ -1,10 +1,10 @@
-"""The trackers (`eqx_gpt.training.trackers`): TensorBoard's event files read back with TensorBoard's
-own reader, across a kill and resume; W&B offline, its transaction log read back; a missing extra
-in one line; and nothing written by a process that is not the writer."""
+"""The trackers (`eqx_gpt.training.trackers`), their writers driven directly: TensorBoard's event
+files read back with TensorBoard's own reader, across a kill and resume; W&B offline, its
+transaction log read back; a missing extra in one line. As callbacks of a run: test_tracker_runs.py
+and test_callbacks.py."""
 
 import ast
 import json
-import os
 import signal
 import struct
 import subprocess
@@ -19,8 +19,55 @@ from wandb.proto import wandb_internal_pb2
 
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training import trackers as trackers_module
+from eqx_gpt.training.config import parse_trackers
 from eqx_gpt.training.run_dir import Metrics, kept_records
-from eqx_gpt.training.trackers import TAGS, open_trackers, parse_trackers, require_trackers
+from eqx_gpt.training.trackers import TAGS, TensorBoardTracker, Tracker, WandbTracker, tracker_callbacks
+
+KINDS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+
+
+class Opened:
+    """Trackers opened for a run in `out_dir`, as a run's callbacks drive them: every record to each,
+    closed at the end (marked failed if the block raised)."""
+
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log(self, record: dict) -> None:
+        for tracker in self.trackers:
+            tracker.log(record)
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        for tracker in self.trackers:
+            tracker.log_text(step, name, text)
+
+    def flush(self) -> None:
+        for tracker in self.trackers:
+            tracker.flush()
+
+    def close(self, *, failed: bool = False) -> None:
+        for tracker in self.trackers:
+            tracker.close(failed=failed)
+
+    def __enter__(self) -> "Opened":
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        self.close(failed=kind is not None)
+
+
+def open_trackers(names, out_dir, *, config, resume_step, history=()) -> Opened:
+    opened = []
+    try:
+        for name in names:
+            tracker = KINDS[name]()
+            tracker.open(Path(out_dir), config=config, resume_step=resume_step, history=list(history))
+            opened.append(tracker)
+    except BaseException:
+        Opened(opened).close(failed=True)
+        raise
+    return Opened(opened)
+
 
 CONFIG = {"d_model": 64, "lr": 0.001, "optimizer": "adamw", "data": None, "tracker": "tensorboard"}
 
@@ -89,7 +136,7 @@ def test_tensorboard_event_files_equal_metrics_jsonl(tmp_path):
     records = [train_record(s) for s in (10, 20, 30)] + [eval_record(30), train_record(40)]
     records.append({"step": 40, "final_val_loss": 2.875, "val_tokens": 1234, "whole_split": True})
     metrics = Metrics(tmp_path / "metrics.jsonl", [])
-    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None, is_writer=True) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None) as t:
         for record in records:
             metrics.write(record)
             t.log(record)
@@ -106,8 +153,10 @@ def test_tensorboard_event_files_equal_metrics_jsonl(tmp_path):
 FIRST_RUN = [train_record(s) for s in (10, 20, 30)] + [eval_record(30), train_record(40)]
 KILLED_RUN = """
 import json, os, signal
-from eqx_gpt.training.trackers import open_trackers
-t = open_trackers(["tensorboard"], {out!r}, config=json.loads({config!r}), resume_step=None, is_writer=True)
+from pathlib import Path
+from eqx_gpt.training.trackers import TensorBoardTracker
+t = TensorBoardTracker()
+t.open(Path({out!r}), config=json.loads({config!r}), resume_step=None, history=[])
 for record in json.loads({records!r}):  # the evaluation at 30, then its checkpoint, then step 40
     t.log(record)
 t.flush()  # step 40 is on disk: the resumed run must hide it
@@ -126,29 +175,29 @@ def test_tensorboard_after_a_kill_and_resume_shows_each_step_once_in_order(tmp_p
     if end == "sigkill":
         _killed_run(tmp_path)
     else:
-        t = open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
+        t = open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None)
         for record in FIRST_RUN:
             t.log(record)
         t.close()
     kept = [train_record(s) for s in (10, 20, 30)] + [eval_record(30)]
     resumed = [train_record(40, shift=1.0), train_record(50, shift=1.0)]
-    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=30, is_writer=True) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=30) as t:
         for record in resumed:
             t.log(record)
     assert read_scalars(tmp_path) == expected(kept + resumed)
     # Killed again after step 50 and resumed from the checkpoint at 40: 50 once more, in place.
     again = [train_record(50, shift=2.0)]
-    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=40, is_writer=True) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=40) as t:
         t.log(again[0])
     assert read_scalars(tmp_path) == expected(kept + resumed[:1] + again)
     assert [step for step, _ in read_texts(tmp_path)["config/text_summary"]] == [0, 31, 41]
 
 
 def test_tensorboard_a_fresh_run_hides_the_old_runs_curves(tmp_path):
-    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None, is_writer=True) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None) as t:
         for step in (10, 20):
             t.log(train_record(step))
-    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None, is_writer=True) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=None) as t:
         t.log(train_record(10, shift=5.0))
     assert read_scalars(tmp_path) == expected([train_record(10, shift=5.0)])
 
@@ -159,9 +208,7 @@ def test_tensorboard_added_on_resume_starts_with_the_kept_records(tmp_path):
         metrics.write(record)
     metrics.close()
     kept = kept_records(tmp_path / "metrics.jsonl", 20)
-    with open_trackers(
-        ["tensorboard"], tmp_path, config=CONFIG, resume_step=20, is_writer=True, history=kept
-    ) as t:
+    with open_trackers(["tensorboard"], tmp_path, config=CONFIG, resume_step=20, history=kept) as t:
         t.log(train_record(30, shift=1.0))
     assert read_scalars(tmp_path) == expected(kept + [train_record(30, shift=1.0)])
 
@@ -232,7 +279,7 @@ def offline_wandb(tmp_path, monkeypatch):
 def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wandb):
     out = offline_wandb
     first = [train_record(10), train_record(20), eval_record(20)]
-    with open_trackers(["wandb"], out, config=CONFIG, resume_step=None, is_writer=True) as t:
+    with open_trackers(["wandb"], out, config=CONFIG, resume_step=None) as t:
         for record in first:
             t.log(record)
         t.log_text(20, "sample", "a < b\nc")
@@ -249,7 +296,7 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
     assert "<pre>a &lt; b\nc</pre>" in page.read_text()
     assert wandb_config(folder) == CONFIG
 
-    with open_trackers(["wandb"], out, config=CONFIG, resume_step=20, is_writer=True) as t:
+    with open_trackers(["wandb"], out, config=CONFIG, resume_step=20) as t:
         t.log(train_record(30, shift=1.0))
     assert (out / "wandb-run-id").read_text() == run_id
     wandb.teardown()
@@ -261,7 +308,7 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
     assert resumed[0]["train/loss"] == train_record(30, shift=1.0)["loss"]
 
     with pytest.raises(RuntimeError):
-        with open_trackers(["wandb"], out, config=CONFIG, resume_step=None, is_writer=True):
+        with open_trackers(["wandb"], out, config=CONFIG, resume_step=None):
             raise RuntimeError("a run that fails")
     fresh_id = (out / "wandb-run-id").read_text()
     assert fresh_id != run_id  # a fresh run is a new W&B run
@@ -274,34 +321,28 @@ def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wand
 def test_a_missing_extra_is_one_line_naming_the_install_command(tmp_path, monkeypatch, tracker, package):
     for name in [package] + [m for m in sys.modules if m.startswith(package + ".")]:
         monkeypatch.setitem(sys.modules, name, None)  # importing it now fails as if not installed
-    with pytest.raises(ConfigError) as refused:
-        open_trackers([tracker], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
+    with pytest.raises(ConfigError) as refused:  # made, before a run writes anything
+        KINDS[tracker]()
     install = f"uv sync --extra {tracker} (or pip install 'eqx_gpt[{tracker}]')"
     assert str(refused.value) == f"--tracker {tracker} needs {package}: {install}"
-    with pytest.raises(ConfigError) as checked:  # the check a run makes before writing anything
-        require_trackers([tracker])
+    with pytest.raises(ConfigError) as checked:  # `tracker="..."`, the shortcut
+        tracker_callbacks([tracker])
     assert str(checked.value) == str(refused.value)
-    require_trackers([t for t in ("tensorboard", "wandb") if t != tracker])  # the other is installed
+    [other] = tracker_callbacks([t for t in ("tensorboard", "wandb") if t != tracker])  # installed
+    assert isinstance(other, Tracker)
 
 
-def test_a_process_that_is_not_the_writer_writes_nothing(tmp_path, monkeypatch):
-    for name in [m for m in sys.modules if m.split(".")[0] in ("tensorboardX", "wandb")]:
-        monkeypatch.setitem(sys.modules, name, None)  # and imports nothing
-    out = tmp_path / "run"
-    out.mkdir()
-    t = open_trackers(["tensorboard", "wandb"], out, config=CONFIG, resume_step=None, is_writer=False)
-    t.log(train_record(10))
-    t.log_text(10, "sample", "text")
-    t.flush()
-    t.close()
-    assert t.trackers == () and os.listdir(out) == []
+def test_the_shortcut_adds_no_second_tracker_of_a_kind_already_passed():
+    mine = TensorBoardTracker()
+    assert tracker_callbacks(["tensorboard"], [mine]) == ()
+    assert [type(t) for t in tracker_callbacks(["tensorboard", "wandb"], [mine])] == [WandbTracker]
 
 
 def test_wandb_added_on_resume_starts_with_the_kept_records(offline_wandb):
     out = offline_wandb
     out.mkdir()
     kept = [train_record(10), train_record(20), eval_record(20)]
-    with open_trackers(["wandb"], out, config=CONFIG, resume_step=20, is_writer=True, history=kept) as t:
+    with open_trackers(["wandb"], out, config=CONFIG, resume_step=20, history=kept) as t:
         t.log(train_record(30))
     rows = wandb_history(wandb_written(out, (out / "wandb-run-id").read_text()))
     assert [(row["_step"], row["train/loss"]) for row in rows] == [
@@ -316,7 +357,7 @@ def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setattr(wandb, "init", refuse)
     with pytest.raises(ConfigError) as refused:
-        open_trackers(["tensorboard", "wandb"], tmp_path, config=CONFIG, resume_step=None, is_writer=True)
+        open_trackers(["tensorboard", "wandb"], tmp_path, config=CONFIG, resume_step=None)
     assert str(refused.value) == (
         "--tracker wandb could not start a W&B run: No API key configured. Use `wandb login` to log in. "
         "(or set WANDB_MODE=offline)"

@@ -12,6 +12,7 @@ import pytest
 
 import eqx_gpt.training.run as run_module
 from eqx_gpt import EqxGptError, TrainConfig, train
+from eqx_gpt.training import run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli_arguments", ROOT / "train.py")
@@ -52,8 +53,12 @@ BAD_CALLS = {
     "overwrite 1": (dict(overwrite=1), TypeError, ["overwrite must be True or False", "got 1"]),
     "progress None": (dict(progress=None), TypeError, ["progress must be True or False"]),
     "sample_tokens -1": (dict(sample_tokens=-1), ValueError, ["sample_tokens", "got -1"]),
-    "resume and overwrite": (dict(resume=True, overwrite=True), ValueError, ["--resume", "--overwrite"]),
-    "resume an empty folder": (dict(resume=True), ValueError, ["--resume but no checkpoint"]),
+    "resume and overwrite": (
+        dict(resume=True, overwrite=True),
+        ValueError,
+        ["resume=True", "overwrite=True"],
+    ),
+    "resume an empty folder": (dict(resume=True), ValueError, ["resume=True but no checkpoint"]),
     "config a dict": (dict(config={"lr": 1.0}), TypeError, ["config must be a TrainConfig", "dict"]),
     "an unknown setting": (dict(learning_rate=1.0), TypeError, ["learning_rate"]),
     "an unknown preset": (dict(preset="fast"), ValueError, ["unknown preset 'fast'"]),
@@ -80,7 +85,7 @@ def test_a_bad_argument_is_one_line_and_leaves_no_folder_behind(case, corpus, tm
 def test_a_refusal_keeps_a_folder_the_caller_made(tmp_path):
     out = tmp_path / "made"
     out.mkdir()
-    with pytest.raises(EqxGptError, match="--resume but no checkpoint"):
+    with pytest.raises(EqxGptError, match="resume=True but no checkpoint"):
         train(out_dir=out, resume=True, **QUIET)
     assert out.is_dir()
 
@@ -145,10 +150,12 @@ def test_a_resume_whose_max_steps_ends_before_the_runs_step_is_refused(corpus, t
     train(**TINY, data=str(corpus), out_dir=out, **QUIET)
     with pytest.raises(EqxGptError) as raised:
         train(out_dir=out, resume=True, max_steps=2, **QUIET)
-    _one_line(raised.value, "max_steps=2 ends before step 4", "at least 4")
+    _one_line(raised.value, "max_steps=2 ends before step 4", "pass a max_steps of at least 4")
+    assert "--" not in str(raised.value)  # a Python caller is told of keywords, not of flags
     assert train_cli.main(["--resume", "--out-dir", str(out), "--max-steps", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "max_steps=3 ends before step 4" in err, err
+    assert "pass a --max-steps of at least 4" in err
     assert train(out_dir=out, resume=True, max_steps=6, **QUIET).step == 6  # a longer one goes on
 
 
@@ -159,7 +166,7 @@ def test_an_out_dir_that_is_a_loop_of_symbolic_links_is_named(tmp_path, capsys):
     for resume in (True, False):
         with pytest.raises(EqxGptError) as raised:
             train(out_dir=loop, resume=resume, **QUIET)
-        _one_line(raised.value, f"--out-dir {loop}: a loop of symbolic links")
+        _one_line(raised.value, f"out_dir='{loop}': a loop of symbolic links")
     assert train_cli.main(["--resume", "--out-dir", str(loop)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a loop of symbolic links" in err, err
@@ -179,3 +186,82 @@ def test_every_out_of_range_train_setting_is_named_with_its_value(name, value, a
     with pytest.raises(ValueError) as raised:
         TrainConfig(**{name: value})
     _one_line(raised.value, f"{name} must be", accepted, f"got {name}={value!r}")
+
+
+def test_two_runs_racing_into_one_new_folder_never_delete_the_winners(tmp_path, monkeypatch):
+    # The loser of the lock made the folder; the winner locked it before the loser could. The
+    # loser is refused, and the folder stays the winner's (it used to remove it: issue 60, item 17).
+    out = tmp_path / "new"
+    winner = run_dir.RunDirLock(out)
+    made = run_dir.check_writable
+
+    def made_then_lost(path):
+        created = made(path)
+        monkeypatch.setattr(run_dir, "check_writable", made)
+        winner.__enter__()  # another run locks the folder this one has just made
+        return created
+
+    monkeypatch.setattr(run_dir, "check_writable", made_then_lost)
+    with pytest.raises(EqxGptError, match="in use by a live run"):
+        run_dir.RunDirLock(out).__enter__()
+    monkeypatch.undo()
+    assert out.is_dir()
+    winner.claim()  # the winner goes on writing in its folder
+    assert (out / run_dir.LOCK_NAME).exists()
+    winner.__exit__(None, None, None)
+
+
+def test_threads_racing_into_one_new_folder_each_train_or_are_refused_in_one_line(corpus, tmp_path):
+    for attempt in range(3):
+        out, outcomes = tmp_path / f"race{attempt}", []
+
+        def one(out: Path, outcomes: list) -> None:
+            try:
+                outcomes.append(train(**TINY, data=str(corpus), out_dir=out, **QUIET).step)
+            except EqxGptError as e:
+                outcomes.append(str(e))
+
+        threads = [threading.Thread(target=one, args=(out, outcomes)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert 4 in outcomes, outcomes  # one trained
+        assert all(o == 4 or "in use by a live run" in str(o) for o in outcomes), outcomes
+
+
+def test_api_refusals_name_keywords_and_take_paths(corpus, tmp_path):
+    # A path as a Path, as out_dir takes one.
+    result = train(**TINY, data=corpus, out_dir=tmp_path / "run", **QUIET)
+    assert result.step == 4 and result.history
+    with pytest.raises(EqxGptError) as raised:
+        train(init_from=5, out_dir=tmp_path / "other", **QUIET)
+    _one_line(raised.value, "init_from")
+    assert "d-model" not in str(raised.value) and "d_model" not in str(raised.value)
+
+
+def test_overwrite_into_a_new_folder_deletes_nothing_and_says_so(corpus, tmp_path):
+    lines: list[str] = []
+    out = tmp_path / "new"
+    train(
+        **TINY,
+        data=str(corpus),
+        out_dir=out,
+        overwrite=True,
+        log=lines.append,
+        progress=False,
+        sample_tokens=0,
+    )
+    assert not [line for line in lines if "deleting" in line], lines
+    again: list[str] = []
+    train(
+        **TINY,
+        data=str(corpus),
+        out_dir=out,
+        overwrite=True,
+        log=again.append,
+        progress=False,
+        sample_tokens=0,
+    )
+    [said] = [line for line in again if "deleting" in line]
+    assert said.startswith("overwrite=True: deleting the run in") and "step 4" in said

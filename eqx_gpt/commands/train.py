@@ -1,10 +1,11 @@
 """`train`: train a GPT on Tiny Shakespeare (or any UTF-8 text); `python -m eqx_gpt train --help`.
 
-Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag. This parses the command
-line and calls the body of `eqx_gpt.train` (`run._train`, told how this command resumes a run) with
-the flags given as settings by name; where each value comes from (defaults, `--preset`, flags, and
-on `--resume` the checkpoint) is decided in one place, `eqx_gpt.training.options.resolve_options`.
-Bad input exits with one line on stderr and code 2.
+Every field of `GPTConfig` (model) and `TrainConfig` (training) is a flag, its choices and whether
+it repeats read from the field's metadata (`eqx_gpt.configs.KINDS`). This parses the command line
+and calls `eqx_gpt.train` with the flags given as settings by name, its messages naming settings
+as this command's flags (`spoken_as_command`); where each value comes from (defaults, `--preset`,
+flags, and on `--resume` the checkpoint) is decided in one place,
+`eqx_gpt.training.options.resolve_options`. Bad input exits with one line on stderr and code 2.
 """
 
 import argparse
@@ -14,34 +15,16 @@ import time
 import types
 import typing
 from pathlib import Path
+from typing import Any
 
 from eqx_gpt.checkpoint import checkpoint_paths
 from eqx_gpt.commands.cli import OneLineParser, finite_float, run_command, whole_number
-from eqx_gpt.model.config import (
-    ACTIVATION_KINDS,
-    COMPUTE_DTYPES,
-    NORM_KINDS,
-    NORM_POSITIONS,
-    POSITION_KINDS,
-    GPTConfig,
-)
-from eqx_gpt.training import run as run_module
-from eqx_gpt.training.config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values, resume_on_the_command_line
-from eqx_gpt.training.parallel import initialize_distributed, request_deterministic_gpu_ops
+from eqx_gpt.configs import kind
+from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.training.config import TrainConfig, resume_command, spoken_as_command
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
-from eqx_gpt.training.run import AUTO
-
-CHOICES = {
-    "compute_dtype": COMPUTE_DTYPES,
-    "tokenizer": TOKENIZERS,
-    "optimizer": OPTIMIZERS,
-    "schedule": SCHEDULES,
-    "norm": NORM_KINDS,
-    "norm_position": NORM_POSITIONS,
-    "positions": POSITION_KINDS,
-    "activation": ACTIVATION_KINDS,
-}
+from eqx_gpt.training.run import AUTO, train
 
 
 def _flag_type(annotation):
@@ -58,9 +41,6 @@ class _CommaList(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         previous = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, values if previous is None else f"{previous},{values}")
-
-
-REPEATABLE = ("tracker",)  # TrainConfig fields whose flag may be given more than once
 
 
 def build_parser(preset: str = DEFAULT_PRESET, prog: str = "train.py") -> OneLineParser:
@@ -95,11 +75,13 @@ def build_parser(preset: str = DEFAULT_PRESET, prog: str = "train.py") -> OneLin
         for f in dataclasses.fields(cls):
             if f.name not in names:
                 continue
-            kind = _flag_type(f.type)
-            action = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
-            if f.name in REPEATABLE:
-                action = {"action": _CommaList, "metavar": "NAME[,NAME]"}
-            choices = {"choices": CHOICES[f.name]} if f.name in CHOICES else {}
+            flag_type = _flag_type(f.type)
+            action: dict[str, Any] = (
+                {"action": argparse.BooleanOptionalAction} if flag_type is bool else {"type": flag_type}
+            )
+            choices: dict[str, Any] = {"choices": kind(f, "choices")} if kind(f, "choices") else {}
+            if kind(f, "repeatable"):  # a comma list, whose names are checked where it enters
+                action, choices = {"action": _CommaList, "metavar": "NAME[,NAME]"}, {}
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
                 dest=f.name,
@@ -130,20 +112,18 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     preset = settings.pop("preset", AUTO)
     resume, overwrite = settings.pop("resume", False), settings.pop("overwrite", False)
     sample_tokens = settings.pop("sample_tokens", 300)
-    resume_with = resume_on_the_command_line(prog)
 
     def body() -> int:
         try:
-            request_deterministic_gpu_ops()  # resume continues the same bits on a GPU too
-            initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
-            result = run_module._train(
-                {**settings, **({} if preset == AUTO else {"preset": preset})}, Path(out_dir), resume=resume,
-                overwrite=overwrite, sample_tokens=sample_tokens, log=print, progress=True,
-                now=time.monotonic, resume_with=resume_with,
-            )  # fmt: skip
+            with spoken_as_command(prog):  # messages name this command's flags
+                result = train(
+                    preset=preset, out_dir=Path(out_dir), resume=resume, overwrite=overwrite,
+                    sample_tokens=sample_tokens, log=print, progress=True, now=time.monotonic, **settings,
+                )  # fmt: skip
         except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one during the run
             if any(p.suffix == ".json" for p in checkpoint_paths(out_dir)):
-                hint = f"resume from the last checkpoint with: {resume_with(Path(out_dir))}"
+                with spoken_as_command(prog):
+                    hint = f"resume from the last checkpoint with: {resume_command(Path(out_dir))}"
             else:
                 hint = f"no checkpoint was saved in {out_dir}, nothing to resume: run the command again"
             print(f"{prog}: aborted; {hint}", file=sys.stderr)

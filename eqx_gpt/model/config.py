@@ -1,4 +1,5 @@
-"""The model's hyperparameters in one frozen dataclass."""
+"""The model's hyperparameters in one frozen dataclass; each field's kind (its choices, whether a
+fine-tune from a GPT-2 may set it) in its metadata (`eqx_gpt.configs.KINDS`)."""
 
 import math
 from dataclasses import dataclass
@@ -47,29 +48,40 @@ class GPTConfig(DictConfig):
     """
 
     vocab_size: int
-    context_length: int = described("tokens the model sees at once", default=256)
+    context_length: int = described("tokens the model sees at once", default=256, fine_tune=True)
     d_model: int = described("width of the residual stream (even, divisible by n_heads)", default=384)
     n_heads: int = described("attention heads", default=6)
     n_layers: int = described("decoder blocks", default=6)
     d_hidden: int | None = described("MLP width (default: 4 * d_model)", default=None)
-    dropout: float = described("dropout rate while training", default=0.0)
+    dropout: float = described("dropout rate while training", default=0.0, fine_tune=True)
     norm_eps: float = described("epsilon of every norm", default=1e-5)
-    scan_unroll: int = described("layers per iteration of the layer scan (speed vs compile time)", default=1)
-    compute_dtype: str = described(
-        "dtype of activations and matmuls; parameters stay float32", default="float32"
+    scan_unroll: int = described(
+        "layers per iteration of the layer scan (speed vs compile time)", default=1, fine_tune=True
     )
-    norm: str = described("'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)", default="rms")
+    compute_dtype: str = described(
+        "dtype of activations and matmuls; parameters stay float32",
+        default="float32",
+        choices=COMPUTE_DTYPES,
+        fine_tune=True,
+    )
+    norm: str = described(
+        "'rms' (RMSNorm) or 'layer' (LayerNorm, the paper's)", default="rms", choices=NORM_KINDS
+    )
     norm_position: str = described(
-        "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)", default="pre"
+        "'pre': a norm before each sub-layer; 'post': after each residual sum (the paper's)",
+        default="pre",
+        choices=NORM_POSITIONS,
     )
     positions: str = described(
         "'sinusoidal' (the paper's table), 'learned' (GPT-2's) or 'rope' (rotary, in attention)",
         default="sinusoidal",
+        choices=POSITION_KINDS,
     )
     bias: bool = described("biases in every projection (GPT-2's)", default=False)
     activation: str = described(
         "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2'",
         default="gelu_tanh",
+        choices=ACTIVATION_KINDS,
     )
     tie_embeddings: bool = described("the head is the token embedding, transposed (GPT-2's)", default=False)
     zero_init: bool = described(

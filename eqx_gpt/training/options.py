@@ -20,30 +20,29 @@ argument, its value and what would be accepted.
 """
 
 import dataclasses
+import os
 import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
+from eqx_gpt.configs import fields_of_kind
 from eqx_gpt.errors import ConfigError, TrainingError
 from eqx_gpt.gpt2 import read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.lora import check_lora, lora_modules
 from eqx_gpt.peft import adapter_targets, base_directory, is_adapter_directory, read_adapter_config
-from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.config import TrainConfig, setting
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
-from eqx_gpt.training.trackers import parse_trackers
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
 TRAIN_FIELDS = tuple(f.name for f in dataclasses.fields(TrainConfig))
-# What a resumed run may change: how long it runs, how often and where it reports, where the same data is.
-RESUMABLE_CHANGES = (
-    "max_steps", "max_minutes", "eval_interval", "eval_tokens", "log_interval", "data", "tracker",
-)  # fmt: skip
+# What a resumed run may change: how long it runs, how often and where it reports, where the same
+# data is (each field's kind, `resumable`).
+RESUMABLE_CHANGES = fields_of_kind(TrainConfig, "resumable")
 # The model settings that `init_from` (a Hugging Face GPT-2) takes; the rest are the directory's.
-INIT_FROM_OPTIONS = ("context_length", "dropout", "compute_dtype", "scan_unroll")
+INIT_FROM_OPTIONS = fields_of_kind(GPTConfig, "fine_tune")
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ class RunOptions:
     trackers: tuple[str, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "trackers", parse_trackers(self.train.tracker))
+        object.__setattr__(self, "trackers", self.train.trackers)
 
     def explain(self, message: str) -> str:
         """`message` about an invalid value, saying which of the values it names the preset set, so
@@ -140,6 +139,7 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
     unknown = sorted(set(settings) - {*MODEL_FIELDS, *TRAIN_FIELDS, "preset"})
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
+    settings = {**settings, **_paths(settings)}
     fine_tune = settings.get("init_from") is not None
     preset = settings.get("preset", FINETUNE_PRESET if fine_tune else DEFAULT_PRESET)
     if preset is not None and preset not in PRESETS:
@@ -157,6 +157,19 @@ DEFAULTS = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in datac
             if f.default is not dataclasses.MISSING}  # fmt: skip
 PATH_SETTINGS = ("init_from", "data", "lora_adapters")
 LORA_FROM_ADAPTERS = ("lora_rank", "lora_alpha", "lora_targets")  # what a PEFT folder's config sets
+
+
+def _paths(settings: dict) -> dict:
+    """The settings that name files, each a `str` (a `Path` given becomes one); another type is
+    refused in one line naming the setting, before any is read as a path."""
+    paths = {}
+    for name in PATH_SETTINGS:
+        value = settings.get(name)
+        if isinstance(value, os.PathLike):
+            paths[name] = os.fspath(value)
+        elif value is not None and not isinstance(value, str):
+            raise ConfigError(f"{name} must be a path (a str or a Path) or None, got {value!r}")
+    return paths
 
 
 def preset_values(name: str | None) -> dict:
@@ -375,19 +388,11 @@ def check_train_arguments(
     if not is_whole(sample_tokens, 0):  # checked here, not after the run when the sample is drawn
         raise TrainingError(f"sample_tokens must be an integer in [0, {INT32_MAX}], got {sample_tokens!r}")
     if resume and overwrite:
-        raise TrainingError("--resume continues the run in --out-dir and --overwrite deletes it; pass one")
+        raise TrainingError(
+            f"{setting('resume', True)} continues the run in {setting('out_dir')} and "
+            f"{setting('overwrite', True)} deletes it; pass one"
+        )
     for name, value, takes in (("log", log, "a line (str)"), ("now", now, "nothing and returns seconds")):
         if not callable(value):
             raise TypeError(f"{name} must be a function that takes {takes}, got {value!r}")
     return out_path
-
-
-def resume_in_python(out_dir: Path) -> str:
-    """How a Python caller resumes the run in `out_dir` (what an interrupted `train()` says)."""
-    return f"train(..., out_dir={str(out_dir)!r}, resume=True)"
-
-
-def resume_on_the_command_line(prog: str) -> Callable[[Path], str]:
-    """How the command `prog` resumes a run in a folder (what an interrupted `train.py` says)."""
-    again = "uv run train.py" if prog == "train.py" else prog
-    return lambda out_dir: f"{again} --resume --out-dir {out_dir}"

@@ -50,6 +50,16 @@ def request_deterministic_gpu_ops(environ: MutableMapping[str, str] = os.environ
     return True
 
 
+def start_jax() -> None:
+    """What a run asks of JAX before anything touches a device, as `train()` and `train.py` do:
+    deterministic GPU kernels (`request_deterministic_gpu_ops`) and, where the environment says
+    this is one process of several, the multi-host start (`initialize_distributed`). Called again
+    in the same process, it changes nothing."""
+    request_deterministic_gpu_ops()
+    if not jax.distributed.is_initialized():
+        initialize_distributed()
+
+
 def initialize_distributed() -> bool:
     """Join a multi-process run when the environment says this is one; return whether it did.
 

@@ -6,24 +6,29 @@
                       metrics.jsonl holds every `log_interval`-th and the last
     EvaluationRecord  each periodic evaluation: its figures by name (`train_loss`, `val_loss`:
                       `evaluate.evaluate_run`) and the time since the run started
-    FinalRecord       the final validation, last
+    FinalRecord       the final validation, last: its figures (`final_val_loss`) and what it read
 
-and what `train` returns, `TrainResult`, whose `history` holds them. Figures travel by name, so a
-new one is added where it is computed and nowhere here.
+Every kind holds its figures alike, `figures` by name, a callback's own among them
+(`RunView.log`). Figures travel by name, so a new one is added where it is computed and nowhere
+here. And what `train` returns: `TrainResult`, whose `history` holds the records.
 """
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer
 
-# The keys of a step's record in metrics.jsonl that the loop adds to the step's figures.
+# The keys of each kind of record in metrics.jsonl that are not its figures.
 STEP_KEYS = ("step", "lr", "tokens_per_s")
 EVALUATION_KEYS = ("step", "elapsed_s")
+FINAL_KEYS = ("step", "val_tokens", "whole_split")
+# What no figure may be named: the keys of metrics.jsonl besides figures, and the figures that tell
+# one kind of record from another (`record_from_dict`).
+RESERVED_KEYS = frozenset({*STEP_KEYS, *EVALUATION_KEYS, *FINAL_KEYS, "loss", "val_loss", "final_val_loss"})
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,10 @@ class StepRecord:
     def loss(self) -> float:
         """The mean next-token loss (nats) of the step's batch, before its update."""
         return self.figures["loss"]
+
+    def with_figures(self, figures: Mapping[str, float]) -> "StepRecord":
+        """The record with `figures` added (a callback's own)."""
+        return replace(self, figures={**self.figures, **figures}) if figures else self
 
     def to_dict(self) -> dict[str, Any]:
         """The line of `metrics.jsonl`: `{"step", "loss", "grad_norm", ..., "lr", "tokens_per_s"}`."""
@@ -64,25 +73,36 @@ class EvaluationRecord:
     def train_loss(self) -> float:
         return self.figures["train_loss"]
 
+    def with_figures(self, figures: Mapping[str, float]) -> "EvaluationRecord":
+        """The record with `figures` added (a callback's own)."""
+        return replace(self, figures={**self.figures, **figures}) if figures else self
+
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, **self.figures, "elapsed_s": self.elapsed_s}
 
 
 @dataclass(frozen=True)
 class FinalRecord:
-    """The final validation of the model at `step`: its loss over `val_tokens` predicted tokens,
-    the whole validation split (`whole_split`) or an even sample of its windows."""
+    """The final validation of the model at `step`: `figures` by name (`final_val_loss`, its loss
+    over `val_tokens` predicted tokens), the whole validation split (`whole_split`) or an even
+    sample of its windows."""
 
     step: int
-    final_val_loss: float
+    figures: Mapping[str, float]
     val_tokens: int
     whole_split: bool
 
+    @property
+    def final_val_loss(self) -> float:
+        return self.figures["final_val_loss"]
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "step": self.step, "final_val_loss": self.final_val_loss, "val_tokens": self.val_tokens,
+            "step": self.step,
+            **self.figures,
+            "val_tokens": self.val_tokens,
             "whole_split": self.whole_split,
-        }  # fmt: skip
+        }
 
 
 Record = StepRecord | EvaluationRecord | FinalRecord
@@ -92,7 +112,8 @@ def record_from_dict(d: Mapping[str, Any]) -> Record:
     """The typed record of a line of `metrics.jsonl` (an older run's too, whose steps have no
     `grad_norm`): a final validation has `final_val_loss`, an evaluation `val_loss`, a step the rest."""
     if "final_val_loss" in d:
-        return FinalRecord(d["step"], d["final_val_loss"], d.get("val_tokens", 0), d.get("whole_split", True))
+        figures = {k: v for k, v in d.items() if k not in FINAL_KEYS}
+        return FinalRecord(d["step"], figures, d.get("val_tokens", 0), d.get("whole_split", True))
     if "val_loss" in d:
         figures = {k: v for k, v in d.items() if k not in EVALUATION_KEYS}
         return EvaluationRecord(d["step"], figures, d.get("elapsed_s", math.nan))

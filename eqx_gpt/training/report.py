@@ -1,9 +1,10 @@
-"""What a run tells: its log lines, `metrics.jsonl` (and the same records to its trackers, if
-any), the callbacks, the loss plot, the progress bar, tokens/s, and the sample at its end.
+"""How a run's figures are read and written: its log lines, `metrics.jsonl`, the loss plot, the
+progress bar and tokens/s. The reporter formats and writes; the run (`run.py`) decides what is
+recorded and tells the callbacks.
 
 The loop never waits for the accelerator at a step: it hands each call's figures to the `Report`
 (`dispatched`), which reads them a few steps later (`read_losses`), every `log_interval` steps and
-at evaluations, and tells the callbacks of every step read, in order.
+at evaluations, and returns the records of the steps read, in order.
 """
 
 import collections
@@ -15,23 +16,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eqx_gpt.generation.generate import generate
-from eqx_gpt.generation.sampling import SamplingOptions
-from eqx_gpt.model.gpt import GPT
-from eqx_gpt.tokenizer import Tokenizer, TokenizerError
-from eqx_gpt.training.callbacks import Callbacks
-from eqx_gpt.training.records import EvaluationRecord, FinalRecord, Record, StepRecord, record_from_dict
+from eqx_gpt.training.records import Record, StepRecord, record_from_dict
 from eqx_gpt.training.run_dir import Metrics
 from eqx_gpt.training.time_plan import TimePlan
-from eqx_gpt.training.trackers import Trackers
 
 
 class Report:
-    """A run's reporting: `log` prints a line, `metrics` is `metrics.jsonl`, `bar` the progress
-    line; `now` is the run's clock and `t_start` when the run started; `trackers` get every record
-    `metrics` gets (`write`, the one place records go); `callbacks` every step's record, and each
-    evaluation's and checkpoint's as the loop says. It owns the figures not yet read and the
-    tokens/s measured from them."""
+    """A run's reporting: `log` prints a line, `metrics` is `metrics.jsonl` (`write`, the one place
+    records go), `bar` the progress line; `now` is the run's clock and `t_start` when the run
+    started. It owns the figures not yet read and the tokens/s measured from them."""
 
     def __init__(
         self,
@@ -44,15 +37,10 @@ class Report:
         tokens_per_step: int,
         log_interval: int,
         plot: Path,
-        trackers: Trackers | None = None,
-        callbacks: Callbacks | None = None,
     ):
         self.log, self.metrics, self.bar, self.now, self.t_start = log, metrics, bar, now, t_start
-        self.trackers = Trackers() if trackers is None else trackers
-        self.callbacks = Callbacks() if callbacks is None else callbacks
         self.tokens_per_step, self.log_interval, self.plot = tokens_per_step, log_interval, plot
         self.tokens_per_s = 0.0
-        self.last_read: StepRecord | None = None  # the latest step whose figures were read
         self.last_logged: int | None = None  # the latest step written to metrics.jsonl
         # (steps, figures, lrs) of each dispatched call whose figures have not been read yet
         self._pending: list[tuple[list[int], dict[str, jax.Array], list[float]]] = []
@@ -82,13 +70,15 @@ class Report:
         self.log(f"compiled the training step in {now - self.t_start:.1f} s since start")
         return now
 
-    def read_losses(self, until: int, schedule_steps: int, plan: TimePlan) -> tuple[int, float] | None:
-        """Read the figures of the dispatched steps up to step `until`: tell the callbacks of each
-        step, record the logged ones, update tokens/s and the progress bar. Returns `(step, loss)`
-        of the first non-finite loss, recording nothing (the loop stops the run), else None."""
+    def read_losses(
+        self, until: int, schedule_steps: int, plan: TimePlan
+    ) -> tuple[list[StepRecord], tuple[int, float] | None]:
+        """Read the figures of the dispatched steps up to step `until`, update tokens/s and the
+        progress bar; return the steps' records, in order, and None. Or no record and `(step,
+        loss)` of the first non-finite loss (the loop stops the run)."""
         calls = [p for p in self._pending if p[0][-1] <= until]
         if not calls:
-            return None
+            return [], None
         del self._pending[: len(calls)]
         ready = [(s, lr) for steps, _, lrs in calls for s, lr in zip(steps, lrs, strict=True)]
         figures = {
@@ -98,19 +88,21 @@ class Report:
         losses = figures["loss"]
         bad = np.flatnonzero(~np.isfinite(losses))
         if bad.size:
-            return ready[bad[0]][0], float(losses[bad[0]])
+            return [], (ready[bad[0]][0], float(losses[bad[0]]))
         now = self.now()
         self._read_points.append((ready[-1][0], now))
         (first_step, first_time), (last_step, _) = self._read_points[0], self._read_points[-1]
         if last_step > first_step:  # tokens/s over the last few reads, which smooths their jitter
             self.tokens_per_s = (last_step - first_step) * self.tokens_per_step / max(now - first_time, 1e-9)
-        for i, (s, lr) in enumerate(ready):
-            step_figures = {name: float(values[i]) for name, values in figures.items()}
-            self.last_read = StepRecord(s, step_figures, lr, round(self.tokens_per_s, 1))
-            if s % self.log_interval == 0 or s == schedule_steps:
-                self.write(self.last_read)
-                self.last_logged = s
-            self.callbacks.on_step(self.last_read)
+        records = [
+            StepRecord(
+                s,
+                {name: float(values[i]) for name, values in figures.items()},
+                lr,
+                round(self.tokens_per_s, 1),
+            )
+            for i, (s, lr) in enumerate(ready)
+        ]
         s, lr = ready[-1]
         rate = plan.steps_per_second(s, now)
         eta = f"ETA {clock((schedule_steps - s) / rate)}" if rate else ("compiling" if s == 1 else "")
@@ -118,42 +110,27 @@ class Report:
             f"step {s}/{schedule_steps} | loss {losses[-1]:.4f} | lr {lr:.2e} | "
             f"{self.tokens_per_s / 1e3:.1f}k tok/s | {clock(now - self.t_start)} elapsed | {eta}"
         )
-        return None
+        return records, None
 
     def write(self, record: Record) -> None:
-        """Append `record` to `metrics.jsonl` and send it to the trackers: every record goes here."""
-        line = record.to_dict()
-        self.metrics.write(line)
-        self.trackers.log(line)
+        """Append `record` to `metrics.jsonl`: every record goes here."""
+        self.metrics.write(record.to_dict())
+        if isinstance(record, StepRecord):
+            self.last_logged = record.step
 
     def history(self) -> tuple[Record, ...]:
         """Every record of the run so far, as `metrics.jsonl` holds them (a resumed run's earlier
         ones included)."""
         return tuple(record_from_dict(line) for line in self.metrics.records)
 
-    def flush(self) -> None:
-        """Make the records so far survive a kill (before a checkpoint is written)."""
-        self.trackers.flush()
+    def unlogged(self, record: StepRecord | None) -> bool:
+        """Whether step `record` is not in metrics.jsonl yet (the step a run stopped at always is)."""
+        return record is not None and self.last_logged != record.step
 
-    def record_last_read(self) -> None:
-        """Log the latest step read if it is not yet (the step a run stopped at is always logged)."""
-        if self.last_read is not None and self.last_logged != self.last_read.step:
-            self.write(self.last_read)
-
-    def record_final(self, record: FinalRecord) -> None:
-        """The final validation's record, and the loss plot redrawn with its point."""
-        self.write(record)
-        self.draw_plot()
-
-    def record_evaluation(self, step: int, figures: dict[str, float]) -> EvaluationRecord:
-        """An evaluation's record in `metrics.jsonl` (written before its checkpoints)."""
-        record = EvaluationRecord(step, figures, round(self.elapsed(), 2))
-        self.write(record)
-        return record
-
-    def record_sample(self, step: int, text: str) -> None:
-        """The sample at the end of a run, to the trackers (the log shows it too)."""
-        self.trackers.log_text(step, "sample", text)
+    def say(self, line: str) -> None:
+        """A line of the log, the progress bar cleared first (a callback's: `RunView.say`)."""
+        self.bar.clear()
+        self.log(line)
 
     def draw_plot(self) -> None:
         """Redraw the loss plot from the records so far (one small figure: cheap at each evaluation)."""
@@ -217,17 +194,3 @@ def clock(seconds: float) -> str:
     """`m:ss` of a duration in seconds."""
     seconds = int(max(0, seconds))
     return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def sample_text(
-    model: GPT, tokenizer: Tokenizer, n_tokens: int, *, seed: int, temperature: float = 0.8
-) -> str:
-    """A short continuation of a newline (or of token 0, in a corpus without newlines), to show
-    what the model learned."""
-    try:
-        prompt = tokenizer.encode("\n")
-    except TokenizerError:
-        prompt = [0]
-    options = SamplingOptions(temperature=temperature)
-    out = generate(model, prompt, n_tokens, key=jax.random.key(seed), options=options)
-    return tokenizer.decode(np.asarray(out).reshape(-1).tolist())

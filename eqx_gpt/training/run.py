@@ -54,8 +54,8 @@ from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import has_lora
 from eqx_gpt.peft import save_run_adapters
 from eqx_gpt.streams import TRAIN_BATCHES
-from eqx_gpt.training.callbacks import Callback, Callbacks, StopFlag
-from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.callbacks import Callback, Callbacks, RunView, StopFlag, as_callbacks, sample_text
+from eqx_gpt.training.config import TrainConfig, resume_command, setting
 from eqx_gpt.training.data import batch_reader, window_starts
 from eqx_gpt.training.evaluate import (
     RunEvaluations,
@@ -72,23 +72,17 @@ from eqx_gpt.training.options import (
     check_train_arguments,
     given_settings,
     resolve_options,
-    resume_in_python,
 )
-from eqx_gpt.training.parallel import shard_rows
-from eqx_gpt.training.records import FinalRecord, TrainResult
-from eqx_gpt.training.report import Progress, Report, sample_text
-from eqx_gpt.training.run_dir import (
-    METRICS_NAME,
-    Metrics,
-    RunDirLock,
-    check_run_dir,
-    kept_records,
-)
+from eqx_gpt.training.parallel import shard_rows, start_jax
+from eqx_gpt.training.records import EvaluationRecord, FinalRecord, Record, StepRecord, TrainResult
+from eqx_gpt.training.report import Progress, Report
+from eqx_gpt.training.run_dir import METRICS_NAME, Metrics, RunDirLock, check_run_dir, kept_records
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
 from eqx_gpt.training.step import describe_optimizer, learning_rate
 from eqx_gpt.training.time_plan import TimePlan, eval_budget
-from eqx_gpt.training.trackers import TENSORBOARD_DIR, Trackers, open_trackers, require_trackers
+from eqx_gpt.training.trackers import Tracker, tracker_callbacks
 
+CALLBACK_STATES = "callbacks"  # the checkpoint's key for each callback's `state()`, by name
 READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
 STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
 # Fewer steps per call when steps are slower, since a stop waits for the call in flight; but each
@@ -114,7 +108,7 @@ def train(
     log: Callable[[str], None] = print,
     progress: bool = True,
     now: Callable[[], float] = time.monotonic,
-    callbacks: Sequence[Callback] = (),
+    callbacks: Sequence[Callback | Callable] = (),
     **options: object,
 ) -> TrainResult:
     """Train a GPT in `out_dir` and return it, its tokenizer and the run's figures.
@@ -134,9 +128,14 @@ def train(
     often it reports) or `overwrite` (delete it first). A folder in use by a live run is refused.
     Bad input raises an `EqxGptError` (a `ValueError`) with a one-line message; a setting of the
     wrong name raises `TypeError`. Ctrl-C or SIGTERM, or a callback raising `StopTraining`, saves a
-    checkpoint and returns with `interrupted`. `callbacks` (`Callback`s) are told of every step,
-    evaluation and checkpoint, and of the result. `now` is the clock that `max_minutes` is
-    measured by (tests pass a simulated one).
+    checkpoint and returns with `interrupted`. `callbacks` (`Callback`s, or functions
+    `fn(record, run)` of every step) are told of the run's events (`callbacks.py`); a tracker named
+    by `tracker` is one more. `now` is the clock that `max_minutes` is measured by (tests pass a
+    simulated one).
+
+    Before anything touches a device, it asks XLA for deterministic GPU kernels and joins a
+    multi-host run where the environment says this is one (`parallel.start_jax`), as `train.py`
+    does: call it before JAX starts for a GPU run that resumes bit for bit.
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -148,12 +147,13 @@ def train(
             f"train() got unknown setting(s) {unknown}; settings are TrainConfig fields and GPTConfig "
             f"fields but vocab_size"
         )
+    told = as_callbacks(callbacks)  # checked before anything is written
     settings = given_settings(config, model, options)
     if preset != AUTO:
         settings["preset"] = preset
     return _train(
         settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now, callbacks=callbacks, resume_with=resume_in_python,
+        progress=progress, now=now, callbacks=told,
     )  # fmt: skip
 
 
@@ -167,80 +167,91 @@ def _train(
     log: Callable[[str], None],
     progress: bool,
     now: Callable[[], float],
-    callbacks: Sequence[Callback] = (),
-    resume_with: Callable[[Path], str] = resume_in_python,
+    callbacks: tuple[Callback, ...] = (),
 ) -> TrainResult:
-    """`train` with its settings by name (`options.resolve_options`) and its arguments checked
-    (`check_train_arguments`); `resume_with` says how the caller resumes an interrupted run
-    (`train.py` calls this with its command line's)."""
+    """`train` with its settings by name (`options.resolve_options`): JAX started, the settings and
+    the folder checked, set up, then the run (`_run`)."""
     out_dir = check_train_arguments(
         out_dir=out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
         progress=progress, now=now,
     )  # fmt: skip
+    start_jax()
     t_start = now()
     if log is print:  # a path its lines cannot print: refused now, not at the line that names it
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
-    stop = StopFlag()
-    told = Callbacks(callbacks, request_stop=stop.request, log=log)  # checked before anything is written
-    options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
-    if options is not None:  # a missing extra is refused before anything is written
-        require_trackers(options.trackers)
+    run_options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
+    # The trackers `tracker` names, made now: a missing extra is refused before anything is written.
+    trackers = () if run_options is None else tracker_callbacks(run_options.trackers, callbacks)
     with RunDirLock(out_dir) as lock:
-        check_run_dir(out_dir, resume=resume, overwrite=overwrite)
+        found = check_run_dir(out_dir, resume=resume, overwrite=overwrite)
         records = []
         if resume:  # the checkpoint's metadata, and the settings laid over it
-            meta = read_metadata(checkpoint_file(out_dir, LATEST))
-            options = resolve_options(settings, meta)
-            require_trackers(options.trackers)
+            meta = read_metadata(resumed_checkpoint(out_dir, log))
+            run_options = resolve_options(settings, meta)
+            trackers = tracker_callbacks(run_options.trackers, callbacks)
             records = kept_records(out_dir / METRICS_NAME, meta["step"])
-        assert options is not None
-        setup, state = set_up(options, out_dir, log=log)
+        assert run_options is not None
+        setup, state = set_up(run_options, out_dir, log=log)
         # Every check has passed: from here on the folder is this run's.
         stale = lock.claim()
         if stale:
             log(f"took over {out_dir}/ from a run that is no longer running ({stale})")
-        if overwrite and not resume:
-            log(f"--overwrite: deleting the run in {out_dir}/ and starting afresh")
+        if overwrite and found is not None:
+            log(f"{setting('overwrite', True)}: deleting the run in {out_dir}/ ({found}) and starting afresh")
             delete_checkpoints(out_dir)
-        evaluations = plan_evaluations(setup)
-        plan = TimePlan(
-            setup.config.max_minutes, setup.config.max_steps, t_start,
-            final_evals=final_evaluations(evaluations), sample=sample_tokens > 0,
-        )  # fmt: skip
-        # Closed in reverse: the trackers last, marked failed if the run raised (not on Ctrl-C).
-        with (
-            _open_trackers(setup, options.trackers, records) as trackers,
-            Report(
-                log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start,
-                tokens_per_step=setup.tokens_per_step, log_interval=setup.config.log_interval,
-                plot=out_dir / "loss.png", trackers=trackers, callbacks=told,
-            ) as report,
-        ):  # fmt: skip
-            _describe_start(report, options, setup, state)
-            with stop:
-                run = Run(setup, state, report, plan, evaluations, stopping=stop, resume_with=resume_with)
-                result = train_loop(run, sample_tokens)
-    told.on_end(result)
+        with Report(
+            log, Metrics(out_dir / METRICS_NAME, records), Progress(enabled=progress), now, t_start,
+            tokens_per_step=setup.tokens_per_step, log_interval=setup.config.log_interval,
+            plot=out_dir / "loss.png",
+        ) as report:  # fmt: skip
+            return _run(setup, state, report, run_options, (*callbacks, *trackers), t_start, sample_tokens)
+
+
+def _run(
+    setup: RunSetup,
+    state: TrainState,
+    report: Report,
+    options: RunOptions,
+    callbacks: tuple[Callback, ...],
+    t_start: float,
+    sample_tokens: int,
+) -> TrainResult:
+    """The run, once its folder is claimed: its callbacks told it began, the loop, and its end."""
+    evaluations = plan_evaluations(setup)
+    plan = TimePlan(
+        setup.config.max_minutes, setup.config.max_steps, t_start,
+        final_evals=final_evaluations(evaluations), sample=sample_tokens > 0,
+    )  # fmt: skip
+    stop = StopFlag()
+    told = Callbacks(callbacks, request_stop=stop.request)
+    if options.checkpoint is not None:  # each callback's state as the checkpoint resumed saved it
+        told.load_states(options.checkpoint.get(CALLBACK_STATES) or {})
+    run = Run(setup, state, report, plan, evaluations, told, stopping=stop)
+    _describe_start(run, options)
+    with stop:
+        try:
+            told.on_train_begin(run.view())
+            result = train_loop(run, sample_tokens)
+        except BaseException as error:  # trackers close, marked failed (not on a second Ctrl-C)
+            told.on_exception(error, run.view())
+            raise
+    told.on_end(result, run.view())
     return result
 
 
-def _open_trackers(setup: RunSetup, names: tuple[str, ...], records: list[dict]) -> Trackers:
-    """The run's `--tracker`s `names`, given its resolved settings; only the first JAX process
-    writes. A resumed run continues the tracker run from its checkpoint's step, after the `records`
-    it kept."""
-    config = {
-        **setup.model_config.to_dict(), **setup.config.to_dict(),
-        "preset": setup.checkpoint_meta.get("preset"), "n_params": setup.checkpoint_meta["n_params"],
-    }  # fmt: skip
-    return open_trackers(
-        names, setup.out_dir, config=config,
-        resume_step=setup.start if setup.resumed_from is not None else None,
-        is_writer=jax.process_index() == 0, history=records,
-    )  # fmt: skip
+def resumed_checkpoint(out_dir: Path, log: Callable[[str], None]) -> Path:
+    """The checkpoint a resumed run starts from: `latest`, or `best` where a run ended between the
+    two (`best` is written first, at the same step)."""
+    latest, best = checkpoint_file(out_dir, LATEST), checkpoint_file(out_dir, BEST)
+    if not latest.exists() and best.exists():
+        log(f"{out_dir}/ holds no {LATEST} checkpoint, only {BEST}: resuming from {best}")
+        return best
+    return latest
 
 
-def _describe_start(report: Report, options: RunOptions, setup: RunSetup, state: TrainState) -> None:
+def _describe_start(run: "Run", options: RunOptions) -> None:
     """The lines a run starts with: what it trains, from which settings, how, for how long, and from where."""
+    setup, report = run.setup, run.report
     c, m, preset = setup.config, setup.model_config, setup.checkpoint_meta.get("preset")
     report.log(
         f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {m.n_layers} layers, d_model "
@@ -249,30 +260,44 @@ def _describe_start(report: Report, options: RunOptions, setup: RunSetup, state:
         f"device{'s' if setup.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
     )
     report.log(options.describe())
-    report.log(f"schedule: {describe_optimizer(c, state.schedule_steps)}")
+    report.log(f"schedule: {describe_optimizer(c, run.state.schedule_steps)}")
     if c.max_minutes:
         report.log(f"time limit: {c.max_minutes:g} min; the schedule is refitted to the steps that fit")
     if setup.resumed_from is not None:
         report.log(f"resuming {setup.resumed_from} at step {setup.start}")
-    if options.trackers:  # where to look (only the first process writes them)
-        where = {"tensorboard": f"tensorboard --logdir {setup.out_dir / TENSORBOARD_DIR}",
-                 "wandb": f"W&B run in {setup.out_dir / 'wandb'}"}  # fmt: skip
-        report.log("trackers: " + "; ".join(where[name] for name in options.trackers))
+    trackers = [c for c in run.callbacks.callbacks if isinstance(c, Tracker)]
+    if trackers:  # where to look (only the first process writes them)
+        report.log("trackers: " + "; ".join(t.where(setup.out_dir) for t in trackers))
 
 
 @dataclass
 class Run:
-    """One run in progress: what was resolved, what changes, how it reports (and to its
-    callbacks), its time plan, its evaluations, and whether Ctrl-C, SIGTERM or a callback asked
-    it to stop."""
+    """One run in progress: what was resolved, what changes, how it reports, its time plan, its
+    evaluations, its callbacks (which it alone tells, `Callbacks`), and whether Ctrl-C, SIGTERM or
+    a callback asked it to stop. `last_read` is the latest step whose figures were read."""
 
     setup: RunSetup
     state: TrainState
     report: Report
     plan: TimePlan
     evaluations: RunEvaluations
+    callbacks: Callbacks
     stopping: Callable[[], bool] = lambda: False
-    resume_with: Callable[[Path], str] = resume_in_python  # how the caller resumes it
+    last_read: StepRecord | None = None
+
+    def view(self) -> RunView:
+        """What the callbacks see of the run now (read-only)."""
+        setup, state = self.setup, self.state
+        return RunView(
+            step=state.step, model=state.model, opt_state=state.opt_state, out_dir=setup.out_dir,
+            config=setup.config, model_config=setup.model_config, tokenizer=setup.tokenizer,
+            preset=setup.checkpoint_meta.get("preset"), n_params=setup.checkpoint_meta["n_params"],
+            schedule_steps=state.schedule_steps,
+            best_val_loss=None if math.isinf(state.best_val) else state.best_val,
+            resumed_at=setup.start if setup.resumed_from is not None else None, stopping=self.stopping(),
+            is_writer=jax.process_index() == 0, _history=self.report.history, _log=self.callbacks.add_figures,
+            _say=self.report.say,
+        )  # fmt: skip
 
 
 def train_loop(run: Run, sample_tokens: int) -> TrainResult:
@@ -316,14 +341,28 @@ def train_loop(run: Run, sample_tokens: int) -> TrainResult:
 
 
 def read_losses(run: Run, until: int) -> None:
-    """Have the report read the figures of the steps up to `until` (and tell the callbacks); stop
-    the run on a non-finite loss."""
-    bad = run.report.read_losses(until, run.state.schedule_steps, run.plan)
+    """Read the figures of the steps up to `until`, tell the callbacks of each (`on_step`) and record
+    the logged ones (and those a callback added figures to); stop the run on a non-finite loss."""
+    state, c = run.state, run.setup.config
+    records, bad = run.report.read_losses(until, state.schedule_steps, run.plan)
     if bad is not None:
         step, loss = bad
         raise TrainingError(
-            f"loss became {loss} at step {step}; stopped. {last_good(run)}. Try a lower --lr or --grad-clip"
+            f"loss became {loss} at step {step}; stopped. {last_good(run)}. Try a lower "
+            f"{setting('lr')} or {setting('grad_clip')}"
         )
+    for record in records:
+        added = run.callbacks.on_step(record, run.view) if run.callbacks else {}
+        record = run.last_read = record.with_figures(added)
+        if added or record.step % c.log_interval == 0 or record.step == state.schedule_steps:
+            write(run, record)
+
+
+def write(run: Run, record: Record) -> None:
+    """Record `record` in metrics.jsonl, then tell the callbacks (`on_log`): every record goes here."""
+    run.report.write(record)
+    if run.callbacks:
+        run.callbacks.on_log(record, run.view())
 
 
 def dispatch_steps(run: Run, n: int) -> None:
@@ -375,14 +414,17 @@ def evaluate_and_save(run: Run) -> bool:
     is_best = val < state.best_val
     state.best_val = min(state.best_val, val)
     state.last_eval = (state.step, val)
-    # The record first, then `best`, then `latest`: a kill before `latest` is written leaves it at the
+    # The callbacks first (the figures they add join the record, their state the checkpoints), then
+    # the record, then `best`, then `latest`: a kill before `latest` is written leaves it at the
     # previous evaluation, whose resumption redoes this step (and drops the records after it).
-    record = report.record_evaluation(state.step, figures)
-    if is_best:
-        save(run, BEST)
-    save(run, LATEST)
-    report.evaluated(state.step, figures, is_best)
-    report.callbacks.on_evaluation(record)
+    record = EvaluationRecord(state.step, figures, round(report.elapsed(), 2))
+    if run.callbacks:
+        record = record.with_figures(run.callbacks.on_evaluation(record, run.view()))
+    write(run, record)
+    saved = [(name, save(run, name)) for name in ((BEST, LATEST) if is_best else (LATEST,))]
+    for name, path in saved:  # told once both are written: a callback that raises loses neither
+        run.callbacks.on_checkpoint(name, path, run.view())
+    report.evaluated(state.step, dict(record.figures), is_best)
     return True
 
 
@@ -423,23 +465,24 @@ def _timed_from(run: Run) -> int:
     return run.plan.timed_from[0]
 
 
-def save(run: Run, name: str) -> None:
-    """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step, then tell the
-    callbacks."""
+def save(run: Run, name: str) -> Path:
+    """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step, with each
+    callback's state; return its metadata file."""
     setup, state = run.setup, run.state
     val_step, val_loss = state.last_eval if state.last_eval is not None else (None, None)
-    run.report.flush()  # the trackers hold every record up to the checkpoint, whatever kills the run
+    states = run.callbacks.states()
     path = save_checkpoint(
         setup.out_dir, name, state.model, state.opt_state, step=state.step, tokenizer=setup.tokenizer,
         train_config=setup.config.to_dict(), val_loss=val_loss, val_loss_step=val_step,
         best_val_loss=None if math.isinf(state.best_val) else state.best_val,
         schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
+        **({CALLBACK_STATES: states} if states else {}),
     )  # fmt: skip
     if has_lora(state.model):  # and its adapters in PEFT's format
         save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
     if name == LATEST:
         state.last_saved = state.step
-    run.report.callbacks.on_checkpoint(name, path, state.step)
+    return path
 
 
 def last_good(run: Run) -> str:
@@ -461,12 +504,16 @@ def result(run: Run, *, val_loss: float | None, interrupted: bool, sample: str |
 def interrupted(run: Run) -> TrainResult:
     """Ctrl-C, SIGTERM or a callback's stop: log the step reached, checkpoint it, say how to resume."""
     report, state, out_dir = run.report, run.state, run.setup.out_dir
-    report.record_last_read()
+    if report.unlogged(run.last_read):  # the step a run stopped at is always recorded
+        assert run.last_read is not None
+        write(run, run.last_read)
     if state.last_saved is None or state.step > state.last_saved:
-        save(run, LATEST)
+        run.callbacks.on_checkpoint(LATEST, save(run, LATEST), run.view())
+    if run.callbacks.stopped_by is not None:
+        report.log(run.callbacks.stopped_by)
     report.log(
         f"interrupted at step {state.step}; saved {checkpoint_file(out_dir, LATEST)}. Resume with: "
-        f"{run.resume_with(out_dir)}"
+        f"{resume_command(out_dir)}"
     )
     val = state.last_eval[1] if state.last_eval is not None else None
     return result(run, val_loss=val, interrupted=True, sample=None)
@@ -483,13 +530,16 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     shown = Shown(report.bar, "final validation")
     final, covers = final_validation(run.evaluations, state.model, val, run.plan, t0, run.stopping, shown)
     if final is None:
+        if run.callbacks.stopped_by is not None:
+            report.log(run.callbacks.stopped_by)
         report.log(
             f"interrupted during the final validation; the run is complete at step {state.step} (periodic "
             f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
             f"{checkpoint_file(setup.out_dir, LATEST)}"
         )
         return result(run, val_loss=val, interrupted=True, sample=None)
-    report.record_final(FinalRecord(state.step, final.loss, final.n_predicted, final.whole))
+    write(run, FinalRecord(state.step, {"final_val_loss": final.loss}, final.n_predicted, final.whole))
+    report.draw_plot()
     report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
@@ -503,5 +553,4 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     )
     if sample is not None:
         report.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
-        report.record_sample(state.step, sample)
     return result(run, val_loss=final.loss, interrupted=False, sample=sample)

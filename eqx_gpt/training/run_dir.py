@@ -26,8 +26,10 @@ from eqx_gpt.checkpoint import (
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import is_gpt2_directory
+from eqx_gpt.training.config import setting
 
 LOCK_NAME = ".lock"
+LOCK_TRIES = 5  # a folder removed under a run locking it (by a refused run that created it) is made again
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -48,23 +50,25 @@ def check_writable(out_dir: Path) -> list[Path]:
     except OSError as e:
         if e.errno == errno.ELOOP:  # as --data names it, not mkdir's "File exists"
             raise TrainingError(
-                f"--out-dir {out_dir}: a loop of symbolic links; pass a path that resolves"
+                f"{setting('out_dir', str(out_dir))}: a loop of symbolic links; pass a path that resolves"
             ) from None
         if out_dir.is_symlink():
             raise TrainingError(
-                f"--out-dir {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; "
-                f"create that folder or pass another --out-dir"
+                f"{setting('out_dir', str(out_dir))} is a symbolic link to {os.readlink(out_dir)}, which "
+                f"does not exist; create that folder or pass another {setting('out_dir')}"
             ) from None
     created = _missing_folders(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out_dir):
             pass
+    except FileNotFoundError:  # removed meanwhile by a refused run that had made it (`RunDirLock`)
+        raise
     except OSError as e:
         _remove_empty(created)
         raise TrainingError(
             f"cannot write to output folder {out_dir} ({e.strerror or e}); "
-            f"pass --out-dir to a writable folder"
+            f"pass {setting('out_dir')} to a writable folder"
         ) from None
     return created
 
@@ -94,21 +98,28 @@ def describe_run(out_dir: Path) -> str | None:
     return None
 
 
-def check_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to start afresh in a folder that holds a run, unless `overwrite` asks to replace it."""
+def check_run_dir(out_dir: Path, *, resume: bool, overwrite: bool) -> str | None:
+    """Refuse to start afresh in a folder that holds a run, unless `overwrite` asks to replace it;
+    return a few words on the run there (`describe_run`), None if there is none."""
     if is_gpt2_directory(out_dir) and not holds_run(out_dir):
         raise TrainingError(
-            f"{out_dir}/ holds a Hugging Face GPT-2 model, not a run; pass another --out-dir (a run's "
+            f"{out_dir}/ holds a Hugging Face GPT-2 model, not a run; pass another {setting('out_dir')} "
+            f"(a run's "
             f"checkpoints are never written beside a model they could be mistaken for)"
         )
     found = describe_run(out_dir)
     if resume and found is None:
-        raise TrainingError(f"--resume but no checkpoint in {out_dir}/; run without --resume to start")
+        raise TrainingError(
+            f"{setting('resume', True)} but no checkpoint in {out_dir}/; run without {setting('resume')} "
+            f"to start"
+        )
     if not resume and not overwrite and found is not None:
         raise TrainingError(
-            f"{out_dir}/ already holds a run ({found}); pass --resume to continue it, another --out-dir "
-            f"to start a new one, or --overwrite to delete it and start afresh"
+            f"{out_dir}/ already holds a run ({found}); pass {setting('resume', True)} to continue it, "
+            f"another {setting('out_dir')} to start a new one, or {setting('overwrite', True)} to delete "
+            f"it and start afresh"
         )
+    return found
 
 
 class RunDirLock:
@@ -135,13 +146,30 @@ class RunDirLock:
         self.identity: tuple[int, int] | None = None
 
     def __enter__(self) -> "RunDirLock":
-        self.created = check_writable(self.out_dir)
+        # A folder this run created and another run then locked is that run's: a refused run
+        # removes only what it created and still holds (`__exit__`). So a lock is taken on the
+        # folder the path names, and taken again if a refused run removed that folder meanwhile
+        # (two runs racing into one new folder, threads or processes).
+        for _ in range(LOCK_TRIES):
+            try:
+                self.created += [p for p in check_writable(self.out_dir) if p not in self.created]
+                self._take()
+            except FileNotFoundError:  # removed between its making and its locking: make it again
+                continue
+            if self._still_there():
+                return self
+            self._release()
+        raise TrainingError(f"{self.out_dir}/ kept vanishing while this run locked it; pass another out_dir")
+
+    def _still_there(self) -> bool:
+        """Whether the path still names the folder locked (not removed, nor replaced, meanwhile)."""
+        assert self.fd is not None
         try:
-            self._take()
-        except BaseException:
-            _remove_empty(self.created)
-            raise
-        return self
+            now = os.stat(self.out_dir)
+        except OSError:
+            return False
+        held = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
     def _take(self) -> None:
         self.fd = os.open(self.out_dir, os.O_RDONLY)
@@ -165,8 +193,18 @@ class RunDirLock:
             holder = self._holder()
             who = f"pid {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
         raise TrainingError(
-            f"{self.out_dir}/ is in use by a live run ({who}); wait for it to end, or pass another --out-dir"
+            f"{self.out_dir}/ is in use by a live run ({who}); wait for it to end, or pass another "
+            f"{setting('out_dir')}"
         ) from None
+
+    def _release(self) -> None:
+        with self._HELD_LOCK:
+            if self.identity is not None:
+                del self._HELD[self.identity]
+                self.identity = None
+        if self.fd is not None:
+            os.close(self.fd)  # and with it the flock
+            self.fd = None
 
     def _holder(self) -> dict | None:
         try:
@@ -187,13 +225,11 @@ class RunDirLock:
     def __exit__(self, *exc) -> None:
         if self.claimed:
             self.info.unlink(missing_ok=True)
-        with self._HELD_LOCK:
-            if self.identity is not None:
-                del self._HELD[self.identity]
-        if self.fd is not None:
-            os.close(self.fd)
-        if not self.claimed:  # refused before it was the run's: the folders it created go again
+        elif (
+            self.fd is not None
+        ):  # refused before it was the run's: the folders it created go, while it holds them
             _remove_empty(self.created)
+        self._release()
 
 
 def final_recorded(metrics: Path, step: int) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from eqx_gpt.checkpoint import load_checkpoint, run_template
+from eqx_gpt.configs import fields_of_kind
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import TrainingError
@@ -29,7 +30,7 @@ from eqx_gpt.model.lora import apply_lora
 from eqx_gpt.peft import check_base, describe, load_adapters
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
-from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.config import TrainConfig, setting
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
 from eqx_gpt.training.options import ModelSettings, RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
@@ -80,13 +81,10 @@ class TrainState:
 
 
 # The fields of a TrainConfig that the compiled step never reads (the schedule's rates arrive as
-# arguments; the data, evaluation and logging are the loop's). Every other field is part of the
-# step's identity, so an option added later can never be dropped from it by omission.
-_NOT_READ_BY_THE_STEP = (
-    "data", "tokenizer", "init_from", "lora_adapters", "max_steps", "max_minutes", "warmup_steps", "schedule",
-    "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval", "text_field",
-    "split", "tracker",
-)  # fmt: skip
+# arguments; the data, evaluation and logging are the loop's): each field's kind, `read_by_step`.
+# Every other field is part of the step's identity, so an option added later can never be dropped
+# from it by omission.
+_NOT_READ_BY_THE_STEP = fields_of_kind(TrainConfig, "read_by_step", False)
 _UNSCALED_BY_ADAMW = ("lr", "min_lr", "adam_lr")  # AdamW alone runs at unit rate times the schedule
 
 
@@ -200,7 +198,8 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
     if options.schedule_steps < meta["step"]:  # a schedule that ends before the run's step
         raise TrainingError(
             f"max_steps={options.schedule_steps} ends before step {meta['step']}, where the run in "
-            f"{out_dir}/ is; pass a --max-steps of at least {meta['step']} to go on, or leave it out"
+            f"{out_dir}/ is; pass a {setting('max_steps')} of at least {meta['step']} to go on, or leave "
+            f"it out"
         )
     if meta.get("lora_base") is not None:
         check_base(meta["lora_base"])
@@ -212,7 +211,8 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
     finished = start >= schedule_steps and (last_eval or (None,))[0] == start
     if finished and final_recorded(out_dir / METRICS_NAME, start):  # else: finish it now
         raise TrainingError(
-            f"the run in {out_dir}/ already finished at step {start}; pass a larger --max-steps to go on"
+            f"the run in {out_dir}/ already finished at step {start}; pass a larger {setting('max_steps')} "
+            f"to go on"
         )
     best_val = meta.get("best_val_loss") or math.inf
     return TrainState(model, opt_state, start, schedule_steps, best_val, last_eval, last_saved=start)
@@ -260,7 +260,8 @@ def _model_config_and_tokenizer(
     if tokenizer != corpus.tokenizer:  # a checkpoint that records no corpus identity (data_sha256)
         raise TrainingError(
             f"the corpus ({config.data or BUNDLED}) has other characters ({corpus.tokenizer!r}) than the "
-            f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with --data"
+            f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with "
+            f"{setting('data')}"
         )
     try:
         return model_options.config(tokenizer.vocab_size), tokenizer

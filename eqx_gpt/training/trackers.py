@@ -1,14 +1,16 @@
-"""Live curves where people look: the records of `metrics.jsonl` sent to TensorBoard or Weights &
-Biases as well (`--tracker tensorboard,wandb`), each an optional extra imported only when opened.
+"""Live curves where people look: trackers, callbacks that send a run's records to TensorBoard or
+Weights & Biases as well as to `metrics.jsonl`, each an optional extra imported only when opened.
 
-    trackers = open_trackers(["tensorboard"], out_dir, config=flat_config, resume_step=None, is_writer=True)
-    trackers.log({"step": 10, "loss": 3.2, "grad_norm": 0.8, "lr": 1e-3, "tokens_per_s": 41000.0})
-    trackers.log_text(1600, "sample", text)
-    trackers.close()
+    train(callbacks=[TensorBoardTracker()])     # or the shortcut: train(tracker="tensorboard")
+    train(callbacks=[WandbTracker(project="shakespeare")])
 
-A tracker is fed exactly the records the run writes to `metrics.jsonl` (train loss, gradient norm,
-learning rate and tokens/s at logged steps; train and validation loss at evaluations; the final validation),
-the run's resolved settings as hyperparameters when opened, and the sample text at the end.
+A tracker is an ordinary `Callback` (`Tracker` is the base of the two here): it opens at
+`on_train_begin` (in the first JAX process only), is fed every record as metrics.jsonl gets it
+(`on_log`: train loss, gradient norm, learning rate and tokens/s at logged steps; train and
+validation loss at evaluations; the final validation; and any figure a callback logs), makes them
+durable at each checkpoint, writes the sample text and closes at `on_end`, and closes marked failed
+at `on_exception`. The run's resolved settings are its hyperparameters. A tracker of your own is a
+callback with the same powers.
 
 A resumed run continues the same tracker run, and neither tracker duplicates or reorders a step
 after a kill. The run resumes at its checkpoint's step (`resume_step`), keeps the records up to
@@ -33,7 +35,8 @@ it and redoes the steps after it:
 Cost: nothing here runs at a training step; records arrive at log and evaluation intervals. The
 TensorBoard tracker writes each record's events synchronously to a buffered file (no thread, no
 queue) and makes them durable (`fsync`) at each evaluation's record, which precedes its checkpoint,
-at most every `FLUSH_SECS` otherwise, and at `flush()` and `close()`. `bench/trackers.py` times it.
+at each record of a run stopping, at most every `FLUSH_SECS` otherwise, and at each checkpoint and
+`close()`. `bench/trackers.py` times it.
 """
 
 import html
@@ -42,12 +45,13 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.training.callbacks import Callback, RunView
+from eqx_gpt.training.records import Record, TrainResult
 
-TRACKERS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_NAME = "wandb-run-id"
 WANDB_PROJECT = "eqx_gpt"  # unless WANDB_PROJECT is set
@@ -71,20 +75,6 @@ EVALUATIONS = ("val_loss", "final_val_loss")  # records that precede a checkpoin
 PACKAGES = {"tensorboard": "tensorboardX", "wandb": "wandb"}
 
 
-def parse_trackers(spec: str | Sequence[str] | None) -> tuple[str, ...]:
-    """The tracker names in `spec` ("tensorboard,wandb", a list of such; None, "" or "none" for
-    none, as a resumed run may drop them), each once, in order; an unknown name raises `ConfigError`."""
-    if spec is None:
-        return ()
-    parts = [spec] if isinstance(spec, str) else list(spec)
-    names = [n.strip().lower() for part in parts for n in part.split(",")]
-    names = [n for n in names if n and n != "none"]
-    for name in names:
-        if name not in TRACKERS:
-            raise ConfigError(f"--tracker {name!r} is not a tracker; choose from {', '.join(TRACKERS)}")
-    return tuple(dict.fromkeys(names))
-
-
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The numbers of a `metrics.jsonl` record by tag (`TAGS`), without its step; a bool is 0 or 1."""
     return {
@@ -92,26 +82,6 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
         for key, value in record.items()
         if key != "step" and isinstance(value, int | float)
     }
-
-
-class Tracker(Protocol):
-    """Where a run's records go besides `metrics.jsonl`. Every record is a dict with an int "step"."""
-
-    def log(self, record: dict) -> None: ...
-
-    def log_text(self, step: int, name: str, text: str) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def close(self, *, failed: bool = False) -> None: ...
-
-
-def require_trackers(names: Sequence[str]) -> None:
-    """Refuse, in one line, a tracker whose optional package is not installed, without importing it:
-    a run checks this with its settings, before it writes anything."""
-    for name in parse_trackers(list(names)):
-        if importlib.util.find_spec(PACKAGES[name]) is None:
-            raise _missing(name, ModuleNotFoundError(name=PACKAGES[name]))
 
 
 def _missing(tracker: str, error: ModuleNotFoundError) -> ConfigError:
@@ -126,14 +96,82 @@ def _missing(tracker: str, error: ModuleNotFoundError) -> ConfigError:
     )
 
 
+class Tracker(Callback):
+    """A callback that sends the run's records somewhere besides metrics.jsonl: the base of
+    `TensorBoardTracker` and `WandbTracker`, which implement `open`, `log`, `log_text`, `flush` and
+    `close` over plain `metrics.jsonl` records (dicts with an int "step"). `extra` names the optional
+    package it needs (`PACKAGES`), checked when it is made, before a run writes anything."""
+
+    extra: str = ""
+
+    def __init__(self):
+        if importlib.util.find_spec(PACKAGES[self.extra]) is None:
+            raise _missing(self.extra, ModuleNotFoundError(name=PACKAGES[self.extra]))
+        self.opened = False
+
+    def where(self, out_dir: Path) -> str:
+        """Where to look at the run's curves (the run's first lines say it)."""
+        raise NotImplementedError
+
+    def open(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]) -> None:
+        """Start writing for the run in `out_dir`: `config` its settings, flat; `resume_step` the
+        step of the checkpoint a resumed run starts from (None: a fresh run), whose later records
+        the resumed run's replace; `history` the records it kept, sent first to a tracker opened
+        for the first time in `out_dir`."""
+        raise NotImplementedError
+
+    def log(self, record: dict) -> None:
+        """Send one `metrics.jsonl` record."""
+        raise NotImplementedError
+
+    def log_text(self, step: int, name: str, text: str) -> None:
+        """Send a text (the sample at the end of a run) at `step` under `name`."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Make every record sent so far survive a kill."""
+
+    def close(self, *, failed: bool = False) -> None:
+        """Flush and close; `failed` marks a run that ended on an error."""
+
+    def on_train_begin(self, run: RunView) -> None:
+        if run.is_writer:  # only the first JAX process writes
+            history = [record.to_dict() for record in run.history]
+            self.open(run.out_dir, config=run.settings, resume_step=run.resumed_at, history=history)
+            self.opened = True
+
+    def on_log(self, record: Record, run: RunView) -> None:
+        if self.opened:
+            self.log(record.to_dict())
+            if run.stopping:  # its checkpoint comes next: the records up to it survive a kill
+                self.flush()
+
+    def on_checkpoint(self, name: str, path: Path, run: RunView) -> None:
+        if self.opened:
+            self.flush()
+
+    def on_end(self, result: TrainResult, run: RunView) -> None:
+        if self.opened:
+            if result.sample is not None:
+                self.log_text(result.step, "sample", result.sample)
+            self.opened = False
+            self.close()
+
+    def on_exception(self, error: BaseException, run: RunView) -> None:
+        if self.opened:  # W&B shows a failed run as "failed"; a second Ctrl-C is not a failure
+            self.opened = False
+            self.close(failed=not isinstance(error, KeyboardInterrupt))
+
+
 def _config_markdown(config: dict) -> str:
     """The settings as a two-column Markdown table, which TensorBoard's Text tab renders."""
     rows = [f"| {key} | {str(value).replace('|', '&#124;')} |" for key, value in sorted(config.items())]
     return "\n".join(["| setting | value |", "| --- | --- |", *rows])
 
 
-class TensorBoardTracker:
-    """Event files in `out_dir/tensorboard/`, one per session, read by TensorBoard in name order.
+class TensorBoardTracker(Tracker):
+    """Event files in `log_dir` (default `out_dir/tensorboard/`), one per session, read by
+    TensorBoard in name order.
 
     Written with tensorboardX's summaries and its synchronous `EventsWriter`, not its
     `SummaryWriter`: that one writes from a thread through a queue, and its `flush()` does not wait
@@ -143,7 +181,16 @@ class TensorBoardTracker:
     run of its own, which a resumed run would multiply.
     """
 
-    def __init__(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]):
+    extra = "tensorboard"
+
+    def __init__(self, log_dir: str | Path | None = None):
+        super().__init__()
+        self.log_dir = None if log_dir is None else Path(log_dir)
+
+    def where(self, out_dir: Path) -> str:
+        return f"tensorboard --logdir {self.log_dir or out_dir / TENSORBOARD_DIR}"
+
+    def open(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]) -> None:
         try:
             from tensorboardX.event_file_writer import EventsWriter
             from tensorboardX.proto import event_pb2
@@ -153,7 +200,7 @@ class TensorBoardTracker:
         # protoc's generated module declares its classes at run time, out of a type checker's sight
         Event, SessionLog = event_pb2.Event, event_pb2.SessionLog  # pyright: ignore[reportAttributeAccessIssue]
         self.Event, self.scalar, self.text = Event, scalar, text
-        log_dir = out_dir / TENSORBOARD_DIR
+        log_dir = self.log_dir or out_dir / TENSORBOARD_DIR
         log_dir.mkdir(parents=True, exist_ok=True)
         earlier = sorted(log_dir.glob("events.out.tfevents.*"))
         # Files are read in name order (a timestamp in seconds, the host, then this suffix): the
@@ -200,12 +247,22 @@ def _stored_run_id(out_dir: Path) -> str | None:
         return None
 
 
-class WandbTracker:
-    """A W&B run in project `WANDB_PROJECT` (or $WANDB_PROJECT), named after the run folder, its
-    files under `out_dir/wandb/`, the settings as its config; each record is one history row at its
-    step (an evaluation's joins the train row of the same step). Offline with WANDB_MODE=offline."""
+class WandbTracker(Tracker):
+    """A W&B run in `project` (default $WANDB_PROJECT, else `WANDB_PROJECT`), named after the run
+    folder, its files under `out_dir/wandb/`, the settings as its config; each record is one history
+    row at its step (an evaluation's joins the train row of the same step). Offline with
+    WANDB_MODE=offline."""
 
-    def __init__(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]):
+    extra = "wandb"
+
+    def __init__(self, project: str | None = None):
+        super().__init__()
+        self.project = project
+
+    def where(self, out_dir: Path) -> str:
+        return f"W&B run in {out_dir / 'wandb'}"
+
+    def open(self, out_dir: Path, *, config: dict, resume_step: int | None, history: Iterable[dict]) -> None:
         try:
             import wandb
             from wandb.errors import Error as WandbError
@@ -216,8 +273,9 @@ class WandbTracker:
         run_id = _stored_run_id(out_dir) if resume_step is not None else None
         try:
             self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", WANDB_PROJECT), name=out_dir.resolve().name,
-                dir=out_dir, id=run_id, resume="allow" if run_id else None, config=config,
+                project=self.project or os.environ.get("WANDB_PROJECT", WANDB_PROJECT),
+                name=out_dir.resolve().name, dir=out_dir, id=run_id, resume="allow" if run_id else None,
+                config=config,
             )  # fmt: skip
         except WandbError as e:  # not logged in, a server refusing: the user's to fix, in one line
             said = " ".join(str(e).split())
@@ -245,68 +303,9 @@ class WandbTracker:
         self.run.finish(exit_code=1 if failed else 0)  # W&B shows a failed run as "failed"
 
 
-class Trackers:
-    """The trackers a run writes to, as one: each call goes to every tracker, in order. Empty (every
-    call does nothing) for a run without `--tracker`, and in every JAX process but the first."""
-
-    def __init__(self, trackers: Sequence[Tracker] = ()):
-        self.trackers = tuple(trackers)
-
-    def log(self, record: dict) -> None:
-        """Send one `metrics.jsonl` record (a dict with an int "step")."""
-        for tracker in self.trackers:
-            tracker.log(record)
-
-    def log_text(self, step: int, name: str, text: str) -> None:
-        """Send a text (the sample at the end of a run) at `step` under `name`."""
-        for tracker in self.trackers:
-            tracker.log_text(step, name, text)
-
-    def flush(self) -> None:
-        """Make every record sent so far survive a kill (call it before writing a checkpoint)."""
-        for tracker in self.trackers:
-            tracker.flush()
-
-    def close(self, *, failed: bool = False) -> None:
-        """Flush and close every tracker; `failed` marks a run that ended on an error."""
-        for tracker in self.trackers:
-            tracker.close(failed=failed)
-
-    def __enter__(self) -> "Trackers":
-        return self
-
-    def __exit__(self, kind, *exc) -> None:
-        self.close(failed=kind is not None and not issubclass(kind, KeyboardInterrupt))
-
-
-def open_trackers(
-    names: Sequence[str],
-    out_dir: str | Path,
-    *,
-    config: dict,
-    resume_step: int | None,
-    is_writer: bool,
-    history: Iterable[dict] = (),
-) -> Trackers:
-    """Open the trackers `names` (from `TRACKERS`) for the run in `out_dir`.
-
-    `config` is the run's resolved settings, flat (GPTConfig and TrainConfig fields). `resume_step`
-    is the step of the checkpoint a resumed run starts from (None for a fresh run): the records up
-    to it stay, later ones are replaced by the resumed run's. `history` is the records the resumed
-    run kept (`run_dir.kept_records`), sent first to a tracker this run opens for the first time in
-    `out_dir`. `is_writer` is False in every JAX process but the first: only one process writes.
-    A tracker whose optional package is missing raises a one-line `ConfigError`.
-    """
-    names = parse_trackers(list(names))
-    if not is_writer or not names:
-        return Trackers()
-    out_dir, history = Path(out_dir), list(history)
-    makers = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
-    opened: list[Tracker] = []
-    try:
-        for name in names:
-            opened.append(makers[name](out_dir, config=config, resume_step=resume_step, history=history))
-    except BaseException:
-        Trackers(opened).close(failed=True)
-        raise
-    return Trackers(opened)
+def tracker_callbacks(names: Sequence[str], callbacks: Sequence[Callback] = ()) -> tuple[Tracker, ...]:
+    """The trackers the setting `tracker` names (`TrainConfig.trackers`), but those of a kind already
+    among `callbacks` (`tracker="tensorboard"` is a shortcut for `TensorBoardTracker()`). A missing
+    extra is a one-line `ConfigError`."""
+    kinds = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+    return tuple(kinds[name]() for name in names if not any(isinstance(c, kinds[name]) for c in callbacks))
