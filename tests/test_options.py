@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.config import TrainConfig, spoken_as_command
 from eqx_gpt.training.options import INIT_FROM_OPTIONS, ConfigError, ModelSettings, resolve_options
 from eqx_gpt.training.presets import PRESETS
 
@@ -36,12 +36,18 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     assert options.preset == "cpu" and options.checkpoint is CHECKPOINT
     cpu_lr = PRESETS["cpu"].train["lr"]
     assert resolve_options({"lr": cpu_lr}, CHECKPOINT).train.lr == cpu_lr  # agrees: fine
-    with pytest.raises(ConfigError, match=rf"--lr 0.5 contradicts the checkpoint in /runs/a \(lr={cpu_lr}\)"):
+    # A Python caller is told of keywords; train.py's user of flags (`spoken_as_command`).
+    with pytest.raises(ConfigError, match=rf"^lr=0.5 contradicts the checkpoint in /runs/a \(lr={cpu_lr}\)"):
         resolve_options({"lr": 0.5}, CHECKPOINT)
-    with pytest.raises(ConfigError, match="--d-model 64 contradicts"):
+    with (
+        spoken_as_command("train.py"),
+        pytest.raises(ConfigError, match=r"^--lr 0.5 contradicts .*--out-dir"),
+    ):
+        resolve_options({"lr": 0.5}, CHECKPOINT)
+    with pytest.raises(ConfigError, match="d_model=64 contradicts .* pass another out_dir"):
         resolve_options({"d_model": 64}, CHECKPOINT)
     # A preset named anew counts as settings for its values: cpu-adamw's batch size contradicts.
-    with pytest.raises(ConfigError, match=r"--preset cpu-adamw \(it sets batch_size=16\) contradicts"):
+    with pytest.raises(ConfigError, match=r"preset='cpu-adamw' \(it sets batch_size=16\) contradicts"):
         resolve_options({"preset": "cpu-adamw"}, CHECKPOINT)
 
 
@@ -49,7 +55,7 @@ def test_a_resumed_run_is_the_checkpoint_then_the_settings_that_may_change():
     "settings, words",
     [({"learning_rate": 1.0}, "unknown setting"), ({"preset": "gpu"}, "unknown preset"),
      ({"lr": -1.0}, "lr must be > 0, got lr=-1.0"),
-     ({"preset": "finetune-shakespeare"}, "pass --init-from DIR")],
+     ({"preset": "finetune-shakespeare"}, "pass init_from DIR")],
 )  # fmt: skip
 def test_settings_that_cannot_make_a_run_are_one_line_errors(settings, words):
     with pytest.raises(ConfigError, match=words) as error:

@@ -265,7 +265,8 @@ CHECKPOINT = {
 def test_a_flag_for_a_field_an_older_checkpoint_lacks_is_its_default_or_refused():
     assert resolve_options({"schedule": "cosine"}, CHECKPOINT).train.schedule == "cosine"
     with pytest.raises(
-        ConfigError, match=r"--schedule wsd contradicts .*schedule='cosine', the default of a"
+        ConfigError,
+        match=r"schedule='wsd' contradicts .*schedule='cosine', the default of a checkpoint older than sched",
     ):
         resolve_options({"schedule": "wsd", "decay_fraction": 0.9}, CHECKPOINT)
 

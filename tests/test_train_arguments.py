@@ -4,6 +4,7 @@ of one process in one folder, the resume line an interrupted call prints, a resu
 `max_steps` ends before the run's step, and an `out_dir` that is a loop of symbolic links."""
 
 import importlib.util
+import os
 import signal
 import threading
 from pathlib import Path
@@ -265,3 +266,15 @@ def test_overwrite_into_a_new_folder_deletes_nothing_and_says_so(corpus, tmp_pat
     )
     [said] = [line for line in again if "deleting" in line]
     assert said.startswith("overwrite=True: deleting the run in") and "step 4" in said
+
+
+def test_train_asks_xla_for_deterministic_gpu_kernels_as_train_py_does(monkeypatch, tmp_path):
+    # Issue 58: the API does what the command does (train.py calls train), before any device use.
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with pytest.raises(EqxGptError, match="unknown preset"):
+        train(preset="fast", out_dir=tmp_path / "run", **QUIET)
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")  # the user's choice stands
+    with pytest.raises(EqxGptError, match="unknown preset"):
+        train(preset="fast", out_dir=tmp_path / "run", **QUIET)
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"

@@ -28,6 +28,7 @@ from eqx_gpt.data.prepare import Corpus, prepare
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import CheckpointError, DataError
 from eqx_gpt.streams import batch_key
+from eqx_gpt.training.config import setting
 
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 BUNDLED = "Tiny Shakespeare (bundled)"
@@ -69,7 +70,7 @@ def load_corpus(
         elif resumes is not None and resumes.get("data_sha256") not in (None, sha):
             raise CheckpointError(
                 f"{source} is not the corpus the checkpoint in {Path(resumes['path']).parent}/ was trained "
-                f"on (its sha256 differs); pass --data PATH to that corpus"
+                f"on (its sha256 differs); pass {setting('data')} PATH to that corpus"
             )
 
     return prepare(
@@ -88,7 +89,8 @@ def check_split(tokens: TokenSpan, name: str, context_length: int, source: str) 
     if len(tokens) < context_length + 1:
         raise DataError(
             f"{source}: the {name} split has {len(tokens)} tokens, fewer than one window of "
-            f"context_length + 1 = {context_length + 1}; use a longer file or a smaller --context-length"
+            f"context_length + 1 = {context_length + 1}; use a longer file or a smaller "
+            f"{setting('context_length')}"
         )
 
 
@@ -100,9 +102,13 @@ def load_text(path: str | Path | None = None) -> str:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise DataError(f"data file {path} does not exist; pass --data PATH to a UTF-8 text file") from None
+        raise DataError(
+            f"data file {path} does not exist; pass {setting('data')} PATH to a UTF-8 text file"
+        ) from None
     except IsADirectoryError:
-        raise DataError(f"data path {path} is a directory; pass --data PATH to a UTF-8 text file") from None
+        raise DataError(
+            f"data path {path} is a directory; pass {setting('data')} PATH to a UTF-8 text file"
+        ) from None
     except OSError as e:
         raise DataError(f"data file {path} cannot be read ({e.strerror or e})") from None
     if bundled and hashlib.sha256(raw).hexdigest() != SHAKESPEARE_SHA256:

@@ -182,9 +182,9 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     shape = [k for k in settings if k in MODEL_FIELDS and k not in INIT_FROM_OPTIONS]
     if settings.get("init_from") is not None and shape:
         raise ConfigError(
-            f"--{shape[0].replace('_', '-')} sets the model's shape, which comes from --init-from "
-            f"{settings['init_from']}; leave it out (only "
-            f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
+            f"{setting(shape[0])} sets the model's shape, which comes from "
+            f"{setting('init_from', settings['init_from'])}; leave it out (only "
+            f"{', '.join(setting(k) for k in INIT_FROM_OPTIONS)} apply)"
         )
     from_preset = {k: v for k, v in (PRESETS[preset].values() if preset else {}).items() if k not in settings}
     values = {**preset_values(preset), **settings}
@@ -205,19 +205,23 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     if train.lora_rank is not None:
         if train.init_from is None:
             raise ConfigError(
-                "--lora-rank trains adapters on a pretrained model: pass --init-from GPT2_DIR (or a PEFT "
-                "adapter folder) too"
+                f"{setting('lora_rank')} trains adapters on a pretrained model: pass {setting('init_from')} "
+                f"GPT2_DIR (or a PEFT adapter folder) too"
             )
         if train.optimizer != "adamw":
             raise ConfigError(
-                _blame_preset("LoRA adapters train with AdamW; drop --optimizer muon", preset, from_preset)
+                _blame_preset(
+                    f"LoRA adapters train with AdamW; drop {setting('optimizer', 'muon')}",
+                    preset,
+                    from_preset,
+                )
             )
         width = read_gpt2_config(train.init_from).d_model  # the rank's bound
         check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
         if train.lora_adapters is not None:
             _check_adapters_match(train)
     if preset == FINETUNE_PRESET and train.init_from is None:
-        raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
+        raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass {setting('init_from')} DIR")
     before = preset_values(preset)
     overrides = {k: v for k, v in settings.items() if k != "preset" and v != before.get(k)}
     return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset, overrides=overrides)
@@ -259,7 +263,7 @@ def _check_adapters_match(train: TrainConfig) -> None:
         raise ConfigError(
             f"the adapters in {train.lora_adapters}/ are rank {theirs[0]}, alpha {theirs[1]:g} on "
             f"{','.join(theirs[2])}, but the run asks for rank {ours[0]}, alpha {ours[1]:g} on "
-            f"{','.join(ours[2])}; pass --init-from {train.lora_adapters} alone to continue them"
+            f"{','.join(ours[2])}; pass {setting('init_from', train.lora_adapters)} alone to continue them"
         )
 
 
@@ -298,12 +302,16 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
         saved_value = saved.get(name, DEFAULTS.get(name))
         if _same_setting(name, value, saved_value):
             continue
-        flag = f"--{name.replace('_', '-')} {value}"
-        culprit = flag if name in settings else f"--preset {preset} (it sets {name}={value!r})"
-        older = "" if name in saved else f", the default of a checkpoint older than {flag.split()[0]}"
+        culprit = (
+            setting(name, value)
+            if name in settings
+            else f"{setting('preset', preset)} (it sets {name}={value!r})"
+        )
+        older = "" if name in saved else f", the default of a checkpoint older than {setting(name)}"
         raise ConfigError(
             f"{culprit} contradicts the checkpoint in {Path(checkpoint['path']).parent} ({name}="
-            f"{saved_value!r}{older}); drop it to resume, or pass another --out-dir to start afresh"
+            f"{saved_value!r}{older}); drop it to resume, or pass another {setting('out_dir')} to start "
+            f"afresh"
         )
     train = {**saved_train, **{k: v for k, v in given.items() if k in RESUMABLE_CHANGES}}
     try:
@@ -318,7 +326,8 @@ def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions
     if not is_whole(steps, 1):
         raise ConfigError(
             f"checkpoint {checkpoint['path']} has schedule_steps={steps!r}, not an integer in "
-            f"[1, {INT32_MAX}]; the file is corrupt: pass another --max-steps to set the schedule anew"
+            f"[1, {INT32_MAX}]; the file is corrupt: pass another {setting('max_steps')} to set the "
+            f"schedule anew"
         )
     saved = {**saved_model, **saved_train}
     overrides = {

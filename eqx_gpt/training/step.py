@@ -25,7 +25,7 @@ from eqx_gpt.model.lora import LoRALinear, trainable_filter
 from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
-from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.config import TrainConfig, setting
 
 
 def warmup_steps(config: TrainConfig, schedule_steps: int) -> int:
@@ -328,7 +328,9 @@ def describe_optimizer(config: TrainConfig, schedule_steps: int) -> str:
     c, warmup = config, warmup_steps(config, schedule_steps)
     clip = f"gradient clip {c.grad_clip:g}" if c.grad_clip > 0 else "no gradient clipping"
     shortened = (
-        f" (--warmup-steps {c.warmup_steps} shortened to half the run)" if warmup < c.warmup_steps else ""
+        f" ({setting('warmup_steps', c.warmup_steps)} shortened to half the run)"
+        if warmup < c.warmup_steps
+        else ""
     )
     if c.optimizer == "adamw":
         decay = _decay(c, schedule_steps, f"{c.min_lr:g}")
