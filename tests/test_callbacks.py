@@ -308,8 +308,11 @@ def test_a_callback_failing_at_best_leaves_latest_and_a_stop_at_the_end_changes_
         _train(corpus, out, FailsAtBest(), [])
     # Both checkpoints of step 4 were written before any callback heard of them.
     assert json.loads((out / "latest.json").read_text())["step"] == 4
+    # A run killed between the two (best is written first) resumes from best, saying so.
+    (out / "latest.json").unlink()
     lines: list[str] = []
     result = _train(corpus, out, StopsAtTheEnd(), lines, resume=True)
+    assert f"{out}/ holds no latest checkpoint, only best: resuming from {out / 'best.json'}" in lines
     assert not result.interrupted and result.step == 12
     assert not [line for line in lines if "stopped the run" in line]  # the run had ended
 

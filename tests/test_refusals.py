@@ -274,7 +274,7 @@ def test_a_flag_for_a_field_an_older_checkpoint_lacks_is_its_default_or_refused(
 def test_paths_compare_resolved_and_a_presets_values_are_blamed_on_the_preset(monkeypatch):
     monkeypatch.chdir(TINY_GPT2.parent)
     assert resolve_options({"init_from": "tiny-gpt2"}, CHECKPOINT).train.init_from == str(TINY_GPT2)
-    with pytest.raises(ConfigError, match=r"--preset shakespeare-char \(it sets context_length=256\)"):
+    with pytest.raises(ConfigError, match=r"preset='shakespeare-char' \(it sets context_length=256\)"):
         resolve_options({"preset": "shakespeare-char"}, CHECKPOINT)
 
 

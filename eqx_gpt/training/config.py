@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described, fields_of_kind, kind
@@ -31,6 +32,8 @@ A_FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
 @dataclass(frozen=True)
 class TrainConfig(DictConfig):
     """How to train (see `presets.py` for named recipes). Invalid values raise `ValueError`."""
+
+    _trackers: ClassVar[tuple[str, ...]]  # `tracker` parsed, set on each config when it is checked
 
     data: str | None = described(
         "a UTF-8 text file, a .jsonl file of records, a .parquet or .arrow table, any of the texts "
@@ -252,7 +255,8 @@ class TrainConfig(DictConfig):
                 f"tracker must be a comma list of names such as 'tensorboard,wandb', or None, "
                 f"got {self.tracker!r}"
             )
-        parse_trackers(self.tracker)  # an unknown name is refused here, before the run starts
+        # Parsed once, here: an unknown name is refused before the run starts (`trackers` reads it).
+        object.__setattr__(self, "_trackers", parse_trackers(self.tracker))
         for name in ("fsdp", "muon_split_qkv"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -276,8 +280,8 @@ class TrainConfig(DictConfig):
 
     @property
     def trackers(self) -> tuple[str, ...]:
-        """The tracker names of `tracker`, parsed (`parse_trackers`)."""
-        return parse_trackers(self.tracker)
+        """The tracker names of `tracker`, parsed when the config was made (`parse_trackers`)."""
+        return self._trackers
 
     def _check_ranges(self) -> None:
         """Each number in its range (its field's `bounds`), named with its value: `got max_minutes=-1`."""
