@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from eqx_gpt.model import attention as attention_module
+from eqx_gpt.model import flash_attention as flash_module
 from eqx_gpt.model.attention import MultiHeadAttention, causal_mask, multi_head_attention
 from eqx_gpt.model.dropout import keep_probability
 from eqx_gpt.model.flash_attention import (
@@ -206,6 +207,29 @@ def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monk
 
 def test_the_cpu_keeps_the_per_head_path():
     assert ON_GPU or not flash_attention_available(jnp.float32, 64)
+
+
+def test_the_gpu_s_trial_of_the_kernels_runs_while_a_model_is_traced_and_a_failure_falls_back(monkeypatch):
+    # Attention asks `flash_attention_available` while JAX traces the model (under jit, in a scan):
+    # the trial must still run for real, not be traced into the model.
+    trial = flash_module._kernel_works.__wrapped__  # the uncached function; interpret mode here
+    passed = []
+
+    def layer(carry, x):
+        passed.append(trial("float32", 16, True))
+        return carry, x
+
+    jax.jit(lambda xs: jax.lax.scan(layer, 0.0, xs))(jnp.ones(2))
+    assert passed == [True]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton could not lower this\n(the rest of a long message)")
+
+    monkeypatch.setattr(flash_module, "flash_attention", broken)
+    with pytest.warns(
+        UserWarning, match="failed on this GPU .*: Triton could not lower this; attention with"
+    ):
+        assert trial("float32", 16, True) is False
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the kernels compile for a GPU only there")

@@ -28,6 +28,7 @@ kernel matches the XLA path within float32 rounding. On a CPU the kernels run in
 interpret mode, slowly but exactly: that is how the suite tests them.
 """
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -588,33 +589,56 @@ def flash_multi_head_attention(
 
 
 def flash_attention_available(dtype, d_head: int) -> bool:
-    """Whether attention takes the fused kernels: on a GPU, where they compiled and ran for this
-    dtype and head size (tried once per process, a tiny causal call forward and backward with
-    dropout; a failure is warned of once, and attention keeps its `vmap` path)."""
+    """Whether attention takes the fused kernels: on a GPU, where they compiled, ran and matched
+    the XLA path for this dtype and head size (tried once per process on a tiny causal call with
+    dropout, forward and backward; a failure is warned of once, and attention keeps its `vmap`
+    path)."""
     if jax.default_backend() != "gpu":
         return False
-    return _runs_on_this_gpu(jnp.dtype(dtype).name, d_head)
+    return _kernel_works(jnp.dtype(dtype).name, d_head)
 
 
 @functools.cache
-def _runs_on_this_gpu(dtype_name: str, d_head: int) -> bool:
-    shape = (1, 2 * _MIN_BLOCK, 1, d_head)
-    q = jnp.ones(shape, dtype_name)
-    mask = jnp.tril(jnp.ones((shape[1], shape[1]), bool))
-    seeds = jnp.ones((1, 2), jnp.uint32)
+def _kernel_works(dtype_name: str, d_head: int, interpret: bool | None = None) -> bool:
+    """Whether the kernels at their default blocks give the XLA path's output and gradients
+    (within the dtype's rounding) on two blocks of a causal sequence; a failure warned of once."""
+    # In a thread of its own: JAX's trace state is per thread, so the trial runs eagerly even when
+    # attention asks while JAX traces a model (in this thread it would be traced into the model).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reason = pool.submit(_kernel_failure, dtype_name, d_head, interpret).result()
+    if reason is None:
+        return True
+    warnings.warn(
+        f"the fused attention kernels failed on this GPU ({dtype_name}, d_head {d_head}): {reason}; "
+        f"attention with dropout keeps the per-head path",
+        stacklevel=3,
+    )
+    return False
 
-    def loss(q):
-        out = flash_attention(q, q, q, mask, rate=0.5, seeds=seeds, block_q=_MIN_BLOCK, block_k=_MIN_BLOCK)
-        return out.astype(jnp.float32).sum()
+
+def _kernel_failure(dtype_name: str, d_head: int, interpret: bool | None) -> str | None:
+    """Why the kernels fail the trial of `_kernel_works` (None: they pass)."""
+    q, k, v, cotangent = jax.random.normal(jax.random.key(0), (4, 1, 128, 2, d_head), jnp.float32)
+    q, k, v = (a.astype(dtype_name) for a in (q, k, v))
+    mask, seeds = jnp.tril(jnp.ones((128, 128), bool)), jnp.ones((1, 2), jnp.uint32)
+
+    def output_and_grads(attend):
+        def loss(q, k, v):
+            out = attend(q, k, v, mask, rate=0.5, seeds=seeds)
+            return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [a.astype(jnp.float32) for a in (out, *grads)]
 
     try:
-        grad = jax.block_until_ready(jax.jit(jax.grad(loss))(q))
-    except Exception as error:  # any failure to lower or run: the vmap path still works
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        warnings.warn(
-            f"the fused attention kernel failed on this GPU ({dtype_name}, d_head {d_head}): {first_line}; "
-            f"attention with dropout keeps the per-head path",
-            stacklevel=2,
-        )
-        return False
-    return bool(jnp.isfinite(grad.astype(jnp.float32)).all())
+        got = output_and_grads(functools.partial(flash_attention, interpret=interpret))
+        want = output_and_grads(reference_attention)
+    except Exception as failure:  # any failure to lower or run: the vmap path still works
+        return (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+    error = max(
+        float(jnp.abs(a - b).max() / jnp.maximum(1.0, jnp.abs(b).max()))
+        for a, b in zip(got, want, strict=True)
+    )
+    if error > (1e-4 if dtype_name == "float32" else 5e-2):
+        return f"its results differ from the XLA path's by {error:.3g} (relative)"
+    return None
