@@ -190,6 +190,7 @@ def _expected(mha, x, mask, key):
     return mha.out(out.reshape(*batch, x.shape[-2], 32))
 
 
+@jax.default_matmul_precision("highest")  # on a GPU the projections would otherwise use TF32
 def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monkeypatch):
     mha = _attention_with_kernel(monkeypatch)
     x = jax.random.normal(jax.random.key(15), (2, 32, 32))
@@ -203,6 +204,18 @@ def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monk
     np.testing.assert_allclose(
         eqx.filter_jit(jax.vmap(one))(x, keys), _expected(mha, x, mask, keys), rtol=1e-5, atol=1e-5
     )
+
+
+def test_the_kernels_lower_to_triton_without_a_gpu():
+    # Lowering for CUDA on any machine runs Pallas's Triton lowering, which refuses a primitive it
+    # has no rule for: what interpret mode cannot tell. (Triton's own compiler runs on a GPU only.)
+    q = jnp.ones((2, 100, 2, 8), jnp.bfloat16)
+    mask = _padded_causal(100, [100, 41])
+    seeds = jnp.ones((2, 2), jnp.uint32)
+    attend = lambda q, k, v: flash_attention(q, k, v, mask, rate=0.2, seeds=seeds, interpret=False)
+    grads = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    lowered = jax.jit(grads).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("xla.gpu.triton") == 3  # forward, dq, dk and dv
 
 
 def test_the_cpu_keeps_the_per_head_path():
