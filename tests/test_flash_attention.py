@@ -17,6 +17,7 @@ from eqx_gpt.model import flash_attention as flash_module
 from eqx_gpt.model.attention import MultiHeadAttention, causal_mask, multi_head_attention
 from eqx_gpt.model.dropout import keep_probability
 from eqx_gpt.model.flash_attention import (
+    BlockSizes,
     dropout_keep,
     flash_attention,
     flash_attention_available,
@@ -81,24 +82,29 @@ def test_outputs_and_gradients_equal_the_xla_path_given_the_same_mask(case):
     q, k, v, cotangent = _qkv(jax.random.key(1), 2, seq, seq, 2, 16)
     mask = causal_mask(seq) if lengths is None else _padded_causal(seq, lengths)
     seeds = sequence_seeds(jax.random.key(2), (2,))
-    out = _assert_matches(q, k, v, cotangent, mask, rate, seeds, 1e-5, block_q=block, block_k=block)
+    out = _assert_matches(
+        q, k, v, cotangent, mask, rate, seeds, 1e-5, blocks=BlockSizes.uniform(block, block)
+    )
     if rate:  # the mask made a difference: without dropout the output is another
         assert not np.allclose(out, reference_attention(q, k, v, mask), atol=1e-3)
 
 
 def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
-    # 50 queries over 40 keys, d_head 8: padded to whole blocks and to 16 features within. The
-    # second sequence has no key at all (length 0): its rows attend uniformly, as the XLA path's.
+    # 50 queries over 40 keys, d_head 8: padded to whole blocks (of 32, the largest of the kernels')
+    # and to 16 features within. The second sequence has no key at all (length 0): its rows
+    # attend uniformly, as the XLA path's do.
     q, k, v, cotangent = _qkv(jax.random.key(3), 2, 50, 40, 2, 8)
     mask = jnp.broadcast_to((jnp.arange(40)[None, :] < jnp.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
     seeds = sequence_seeds(jax.random.key(4), (2,))
-    _assert_matches(q, k, v, cotangent, mask, 0.3, seeds, 1e-5, block_q=32, block_k=16)
+    blocks = BlockSizes(forward=(32, 16), dq=(16, 32), dkv=(16, 16))  # each kernel its own grid
+    _assert_matches(q, k, v, cotangent, mask, 0.3, seeds, 1e-5, blocks=blocks)
 
 
 def test_bfloat16_inputs_match_within_bfloat16_rounding():
     q, k, v, cotangent = _qkv(jax.random.key(5), 2, 64, 64, 2, 16, jnp.bfloat16)
     seeds = sequence_seeds(jax.random.key(6), (2,))
-    out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, block_q=32, block_k=32)
+    blocks = BlockSizes.uniform(32, 32)
+    out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, blocks=blocks)
     assert out.dtype == jnp.bfloat16
 
 
@@ -109,7 +115,7 @@ def _kernel_mask(seeds, seq: int, heads: int, rate: float) -> np.ndarray:
     batch = seeds.shape[0]
     q = jnp.zeros((batch, seq, heads, seq))
     eye = jnp.broadcast_to(jnp.eye(seq)[None, :, None, :], (batch, seq, heads, seq))
-    out = flash_attention(q, q, eye, rate=rate, seeds=seeds, block_q=16, block_k=16)
+    out = flash_attention(q, q, eye, rate=rate, seeds=seeds, blocks=BlockSizes.uniform(16, 16))
     return np.moveaxis(np.asarray(out) * seq * keep_probability(rate), 2, 1)
 
 
@@ -168,7 +174,7 @@ def test_bad_calls_are_refused_in_one_line():
     with pytest.raises(ValueError, match="needs seeds="):
         flash_attention(q, k, v, rate=0.1)
     with pytest.raises(ValueError, match="power of two"):
-        flash_attention(q, k, v, block_q=48)
+        flash_attention(q, k, v, blocks=BlockSizes.uniform(48, 64))
     with pytest.raises(ValueError, match="rate must be in"):
         flash_attention(q, k, v, rate=1.0, seeds=jnp.zeros((2, 2), jnp.uint32))
 

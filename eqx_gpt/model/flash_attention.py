@@ -137,13 +137,31 @@ def reference_attention(
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Queries x keys per block in each kernel: powers of two of at least 16, shrunk for shorter
+    sequences. `forward` and `dq` hold a block of queries and loop over blocks of keys; `dkv`
+    holds a block of keys and loops over blocks of queries. (FlashAttention-2's Triton kernels
+    hold a larger block than they loop over; which is fastest here is `bench/flash_attention.py`'s
+    question, on a GPU.)"""
+
+    forward: tuple[int, int] = (64, 64)
+    dq: tuple[int, int] = (64, 64)
+    dkv: tuple[int, int] = (64, 64)
+
+    @classmethod
+    def uniform(cls, block_q: int, block_k: int) -> "BlockSizes":
+        """The same blocks in every kernel."""
+        return cls((block_q, block_k), (block_q, block_k), (block_q, block_k))
+
+
+@dataclasses.dataclass(frozen=True)
 class _Plan:
-    """The static shape of one call: blocks, padded sizes, and what the kernels compute."""
+    """The static shape of one kernel's call: its blocks, the padded sizes, what it computes."""
 
     block_q: int
     block_k: int
-    q_blocks: int
-    k_blocks: int
+    q_padded: int  # queries, padded to whole blocks of every kernel
+    kv_padded: int  # keys, likewise
     kv_seq: int  # keys before padding; later ones are padding's, never seen
     scale: float  # 1 / sqrt(d_head)
     rate: float
@@ -153,12 +171,12 @@ class _Plan:
     interpret: bool
 
     @property
-    def q_padded(self) -> int:
-        return self.q_blocks * self.block_q
+    def q_blocks(self) -> int:
+        return self.q_padded // self.block_q
 
     @property
-    def kv_padded(self) -> int:
-        return self.k_blocks * self.block_k
+    def k_blocks(self) -> int:
+        return self.kv_padded // self.block_k
 
 
 def _dot(a, b, plan: _Plan, contract: tuple[int, int] = (1, 1)):
@@ -350,9 +368,9 @@ class _Specs:
         return pl.BlockSpec((None, p.q_padded, p.block_k), lambda n, b, h: (self.mask_row(b), 0, n))
 
 
-def _compiler_params(d_head: int):
-    """Triton's launch settings (4 warps for a 64 x 64 block, as JAX's reference kernel takes),
-    or None where this JAX has none to give (interpret mode ignores them)."""
+def _compiler_params(plan: _Plan, d_head: int):
+    """Triton's launch settings: 4 warps, or 8 for a block of 128 x 128 or a d_head above 64 (JAX's
+    reference kernel's rule); None where this JAX has none to give (interpret mode ignores them)."""
     try:
         from jax.experimental.pallas import triton as pallas_triton
     except ImportError:
@@ -362,13 +380,14 @@ def _compiler_params(d_head: int):
     )
     if params is None:
         return None
-    return params(num_warps=4 if d_head <= 64 else 8, num_stages=2)
+    wide = plan.block_q * plan.block_k >= 128 * 128 or d_head > 64
+    return params(num_warps=8 if wide else 4, num_stages=2)
 
 
-def _forward(q, k, v, seeds, q_ranges, kv_ranges, mask, plan: _Plan):
+def _forward(q, k, v, seeds, ranges, mask, plans):
     """The forward kernel over every (block of queries, sequence, head): `o` and the row
     statistics `row_max`, `row_sum` `(batch, heads, q_padded)`."""
-    del kv_ranges
+    plan = plans[0]
     batch, _, heads, d_head = q.shape
     specs = _Specs(plan, d_head)
     stats = jax.ShapeDtypeStruct((batch, heads, plan.q_padded), jnp.float32)
@@ -385,21 +404,17 @@ def _forward(q, k, v, seeds, q_ranges, kv_ranges, mask, plan: _Plan):
         ],
         out_specs=[specs.rows(plan.block_q), specs.stats(plan.block_q), specs.stats(plan.block_q)],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), stats, stats],
-        compiler_params=_compiler_params(d_head),
+        compiler_params=_compiler_params(plan, d_head),
         interpret=plan.interpret,
         name="flash_attention_forward",
-    )(q, k, v, seeds, q_ranges, mask)
+    )(q, k, v, seeds, ranges[0], mask)
 
 
-def _backward(plan: _Plan, residuals, do):
-    """`dq`, `dk`, `dv` from the forward's residuals: `delta = rowsum(do * o)` on XLA, then the
-    `dq` kernel over blocks of queries and the `dk`/`dv` kernel over blocks of keys."""
-    q, k, v, seeds, q_ranges, kv_ranges, mask, o, row_max, row_sum = residuals
+def _dq(q, k, v, do, row_max, row_sum, delta, seeds, ranges, mask, plan: _Plan):
+    """The `dq` kernel over every (block of queries, sequence, head)."""
     batch, _, heads, d_head = q.shape
-    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
     specs = _Specs(plan, d_head)
-    params = _compiler_params(d_head)
-    dq = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan),
         grid=(plan.q_blocks, batch, heads),
         in_specs=[
@@ -414,11 +429,17 @@ def _backward(plan: _Plan, residuals, do):
         ],
         out_specs=specs.rows(plan.block_q),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        name="flash_attention_dq",
-        compiler_params=params,
+        compiler_params=_compiler_params(plan, d_head),
         interpret=plan.interpret,
-    )(q, k, v, do, row_max, row_sum, delta, seeds, q_ranges, mask)
-    dk, dv = pl.pallas_call(
+        name="flash_attention_dq",
+    )(q, k, v, do, row_max, row_sum, delta, seeds, ranges, mask)
+
+
+def _dkv(q, k, v, do, row_max, row_sum, delta, seeds, ranges, mask, plan: _Plan):
+    """The `dk`/`dv` kernel over every (block of keys, sequence, head)."""
+    batch, _, heads, d_head = q.shape
+    specs = _Specs(plan, d_head)
+    return pl.pallas_call(
         functools.partial(_dkv_kernel, plan=plan),
         grid=(plan.k_blocks, batch, heads),
         in_specs=[
@@ -433,21 +454,32 @@ def _backward(plan: _Plan, residuals, do):
         ],
         out_specs=[specs.rows(plan.block_k), specs.rows(plan.block_k)],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        name="flash_attention_dkv",
-        compiler_params=params,
+        compiler_params=_compiler_params(plan, d_head),
         interpret=plan.interpret,
-    )(q, k, v, do, row_max, row_sum, delta, seeds, kv_ranges, mask)
-    return dq, dk, dv, None, None, None, None
+        name="flash_attention_dkv",
+    )(q, k, v, do, row_max, row_sum, delta, seeds, ranges, mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _flash(q, k, v, seeds, q_ranges, kv_ranges, mask, plan: _Plan) -> jax.Array:
-    return _forward(q, k, v, seeds, q_ranges, kv_ranges, mask, plan)[0]
+def _backward(plans, residuals, do):
+    """`dq`, `dk`, `dv` from the forward's residuals: `delta = rowsum(do * o)` on XLA, then the
+    `dq` kernel over blocks of queries and the `dk`/`dv` kernel over blocks of keys."""
+    q, k, v, seeds, ranges, mask, o, row_max, row_sum = residuals
+    delta = jnp.einsum("bshd,bshd->bhs", o.astype(jnp.float32), do.astype(jnp.float32))
+    common = (q, k, v, do, row_max, row_sum, delta, seeds)
+    dq = _dq(*common, ranges[1], mask, plans[1])
+    dk, dv = _dkv(*common, ranges[2], mask, plans[2])
+    return dq, dk, dv, None, None, None
 
 
-def _flash_forward(q, k, v, seeds, q_ranges, kv_ranges, mask, plan: _Plan):
-    o, row_max, row_sum = _forward(q, k, v, seeds, q_ranges, kv_ranges, mask, plan)
-    return o, (q, k, v, seeds, q_ranges, kv_ranges, mask, o, row_max, row_sum)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, seeds, ranges, mask, plans) -> jax.Array:
+    """`o` of the forward kernel; `ranges` and `plans` are the forward's, `dq`'s and `dkv`'s."""
+    return _forward(q, k, v, seeds, ranges, mask, plans)[0]
+
+
+def _flash_forward(q, k, v, seeds, ranges, mask, plans):
+    o, row_max, row_sum = _forward(q, k, v, seeds, ranges, mask, plans)
+    return o, (q, k, v, seeds, ranges, mask, o, row_max, row_sum)
 
 
 _flash.defvjp(_flash_forward, _backward)
@@ -463,28 +495,59 @@ def _spans(visit: Bool[Array, "mask rows cols"], axis: int) -> Int[Array, "mask 
     return jnp.stack([jnp.where(seen, first, 0), jnp.where(seen, end, 0)], -1).astype(jnp.int32)
 
 
-def _block_ranges(mask: Bool[Array, "mask q_padded kv_padded"] | None, plan: _Plan):
-    """The blocks each kernel loops over: for each block of queries, the range of key blocks it
-    sees (`q_ranges`, `(mask, q_blocks, 2)`); for each block of keys, the range of query blocks
-    that see it (`kv_ranges`). A block that holds a row seeing no key at all sees every block."""
-    if mask is None:
-        q_ranges = jnp.tile(jnp.array([0, plan.k_blocks], jnp.int32), (1, plan.q_blocks, 1))
-        kv_ranges = jnp.tile(jnp.array([0, plan.q_blocks], jnp.int32), (1, plan.k_blocks, 1))
-        return q_ranges, kv_ranges
+def _visits(mask: Bool[Array, "mask q_padded kv_padded"], plan: _Plan) -> Bool[Array, "mask nq nk"]:
+    """Which (block of queries, block of keys) a kernel computes: those with a visible key, and
+    every block of a row of blocks that holds a query seeing no key at all (it sees every key)."""
     n = mask.shape[0]
-    shape = (n, plan.q_blocks, plan.block_q, plan.k_blocks, plan.block_k)
-    visit = mask.reshape(shape).any(axis=(2, 4))
+    visit = mask.reshape(n, plan.q_blocks, plan.block_q, plan.k_blocks, plan.block_k).any(axis=(2, 4))
     blind_rows = ~mask[..., : plan.kv_seq].any(-1)
-    visit = visit | blind_rows.reshape(n, plan.q_blocks, plan.block_q).any(-1)[..., None]
-    return _spans(visit, 2), _spans(visit, 1)
+    return visit | blind_rows.reshape(n, plan.q_blocks, plan.block_q).any(-1)[..., None]
+
+
+def _key_block_ranges(mask, plan: _Plan) -> Int[Array, "mask q_blocks 2"]:
+    """For each block of queries, the range of blocks of keys that it sees."""
+    if mask is None:
+        return jnp.tile(jnp.array([0, plan.k_blocks], jnp.int32), (1, plan.q_blocks, 1))
+    return _spans(_visits(mask, plan), 2)
+
+
+def _query_block_ranges(mask, plan: _Plan) -> Int[Array, "mask k_blocks 2"]:
+    """For each block of keys, the range of blocks of queries that see it."""
+    if mask is None:
+        return jnp.tile(jnp.array([0, plan.q_blocks], jnp.int32), (1, plan.k_blocks, 1))
+    return _spans(_visits(mask, plan), 1)
 
 
 def _block(requested: int, length: int) -> int:
     """A block of at most `requested` (a power of two) for `length` positions: no larger than
     the power of two that holds them, and at least Triton's 16."""
-    if requested < _MIN_BLOCK or requested & (requested - 1):
-        raise ValueError(f"flash_attention: a block must be a power of two >= {_MIN_BLOCK}, got {requested}")
+    if not isinstance(requested, int) or requested < _MIN_BLOCK or requested & (requested - 1):
+        raise ValueError(
+            f"flash_attention: a block must be a power of two >= {_MIN_BLOCK}, got {requested!r}"
+        )
     return max(_MIN_BLOCK, min(requested, pl.next_power_of_2(length)))
+
+
+def _plans(q, kv_seq: int, mask, rate: float, blocks: BlockSizes, interpret: bool) -> tuple[_Plan, ...]:
+    """The forward's, `dq`'s and `dkv`'s plans: their blocks, and the sizes padded to whole
+    blocks of all three (the blocks are powers of two, so the largest's multiple)."""
+    seq, d_head = q.shape[1], q.shape[3]
+    pairs = [(_block(bq, seq), _block(bk, kv_seq)) for bq, bk in (blocks.forward, blocks.dq, blocks.dkv)]
+    q_block, k_block = max(bq for bq, _ in pairs), max(bk for _, bk in pairs)
+    base = _Plan(
+        block_q=q_block,
+        block_k=k_block,
+        q_padded=-(-seq // q_block) * q_block,
+        kv_padded=-(-kv_seq // k_block) * k_block,
+        kv_seq=kv_seq,
+        scale=1.0 / math.sqrt(d_head),
+        rate=float(rate),
+        has_mask=mask is not None,
+        mask_batched=mask is not None and mask.ndim == 3 and mask.shape[0] > 1,
+        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
+        interpret=interpret,
+    )
+    return tuple(dataclasses.replace(base, block_q=bq, block_k=bk) for bq, bk in pairs)
 
 
 def _pad_to(x, sizes: dict[int, int], mode: str = "constant"):
@@ -517,8 +580,7 @@ def flash_attention(
     *,
     rate: float = 0.0,
     seeds: UInt[Array, "batch 2"] | None = None,
-    block_q: int = 64,
-    block_k: int = 64,
+    blocks: BlockSizes = BlockSizes(),
     interpret: bool | None = None,
 ) -> Float[Array, "batch seq heads d_head"]:
     """Every head's `dropout(attention_weights(q, k, mask)) @ v`, in fused kernels (differentiable).
@@ -527,39 +589,31 @@ def flash_attention(
     `(batch, seq, kv_seq)`; None lets every query see every key. At `rate > 0` the weights are
     dropped out with the mask `dropout_keep` draws from each sequence's `seeds` (two uint32 words,
     `sequence_seeds(key, (batch,))`), the survivors scaled by `1 / keep_probability(rate)`.
-    `block_q` and `block_k` (powers of two >= 16) are the blocks of queries and keys each kernel
-    program holds; `interpret` runs the kernels in Pallas's interpret mode (by default, on any
-    backend but a GPU). The result has `q`'s dtype, computed in float32 within.
+    `blocks` are the queries x keys each kernel's program holds (`BlockSizes`); `interpret` runs
+    the kernels in Pallas's interpret mode (by default, on any backend but a GPU). The result has
+    `q`'s dtype, computed in float32 within.
     """
     _check_call(q, k, mask, rate, seeds)
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
     batch, seq, _, d_head = q.shape
     kv_seq = k.shape[1]
-    bq, bk = _block(block_q, seq), _block(block_k, kv_seq)
-    plan = _Plan(
-        block_q=bq,
-        block_k=bk,
-        q_blocks=-(-seq // bq),
-        k_blocks=-(-kv_seq // bk),
-        kv_seq=kv_seq,
-        scale=1.0 / math.sqrt(d_head),
-        rate=float(rate),
-        has_mask=mask is not None,
-        mask_batched=mask is not None and mask.ndim == 3 and mask.shape[0] > 1,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
-        interpret=interpret,
-    )
+    plans = _plans(q, kv_seq, mask, rate, blocks, interpret)
+    q_padded, kv_padded = plans[0].q_padded, plans[0].kv_padded
     d_padded = max(_MIN_BLOCK, pl.next_power_of_2(d_head))
-    q_p = _pad_to(q, {1: plan.q_padded, 3: d_padded})
-    k_p, v_p = (_pad_to(a, {1: plan.kv_padded, 3: d_padded}) for a in (k, v))
+    q_p = _pad_to(q, {1: q_padded, 3: d_padded})
+    k_p, v_p = (_pad_to(a, {1: kv_padded, 3: d_padded}) for a in (k, v))
     if mask is not None:
         mask = mask.reshape(-1, seq, kv_seq)
         # Padding's query rows repeat the last row (no block visited in vain); its keys are hidden.
-        mask = _pad_to(_pad_to(mask, {1: plan.q_padded}, "edge"), {2: plan.kv_padded})
-    q_ranges, kv_ranges = _block_ranges(mask, plan)
+        mask = _pad_to(_pad_to(mask, {1: q_padded}, "edge"), {2: kv_padded})
+    ranges = (
+        _key_block_ranges(mask, plans[0]),
+        _key_block_ranges(mask, plans[1]),
+        _query_block_ranges(mask, plans[2]),
+    )
     mask8 = None if mask is None else mask.astype(jnp.int8)
     seeds = jnp.zeros((batch, 2), jnp.uint32) if seeds is None else seeds.astype(jnp.uint32)
-    out: jax.Array = _flash(q_p, k_p, v_p, seeds, q_ranges, kv_ranges, mask8, plan)  # pyright: ignore[reportAssignmentType]
+    out: jax.Array = _flash(q_p, k_p, v_p, seeds, ranges, mask8, plans)  # pyright: ignore[reportAssignmentType]
     return out[:, :seq, :, :d_head]
 
 
