@@ -1,4 +1,4 @@
-"""Attention with dropout in one fused kernel, forward and backward (FlashAttention-2, in Pallas).
+"""Attention with dropout in fused kernels, forward and backward (FlashAttention-2, in Pallas).
 
 `jax.nn.dot_product_attention` has no dropout, so attention dropout in training took the per-head
 `vmap` path (`multi_head_attention`): the `(seq, kv_seq)` weights of every head written to memory,
@@ -51,7 +51,7 @@ _LOG2E = math.log2(math.e)
 _HIDDEN = float(np.finfo(np.float32).min)
 # Dropout decides with the top 16 bits of the hash, at `keep_probability`'s resolution.
 _LEVELS = 1 << 16
-# The hash's odd multipliers: murmur3's finaliser, the golden ratio, and two from Wang's hashes.
+# The hash's odd multipliers: murmur3's finaliser's, the golden ratio, and two of xxHash32's primes.
 _MIX_1, _MIX_2 = 0x85EBCA6B, 0xC2B2AE35
 _HEAD_STEP, _ROW_STEP, _COLUMN_STEP = 0x9E3779B9, 0x27D4EB2F, 0x165667B1
 _MIN_BLOCK = 16  # Triton's matrix multiply takes operands of at least 16 x 16
