@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 # The tests that mean most on a GPU: model and sampling equivalence (cached decoding against the
 # full forward, GPT-2 against transformers' logits), training exactness (steps grouped any way,
 # accumulation), one-device sharding (the data mesh the trainer builds), bf16 (fused cuDNN
-# attention against the per-head path, bf16 loss and gradients against fp32).
+# attention against the per-head path, bf16 loss and gradients against fp32), the embedding's
+# fixed-order gradient against the scatter-add.
 GPU_TESTS = [
     "tests/test_gpt.py",
     "tests/test_generate.py",
@@ -54,6 +55,7 @@ GPU_TESTS = [
     "tests/test_parallel.py",
     "tests/test_mixed_precision.py",
     "tests/test_loss.py",
+    "tests/test_embedding.py",
 ]
 # The dry run collects every test above, and runs this one, which builds a one-device mesh.
 DRY_TEST = "test_batches_that_devices_cannot_share_are_rejected_with_the_fix"  # in test_parallel.py
