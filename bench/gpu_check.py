@@ -67,6 +67,7 @@ TARGETS = [
         "two char trainings alike, same bits",
     ),
     ("determinism", "gpt2-124m.fixed order.same_bits", "==", True, "two GPT-2 trainings alike, same bits"),
+    ("determinism", "again_same_losses", "==", True, "train.py twice, each compiled afresh, same losses"),
 ]
 
 
@@ -212,7 +213,8 @@ def headline(name: str, r: dict) -> str:
             f"{xla} {v[xla]['step_ms']} ms (same bits {v[xla]['same_bits']}): cost {v.get('cost')}"
             for case, v in cases.items()
         )
-        return (f"{text}; train.py tok/s {g('tokens_per_s_default')}, with the global flag "
+        return (f"{text}; train.py again, compiled afresh: same losses {g('again_same_losses')}; "
+                f"train.py tok/s {g('tokens_per_s_default')}, with the global flag "
                 f"{g('tokens_per_s_global_flag')}: its cost {g('global_flag_cost')}")  # fmt: skip
     return ""
 
