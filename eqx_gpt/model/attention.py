@@ -169,6 +169,13 @@ def fused_attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
+# On a GPU, attention without dropout takes eqx_gpt's kernels too, not cuDNN's: their backward adds
+# in a fixed order (dq and dk/dv in kernels of their own, no atomics), while cuDNN's adds dq with
+# atomics unless XLA's global --xla_gpu_deterministic_ops is set, which cost a quarter of a run's
+# GPU throughput. So a GPU run gives the same bits every time, and a resumed run continues them.
+KERNELS_WITHOUT_DROPOUT = True
+
+
 def _cudnn_attention_available(dtype) -> bool:
     """cuDNN attention needs a GPU and 16-bit inputs; elsewhere the `vmap` path runs."""
     return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
@@ -365,12 +372,13 @@ class MultiHeadAttention(eqx.Module):
 
     def _attend(self, q, k, v, mask, key, rate: float, cached: bool = False):
         """All heads' outputs `(*batch, seq, d_model)`, attention weights dropped out at `rate`:
-        cuDNN's fused kernel on a GPU with 16-bit activations and no dropout (the same function,
-        see `fused_attention`); on a GPU with dropout, the fused kernels of `flash_attention`
-        (the same function, its dropout mask a hash of `key`: `dropout_keep`); else
+        on a GPU the fused kernels of `flash_attention` (the same function, its dropout mask a
+        hash of `key`: `dropout_keep`), at any rate unless `KERNELS_WITHOUT_DROPOUT` is off, then
+        cuDNN's fused kernel without dropout with 16-bit activations (`fused_attention`); else
         `multi_head_attention`. A cache's layout (`cached`) is read by `multi_head_attention`
         only: the fused kernels take keys position first."""
-        if rate > 0.0 and not cached and flash_attention_available(q.dtype, q.shape[-1]):
+        kernels = rate > 0.0 or KERNELS_WITHOUT_DROPOUT
+        if kernels and not cached and flash_attention_available(q.dtype, q.shape[-1]):
             return flash_multi_head_attention(q, k, v, mask, rate, key)
         if _cudnn_attention_available(q.dtype) and rate == 0.0 and not cached:
             per_sequence = mask is not None and mask.ndim > 2
