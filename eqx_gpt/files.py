@@ -107,7 +107,7 @@ def resolve(path: str | Path) -> Path:
     path = Path(path)
     try:
         return path.resolve(strict=True)
-    except FileNotFoundError:  # a path to nothing (yet): resolved as far as it goes
+    except (FileNotFoundError, NotADirectoryError):  # a path to nothing (yet): resolved as far as it goes
         pass
     except RuntimeError:  # Python 3.11's "Symlink loop from ..."
         raise OSError(errno.ELOOP, "a loop of symbolic links", str(path)) from None

@@ -41,6 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eqx_gpt import files
 from eqx_gpt.data import formats
 from eqx_gpt.errors import DataError
 
@@ -214,8 +215,10 @@ def _skip_reason(source: Source) -> str | None:
 def resolve(path: str | Path) -> Path:
     """`path` made absolute, its links followed (`DataError` for a loop of links)."""
     try:
-        return Path(path).resolve()
-    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
+        return files.resolve(path)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise DataError(f"data path {path} cannot be read ({e.strerror or e})") from None
         raise DataError(
             f"data path {path} is a loop of symbolic links; pass --data PATH to a real file"
         ) from None

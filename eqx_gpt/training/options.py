@@ -23,6 +23,7 @@ from pathlib import Path
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.errors import ConfigError
+from eqx_gpt.files import resolve
 from eqx_gpt.gpt2 import read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.lora import check_lora, lora_modules
@@ -324,9 +325,9 @@ def resolved_path(name: str, value) -> Path:
     """Setting `name`'s path made absolute, symlinks followed; a loop of symlinks (or a path the
     system refuses) is a one-line `ConfigError`, not Python's traceback."""
     try:
-        return Path(value).expanduser().resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: Python 3.11's "Symlink loop from ..."
-        cause = "a loop of symbolic links" if "loop" in str(e).lower() else str(e)
+        return resolve(Path(value).expanduser())
+    except OSError as e:
+        cause = e.strerror or str(e)
         raise ConfigError(f"--{name.replace('_', '-')} {value}: {cause}; pass a path that resolves") from None
 
 
