@@ -26,6 +26,7 @@ after the JSON is replaced. Nothing is pickled: the weights are `.npy` arrays re
 loading a checkpoint cannot run code.
 """
 
+import errno
 import hashlib
 import io
 import json
@@ -38,7 +39,7 @@ from jax.experimental import multihost_utils
 
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError
-from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.files import atomic_write_bytes, resolve
 from eqx_gpt.gpt2 import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -201,6 +202,15 @@ def find_checkpoint(path: str | Path) -> Path:
     `.eqx` file.
     """
     path = as_path(path, "a checkpoint's path")
+    try:
+        resolve(path)
+    except OSError as e:  # a loop of links, named as train.py names it, not as a missing run
+        why = (
+            "is a loop of symbolic links" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or e})"
+        )
+        raise CheckpointError(
+            f"checkpoint path {path} {why}; pass a run folder or a checkpoint's .json"
+        ) from None
     if path.is_dir():
         for name in NAMES:
             if checkpoint_file(path, name).is_file():
@@ -389,6 +399,10 @@ def load_model(
     A LoRA run's model is given merged (`lora="merged"`: plain `Linear`s, the base's structure), or
     with its adapters kept apart (`lora="separate"`: `LoRALinear`s; see `eqx_gpt.merge_lora`).
     """
+    if kind is not None and (not isinstance(kind, str) or kind not in MODELS):
+        raise ValueError(
+            f"kind must be {' or '.join(map(repr, MODELS))} (a model's class name) or None, got {kind!r}"
+        )
     if lora not in ("merged", "separate"):
         raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
     path = as_path(path, "a checkpoint's path")
