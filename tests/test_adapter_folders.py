@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from eqx_gpt import CheckpointError, TrainingError, apply_lora, load_adapters, load_gpt2, save_adapters
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import save_gpt2
-from eqx_gpt.training.peft import base_directory
+from eqx_gpt.peft import base_directory
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
