@@ -89,3 +89,20 @@ def test_the_prepared_line_gives_a_compressed_files_text_and_a_rate_that_is_not_
     stored = (tmp_path / "big.txt.gz").stat().st_size
     assert f"{stored:,} bytes, {len(line) * 2000 / 1e3:,.1f} KB of text" in prepared, prepared
     assert "0.0 MB/s" not in prepared and " of text/s" in prepared, prepared
+
+
+def test_a_fine_tune_crops_its_presets_context_to_the_bases_positions_and_says_so():
+    from eqx_gpt.errors import EqxGptError
+    from eqx_gpt.gpt2 import read_gpt2_config
+    from eqx_gpt.training.options import resolve_options
+
+    base = str(ROOT / "tests" / "fixtures" / "tiny-gpt2")  # 64 positions; finetune-shakespeare asks 256
+    for settings in ({"init_from": base, "lora_rank": 4}, {"init_from": base}):
+        options = resolve_options(settings)
+        assert options.model.context_length == 64
+        assert "context_length 64, the base's positions (the preset's 256 is longer)" in options.describe()
+    given = resolve_options({"init_from": base, "lora_rank": 4, "context_length": 256})
+    assert given.model.context_length == 256 and not given.cropped  # given: kept, and refused on loading
+    with pytest.raises(EqxGptError, match="context_length 256 is longer than the 64 positions"):
+        read_gpt2_config(base, **given.model.gpt2_options())
+    assert resolve_options({"init_from": base, "context_length": 32}).model.context_length == 32
