@@ -214,3 +214,36 @@ def test_written_files_and_folders_follow_the_umask_as_ordinary_files_do(tmp_pat
         assert mode(path) == 0o644, path
     assert mode(tmp_path / "adapters") == mode(tmp_path / "folder") == 0o755
     assert mode(tmp_path / "private") == 0o600
+
+
+def test_a_lora_checkpoint_moved_with_its_base_loads_from_the_new_place(tmp_path):
+    from eqx_gpt import CharTokenizer, save_checkpoint
+    from eqx_gpt.checkpoint import load_model, read_metadata
+    from eqx_gpt.gpt2 import gpt2_identity
+
+    home = tmp_path / "home"
+    shutil.copytree(TINY_GPT2, home / "gpt2")
+    model = load_adapters(load_gpt2(home / "gpt2"), PEFT_FIXTURE)
+    targets = "attn.c_attn,attn.c_proj,mlp.c_proj"
+    train_config = {
+        "lora_rank": 4,
+        "lora_alpha": 8.0,
+        "lora_targets": targets,
+        "init_from": str(home / "gpt2"),
+    }
+    tokenizer = CharTokenizer("".join(map(chr, range(256, 256 + model.config.vocab_size))))
+    (home / "run").mkdir()
+    saved = save_checkpoint(
+        home / "run", "latest", model, None, step=1, tokenizer=tokenizer, train_config=train_config,
+        lora_base=gpt2_identity(home / "gpt2"),
+    )  # fmt: skip
+    assert read_metadata(saved)["lora_base"]["relative_path"] == "../gpt2"
+    shutil.move(home, tmp_path / "moved")  # the run and its base, together, elsewhere
+    again, _, _ = load_model(tmp_path / "moved" / "run", lora="separate")
+    np.testing.assert_array_equal(again.blocks.layers.attn.qkv.lora_a, model.blocks.layers.attn.qkv.lora_a)
+    np.testing.assert_array_equal(again.blocks.layers.attn.qkv.weight, model.blocks.layers.attn.qkv.weight)
+    (tmp_path / "moved" / "gpt2" / "config.json").write_text(
+        (tmp_path / "moved" / "gpt2" / "config.json").read_text() + " "
+    )  # other bytes there: not the base the adapters are for
+    with pytest.raises(CheckpointError, match="holds LoRA adapters for the GPT-2 in .*, which is gone"):
+        load_model(tmp_path / "moved" / "run")
