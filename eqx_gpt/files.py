@@ -95,6 +95,22 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     _fsync_dir(path.parent)
 
 
+def write_files(directory: Path, files: dict[str, bytes]) -> None:
+    """Write `files` (name: bytes) into the folder `directory` (its links followed). A new folder,
+    or one holding these files alone, is written whole and put in place at once (`atomic_folder`):
+    never a new file beside an old one. In a folder holding other files too (a run's), nothing of
+    which may be lost, each file is replaced atomically, in the order given (the one that names the
+    others last)."""
+    directory = resolve(directory)
+    if directory.is_dir() and not {p.name for p in directory.iterdir()} <= set(files):
+        for name, data in files.items():
+            atomic_write_bytes(directory / name, data)
+        return
+    with atomic_folder(directory) as new:
+        for name, data in files.items():
+            (new / name).write_bytes(data)
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())

@@ -23,7 +23,7 @@ import numpy as np
 
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError, TrainingError
-from eqx_gpt.files import atomic_folder, atomic_write_bytes, resolve
+from eqx_gpt.files import resolve, write_files
 from eqx_gpt.gpt2 import CONFIG_NAME, gpt2_changed
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import LORA_MODULES, LoRALinear, apply_lora, check_lora
@@ -129,13 +129,7 @@ def save_adapters(model: GPT, directory: str | Path, *, base: str | Path) -> Pat
             json.dumps(adapter_config(model, portable_base(base, directory)), indent=2) + "\n"
         ).encode(),
     }
-    if directory.is_dir() and not {p.name for p in directory.iterdir()} <= set(files):
-        for name, data in files.items():  # the weights, then the config that names them
-            atomic_write_bytes(directory / name, data)
-        return directory
-    with atomic_folder(directory) as new:
-        for name, data in files.items():
-            (new / name).write_bytes(data)
+    write_files(directory, files)  # the weights, then the config that names them
     return directory
 
 
