@@ -31,6 +31,7 @@ SMOKE: dict[str, tuple[list[str], tuple[str, ...]] | None] = {
     "bench/compile_layers.py": (["--smoke"], ()),
     "bench/data_grain.py": (["--smoke"], ("grain",)),
     "bench/data_path.py": (["--smoke"], ()),
+    "bench/flash_attention.py": (["--smoke"], ()),
     "bench/recipe_step.py": (["--smoke"], ()),
     "bench/sample.py": (["--smoke"], ()),
     "bench/trackers.py": (["--step-ms", "85", "--calls", "2", "--warmup", "1"], ("tensorboardX", "wandb")),
