@@ -4,6 +4,8 @@ from typing import Protocol
 
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqx_gpt._checks import is_whole
+
 # What a decoder must have, by name: `check_decoder` names the first one missing.
 MEMBERS = ("context_length", "vocab_size", "init_cache", "decode")
 
@@ -54,8 +56,15 @@ def check_decoder(model: object) -> None:
     """Refuse, in one line, a model that lacks a member of `Decoder` (the runtime half of what
     pyright checks statically; the members' signatures are its part)."""
     missing = [name for name in MEMBERS if not hasattr(model, name)]
+    name = type(model).__name__
     if missing:
         raise TypeError(
             f"generation takes a decoder (eqx_gpt.Decoder: {', '.join(MEMBERS)}, as GPT has); "
-            f"{type(model).__name__} lacks {', '.join(missing)}"
+            f"{name} lacks {', '.join(missing)}"
         )
+    for member in ("context_length", "vocab_size"):
+        value = getattr(model, member)
+        if not is_whole(value, 1):
+            raise TypeError(
+                f"{name}.{member} must be a whole number >= 1 (a Decoder's {member}), got {value!r}"
+            )
