@@ -20,6 +20,7 @@ from eqx_gpt import (  # noqa: E402
     Linear,
     MultiHeadAttention,
     RMSNorm,
+    SamplingOptions,
     create_app,
     generate,
 )
@@ -133,7 +134,7 @@ def test_a_seeded_request_gives_generates_tokens(client, decoder):
     answer = complete(client, prompt=prompt, max_tokens=40, seed=11, n=2, **settings)
     for j, choice in enumerate(answer["choices"]):
         key = jax.random.fold_in(jax.random.key(11), j)  # sample j of seed 11, as sample.py draws it
-        ids = generate(decoder, TOKENIZER.encode(prompt), 40, key=key, **settings)
+        ids = generate(decoder, TOKENIZER.encode(prompt), 40, key=key, options=SamplingOptions(**settings))
         assert choice["text"] == TOKENIZER.decode(ids.tolist())
     assert answer["choices"][0]["text"] != answer["choices"][1]["text"]
     greedy = generate(decoder, TOKENIZER.encode(prompt), 30, key=jax.random.key(0), temperature=0)

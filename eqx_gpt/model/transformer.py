@@ -242,7 +242,8 @@ class Transformer(eqx.Module):
             cache_i, kv_i = per_layer
             return block.decode(x, cache_i, start, kv_i, context_mask)
 
-        per_layer = (cache, memory_kv) if self.decoder.stacked else tuple(zip(cache, memory_kv, strict=True))
+        stacked = isinstance(cache, KVCache)  # a stacked decoder's cache, else one per layer
+        per_layer = (cache, memory_kv) if stacked else tuple(zip(cache, memory_kv, strict=True))
         x, cache = self.decoder.run(layer, x, per_layer)
         return self.head(x if self.decoder_norm is None else self.decoder_norm(x)), cache
 
@@ -318,6 +319,6 @@ class BoundDecoder(eqx.Module):
         memory_kv, src = self.memory_kv, self.src
         if tokens.ndim == 1:  # one row without its batch axis: source 0's
             memory_kv, src = jax.tree.map(lambda a: a[0], (memory_kv, src))
-        logits, cache = self.model.decode(tokens, cache, start, memory_kv, src)
-        assert isinstance(cache, tuple)
-        return logits, cache
+        logits, updated = self.model.decode(tokens, cache, start, memory_kv, src)
+        assert isinstance(updated, tuple)  # the decoder is unstacked
+        return logits, updated
