@@ -129,7 +129,7 @@ def complete(client, **body) -> dict:
 
 def test_a_seeded_request_gives_generates_tokens(client, decoder):
     # 40 tokens past a 16-token context: the window slides (cut and re-prefilled) in both.
-    settings = dict(temperature=1.5, top_k=12, top_p=0.95)
+    settings: dict = dict(temperature=1.5, top_k=12, top_p=0.95)
     prompt = "the fox"
     answer = complete(client, prompt=prompt, max_tokens=40, seed=11, n=2, **settings)
     for j, choice in enumerate(answer["choices"]):
