@@ -208,3 +208,21 @@ def test_a_request_whose_logits_hold_nan_fails_alone_in_openais_json(decoder):
         ).text
         assert "NaN" in stream and stream.endswith("data: [DONE]\n\n")
         assert c.get("/v1/models").status_code == 200  # still serving
+
+
+def test_the_guides_decoder_is_served_as_the_guide_serves_it():
+    from doc_blocks import DOCS, block_under
+
+    namespace: dict = {}
+    for heading in ("### Sample from a decoder of your own", "### Serving your own model"):
+        exec(compile(block_under(DOCS[1], heading), str(DOCS[1]), "exec"), namespace)
+    decoder, tokenizer = namespace["decoder"], namespace["tokenizer"]
+    with TestClient(namespace["app"]) as c:
+        assert c.get("/v1/card").json()["attention"] == {"layers": 2, "heads": 4, "absent": None}
+        body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 24, "seed": 3, "temperature": 0.8}
+        text = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        key = jax.random.fold_in(jax.random.key(3), 0)
+        assert text == tokenizer.decode(
+            generate(decoder, tokenizer.encode("ROMEO:"), 24, key=key, temperature=0.8).tolist()
+        )
+        assert len(c.post("/v1/inspect", json={"prompt": "ROMEO:"}).json()["attention"]) == 6
