@@ -226,3 +226,29 @@ def test_the_guides_decoder_is_served_as_the_guide_serves_it():
             generate(decoder, tokenizer.encode("ROMEO:"), 24, key=key, temperature=0.8).tolist()
         )
         assert len(c.post("/v1/inspect", json={"prompt": "ROMEO:"}).json()["attention"]) == 6
+
+
+class WideLogits(Bigram):
+    """A decoder whose logits are wider than its vocabulary: ids past it could be drawn."""
+
+    def decode(self, tokens, cache, start):
+        return jnp.pad(self.table[tokens], [(0, 0)] * tokens.ndim + [(0, 4)]), cache
+
+
+class NewCache(Bigram):
+    """A decoder that hands back a cache of another shape than it took."""
+
+    def decode(self, tokens, cache, start):
+        return self.table[tokens], jnp.zeros((*cache.shape[:-1], 2))
+
+
+@pytest.mark.parametrize(
+    "decoder, match",
+    [
+        (WideLogits, r"WideLogits.decode returned logits of shape \(1, 16, 39\).*vocab_size=35"),
+        (NewCache, "NewCache.decode returned its cache in another form than it took"),
+    ],
+)
+def test_a_decoder_breaking_the_contract_is_refused_when_the_app_is_made(decoder, match):
+    with pytest.raises(TypeError, match=match):
+        create_app(decoder(TOKENIZER.vocab_size, key=jax.random.key(0)), TOKENIZER)

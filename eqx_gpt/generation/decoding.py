@@ -26,15 +26,18 @@ from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.model.gpt import GPT
 
 
-def checked_decode(model: Decoder, tokens, cache: PyTree, start) -> tuple[Array, PyTree]:
+def checked_decode(
+    model: Decoder, tokens, cache: PyTree, start, *, same_cache: bool = True
+) -> tuple[Array, PyTree]:
     """`model.decode(tokens, cache, start)`, its answer refused in one line (a `TypeError` while
-    tracing) unless it is `(logits (*batch, new, vocab_size), cache)`."""
+    tracing) unless it is `(logits (*batch, new, vocab_size), cache)`, the cache (`same_cache`) in
+    the form it was given: the same structure, shapes and dtypes, which a loop carries."""
     answer = model.decode(tokens, cache, start)
     name = type(model).__name__
     if not isinstance(answer, tuple) or len(answer) != 2:
         got = f"a tuple of {len(answer)}" if isinstance(answer, tuple) else type(answer).__name__
         raise TypeError(f"{name}.decode must return (logits, cache), got {got}; see eqx_gpt.Decoder")
-    logits, cache = answer
+    logits, updated = answer
     want = (*tokens.shape, model.vocab_size)
     shape = tuple(getattr(logits, "shape", ()))
     if shape != want:
@@ -42,7 +45,18 @@ def checked_decode(model: Decoder, tokens, cache: PyTree, start) -> tuple[Array,
             f"{name}.decode returned logits of shape {shape} for tokens of shape {tuple(tokens.shape)}; "
             f"a Decoder's are (*batch, new, vocab_size={model.vocab_size}): one logit per id it may produce"
         )
-    return logits, cache
+    if same_cache and _form(updated) != _form(cache):
+        raise TypeError(
+            f"{name}.decode returned its cache in another form than it took (structure, shapes or "
+            f"dtypes); a Decoder hands back the cache it was given, updated"
+        )
+    return logits, updated
+
+
+def _form(cache: PyTree):
+    """A cache's structure and its arrays' shapes and dtypes."""
+    leaves, structure = jax.tree.flatten(cache)
+    return structure, [(tuple(jnp.shape(a)), jnp.result_type(a)) for a in leaves]
 
 
 def loop_model(model: Decoder) -> Decoder:
@@ -58,13 +72,14 @@ def loop_cache(model: Decoder, cache: PyTree) -> PyTree:
 
 
 def prefill(
-    model: Decoder, padded: Int[Array, "batch bucket"]
+    model: Decoder, padded: Int[Array, "batch bucket"], *, same_cache: bool = True
 ) -> tuple[Float[Array, "batch bucket vocab"], PyTree]:
     """The logits of every position of `padded`, run at position 0 into a fresh cache, and that
     cache in the loop's form (`loop_cache`). Padding at the end changes no earlier position
-    (causal) and its cache slots are overwritten later."""
+    (causal) and its cache slots are overwritten later. `same_cache` as in `checked_decode`."""
     cache = model.init_cache(batch=padded.shape[0])
-    logits, cache = checked_decode(model, padded, cache, jnp.zeros((), jnp.int32))
+    start = jnp.zeros((), jnp.int32)
+    logits, cache = checked_decode(model, padded, cache, start, same_cache=same_cache)
     return logits, loop_cache(model, cache)
 
 

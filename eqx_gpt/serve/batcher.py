@@ -28,13 +28,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt.errors import EqxGptError
 from eqx_gpt.generation.decoder import Decoder, check_decoder
-from eqx_gpt.generation.decoding import empty_loop_cache
+from eqx_gpt.generation.decoding import empty_loop_cache, prefill
 from eqx_gpt.generation.generate import prompt_bucket
 from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
 from eqx_gpt.serve.steps import Programs
@@ -103,6 +104,9 @@ class Batcher:
     def __init__(self, model: Decoder, *, slots: int = 16, queue_size: int = 64, keep: int | None = None):
         check_decoder(model)
         self.context_length, self.vocab_size = model.context_length, model.vocab_size
+        # A decode that breaks the contract is refused here, in one line, not at the first request.
+        one_prompt = jax.ShapeDtypeStruct((1, prompt_bucket(1, self.context_length)), jnp.int32)
+        eqx.filter_eval_shape(prefill, eqx.nn.inference_mode(model), one_prompt)
         self.slots: list[Sequence | None] = [None] * slots
         self.queue_size = queue_size
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)

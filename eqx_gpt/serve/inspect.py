@@ -100,7 +100,7 @@ def attention_layout(model: Decoder) -> AttentionLayout:
             1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
         )
     padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
-    recorded = lambda m, p: _recorded(prefill(recording(m), p)[1])
+    recorded = lambda m, p: _recorded(prefill(recording(m), p, same_cache=False)[1])
     shapes = [s.shape for s in eqx.filter_eval_shape(recorded, model, padded)]
     if not shapes:
         return AttentionLayout(
@@ -116,7 +116,7 @@ def attention_layout(model: Decoder) -> AttentionLayout:
 @eqx.filter_jit
 def _attention_and_logits(model: Decoder, padded, layer, head, with_attention: bool):
     model = recording(model) if with_attention else model
-    logits, cache = prefill(model, padded[None])
+    logits, cache = prefill(model, padded[None], same_cache=not with_attention)
     if not with_attention:
         return None, logits[0]
     return jnp.concatenate(_recorded(cache))[layer, head], logits[0]
