@@ -125,14 +125,14 @@ class Programs:
 
     def __init__(self, model: Decoder):
         model = eqx.nn.inference_mode(model)
-        self.stacked, self.stacked_static = eqx.partition(model, eqx.is_array)
-        self.unstacked, self.unstacked_static = eqx.partition(loop_model(model), eqx.is_array)
+        self.params, self.static = eqx.partition(model, eqx.is_array)
+        self.looped_params, self.looped_static = eqx.partition(loop_model(model), eqx.is_array)
 
     def prefill(
         self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs
     ):
         return _prefill_jit(
-            self.stacked_static, self.stacked, cache, slot, padded, length, produced, key_data,
+            self.static, self.params, cache, slot, padded, length, produced, key_data,
             temperature, top_k, top_p, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
@@ -140,6 +140,6 @@ class Programs:
         self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p
     ):
         return _decode_jit(
-            self.unstacked_static, self.unstacked, cache, tokens, starts, produced, key_data,
+            self.looped_static, self.looped_params, cache, tokens, starts, produced, key_data,
             temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
         )  # fmt: skip
