@@ -168,8 +168,9 @@ def test_the_page_finds_its_attention_by_type(client, decoder):
     block = decoder.blocks[1]
     expected = block.attn.weights(block.attn_norm(x), mask=jnp.tril(jnp.ones((8, 8), bool)))[3]
     np.testing.assert_allclose(attention, np.asarray(expected), atol=2e-4)
-    bad = client.post("/v1/inspect", json={"prompt": "lazy dog", "layer": 2})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "layer"
+    for field, value in (("layer", 2), ("position", 8)):  # 2 layers; 8 tokens, positions 0..7
+        bad = client.post("/v1/inspect", json={"prompt": "lazy dog", field: value})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == field
 
 
 def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_reason():
@@ -207,6 +208,8 @@ def test_a_request_whose_logits_hold_nan_fails_alone_in_openais_json(decoder):
             "/v1/completions", json={"model": "eqx_gpt", "prompt": "dog", "max_tokens": 5, "stream": True}
         ).text
         assert "NaN" in stream and stream.endswith("data: [DONE]\n\n")
+        seen = c.post("/v1/inspect", json={"prompt": "dog"})
+        assert seen.status_code == 500 and "NaN" in seen.json()["error"]["message"]
         assert c.get("/v1/models").status_code == 200  # still serving
 
 

@@ -98,7 +98,12 @@ class Server:
     async def inspect(self, request: Request) -> Response:
         args = parse_inspect(await _json(request), self.layout, self.tokenizer)
         answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout)
-        return JSONResponse(await run_in_threadpool(answer))
+        try:
+            return JSONResponse(await run_in_threadpool(answer))
+        except RequestError:
+            raise
+        except ValueError as e:  # logits with no distribution: the model's fault, not the request's
+            return error_response(str(e), 500, kind="server_error")
 
     async def completions(self, request: Request) -> Response:
         req = parse_completion(
