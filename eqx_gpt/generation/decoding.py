@@ -1,6 +1,7 @@
 """The steps of KV-cached decoding, for any `Decoder`: what `generate` and the server's batcher
 both run, so that a request served alone gives `generate`'s tokens.
 
+- `prompt_bucket`: the padded length a window is prefilled at (few shapes compile).
 - `prefill`: a window of tokens at position 0 into a fresh cache; the logits of every position.
 - `decode_rows`: one token per row at a position the rows share (`generate`'s loop).
 - `decode_slot`: one token of one sequence, its cache without the batch axis (the batcher runs it
@@ -24,6 +25,11 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.model.gpt import GPT
+
+
+def prompt_bucket(length: int, context_length: int) -> int:
+    """The padded size a prompt of `length` tokens is run at: a power of two in [16, context]."""
+    return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
 
 
 def checked_decode(

@@ -60,6 +60,7 @@ from eqx_gpt.generation.decoding import (
     loop_model,
     one_row,
     prefill,
+    prompt_bucket,
 )
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
@@ -87,11 +88,6 @@ class GenerationState(eqx.Module):
     length: Int[Array, ""]
     next_token: Int[Array, " batch"]
     produced: Int[Array, ""]
-
-
-def prompt_bucket(length: int, context_length: int) -> int:
-    """The padded size a prompt of `length` tokens is run at: a power of two in [16, context]."""
-    return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
 
 
 @eqx.filter_jit

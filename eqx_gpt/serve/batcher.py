@@ -35,8 +35,7 @@ import numpy as np
 
 from eqx_gpt.errors import EqxGptError
 from eqx_gpt.generation.decoder import Decoder, check_decoder
-from eqx_gpt.generation.decoding import empty_loop_cache, prefill
-from eqx_gpt.generation.generate import prompt_bucket
+from eqx_gpt.generation.decoding import empty_loop_cache, prefill, prompt_bucket
 from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
 from eqx_gpt.serve.steps import Programs
 

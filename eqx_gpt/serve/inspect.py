@@ -30,8 +30,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from eqx_gpt.generation.decoder import Decoder
-from eqx_gpt.generation.decoding import prefill
-from eqx_gpt.generation.generate import prompt_bucket
+from eqx_gpt.generation.decoding import prefill, prompt_bucket
 from eqx_gpt.generation.sampling import next_token_distribution, usable
 from eqx_gpt.model.attention import KVCache, MultiHeadAttention
 from eqx_gpt.serve.requests import RequestError
