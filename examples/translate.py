@@ -278,7 +278,7 @@ def train(model, pairs, vocabs, args, log=print, now=time.monotonic):
 
 
 def translate_all(model, sources, vocabs, max_len: int, batch: int = 500) -> list[str]:
-    """Greedy translations of `sources` (KV-cached, batched)."""
+    """Greedy translations of `sources` (`translate`: generate's KV-cached loop, the model bound to them)."""
     src_vocab, tgt_vocab = vocabs
     out = []
     for i in range(0, len(sources), batch):
