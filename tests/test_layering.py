@@ -158,7 +158,9 @@ def _exported() -> set[str]:
 
 # Benchmarks that time a part of the library no user calls, by the module that holds it. Each is
 # a benchmark of that part, so it cannot use a version of its own; no example is ever here.
-TIMES_AN_INTERNAL: dict[str, str] = {}  # bench/trackers.py times the trackers, public callbacks now
+TIMES_AN_INTERNAL = {
+    "bench/flash_attention.py": "eqx_gpt.model.flash_attention",  # the kernels attention takes on a GPU
+}  # (bench/trackers.py times the trackers, public callbacks)
 
 
 def test_the_examples_and_benchmarks_import_only_what_eqx_gpt_exports():

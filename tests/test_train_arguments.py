@@ -4,7 +4,6 @@ of one process in one folder, the resume line an interrupted call prints, a resu
 `max_steps` ends before the run's step, and an `out_dir` that is a loop of symbolic links."""
 
 import importlib.util
-import os
 import signal
 import threading
 from pathlib import Path
@@ -268,13 +267,11 @@ def test_overwrite_into_a_new_folder_deletes_nothing_and_says_so(corpus, tmp_pat
     assert said.startswith("overwrite=True: deleting the run in") and "step 4" in said
 
 
-def test_train_asks_xla_for_deterministic_gpu_kernels_as_train_py_does(monkeypatch, tmp_path):
-    # Issue 58: the API does what the command does (train.py calls train), before any device use.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
-    with pytest.raises(EqxGptError, match="unknown preset"):
-        train(preset="fast", out_dir=tmp_path / "run", **QUIET)
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=true"
-    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")  # the user's choice stands
-    with pytest.raises(EqxGptError, match="unknown preset"):
-        train(preset="fast", out_dir=tmp_path / "run", **QUIET)
-    assert os.environ["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
+def test_train_starts_a_multi_host_run_as_train_py_does(monkeypatch, tmp_path):
+    # Issue 58: the API does what the command does (train.py calls train): it joins a multi-host
+    # run where the environment says so, before any device use, and refuses a half-set one.
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+    with pytest.raises(EqxGptError, match="JAX_COORDINATOR_ADDRESS is set but JAX_NUM_PROCESSES"):
+        train(out_dir=tmp_path / "run", **QUIET)
+    assert not (tmp_path / "run").exists()

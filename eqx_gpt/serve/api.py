@@ -35,12 +35,12 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from eqx_gpt._checks import SEED_MAX
+from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.sampling import SamplingOptions
-from eqx_gpt.model.gpt import GPT
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
 from eqx_gpt.serve.card import model_card
 from eqx_gpt.serve.completions import ChoiceText
-from eqx_gpt.serve.inspect import inspect_text
+from eqx_gpt.serve.inspect import attention_layout, inspect_text
 from eqx_gpt.serve.requests import CompletionRequest, RequestError, parse_completion, parse_inspect
 
 PAGE = Path(__file__).resolve().parent / "page"
@@ -78,11 +78,12 @@ class Choice:
 class Server:
     """The app's state: the model, its tokenizer and name, and the batcher decoding for it."""
 
-    def __init__(self, model: GPT, tokenizer, meta: dict, name: str, *, slots: int, queue_size: int,
+    def __init__(self, model: Decoder, tokenizer, meta: dict, name: str, *, slots: int, queue_size: int,
                  max_tokens_limit: int, keep: int | None):  # fmt: skip
         self.model, self.tokenizer, self.meta, self.name = model, tokenizer, meta, name
         self.max_tokens_limit = max_tokens_limit
         self.batcher = Batcher(model, slots=slots, queue_size=queue_size, keep=keep)
+        self.layout = attention_layout(model)  # the page's attention layers, found by type
         self.created = int(time.time())
 
     async def models(self, request: Request) -> Response:
@@ -90,17 +91,24 @@ class Server:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def card(self, request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(model_card, self.model, self.meta, self.name))
+        return JSONResponse(
+            await run_in_threadpool(model_card, self.model, self.meta, self.name, self.layout)
+        )
 
     async def inspect(self, request: Request) -> Response:
-        args = parse_inspect(await _json(request), self.model.config, self.tokenizer)
-        return JSONResponse(await run_in_threadpool(lambda: inspect_text(self.model, self.tokenizer, **args)))
+        args = parse_inspect(await _json(request), self.layout, self.tokenizer)
+        answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout)
+        try:
+            return JSONResponse(await run_in_threadpool(answer))
+        except RequestError:
+            raise
+        except ValueError as e:  # logits with no distribution: the model's fault, not the request's
+            return error_response(str(e), 500, kind="server_error")
 
     async def completions(self, request: Request) -> Response:
-        c = self.model.config
         req = parse_completion(
             await _json(request), model_name=self.name, tokenizer=self.tokenizer,
-            vocab_size=c.vocab_size, max_tokens_limit=self.max_tokens_limit,
+            vocab_size=self.model.vocab_size, max_tokens_limit=self.max_tokens_limit,
         )  # fmt: skip
         if len(req.prompts) * req.n > self.batcher.queue_size:
             raise RequestError(
@@ -270,7 +278,7 @@ async def _page(request: Request) -> Response:
 
 
 def create_app(
-    model: GPT,
+    model: Decoder,
     tokenizer,
     *,
     meta: dict | None = None,
@@ -280,7 +288,8 @@ def create_app(
     max_tokens_limit: int = 4096,
     keep: int | None = None,
 ) -> Starlette:
-    """The served `model` (a `GPT`) with its `tokenizer`, as an ASGI app (run it with uvicorn).
+    """The served `model` (any `Decoder`: a `GPT`, or a model of your own) with its `tokenizer`, as an
+    ASGI app (run it with uvicorn).
 
     `name` is the model's id in the API; `meta` the checkpoint metadata (`load_model`'s third
     value, for the model card). `slots` sequences decode together, `queue_size` more may wait

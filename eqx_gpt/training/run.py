@@ -133,9 +133,8 @@ def train(
     by `tracker` is one more. `now` is the clock that `max_minutes` is measured by (tests pass a
     simulated one).
 
-    Before anything touches a device, it asks XLA for deterministic GPU kernels and joins a
-    multi-host run where the environment says this is one (`parallel.start_jax`), as `train.py`
-    does: call it before JAX starts for a GPU run that resumes bit for bit.
+    Before anything touches a device, it joins a multi-host run where the environment says this
+    process is one of several (`parallel.start_jax`), as `train.py`, which calls it, does.
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
