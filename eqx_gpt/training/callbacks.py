@@ -314,8 +314,8 @@ def _name(callback: Callback) -> str:
 class Callbacks:
     """A run's callbacks as one, each call to every callback in order; the one place a run tells them.
     A `StopTraining` from one is caught here: the run stops (`request_stop`) and `stopped_by` says
-    who and why. Figures a callback logs in `on_step` or `on_evaluation` are collected for the
-    record being told (`figures_for`)."""
+    who and why. Figures a callback logs in `on_step` or `on_evaluation` (`RunView.log`, which is
+    `add_figures`) are collected for the record being told, and returned to the run."""
 
     def __init__(
         self, callbacks: Sequence[Callback] = (), *, request_stop: Callable[[], None] = lambda: None
@@ -372,12 +372,13 @@ class Callbacks:
     def on_train_begin(self, run: RunView) -> None:
         self._each(lambda c: c.on_train_begin(run))
 
-    def on_step(self, record: StepRecord, run: Callable[[], RunView]) -> dict[str, float]:
-        """Tell the callbacks due at this step (`every`); the figures they logged."""
+    def on_step(self, record: StepRecord, view_now: Callable[[], RunView]) -> dict[str, float]:
+        """Tell the callbacks due at this step (`every`), with the view `view_now` makes (only if
+        one is due: most steps of a cadence build none); the figures they logged."""
         due = lambda c: record.step % c.every == 0  # noqa: E731
         if not any(due(c) for c in self.callbacks):
             return {}
-        view = run()
+        view = view_now()
         return self._with_figures(record, lambda c: c.on_step(record, view), due)
 
     def on_evaluation(self, record: EvaluationRecord, run: RunView) -> dict[str, float]:
