@@ -14,6 +14,14 @@ thread fills through `loop.call_soon_threadsafe`. A client that disconnects canc
 which free their slots at the batcher's next step. Every error is OpenAI's JSON,
 `{"error": {"message", "type", "param", "code"}}`, with a 4xx status for a bad request (naming the
 field), 429 with `Retry-After` when the queue is full, and the server keeps serving.
+
+What a page on another site, or a client that means harm, could do is refused before any work:
+a `Host` not among `allowed_hosts` (DNS rebinding: Starlette's `TrustedHostMiddleware`), a body
+that is not `application/json` (415: a cross-site form or `text/plain` POST needs no preflight),
+a body over `max_body_bytes` (413, from its `Content-Length` or its running count, before it is
+held), a missing or wrong `Authorization: Bearer` key when `api_key` is set (401), a request past
+`drain` (503). `drain` (called on SIGTERM by `eqx_gpt.serve.http_server`) ends every completion
+still running after its grace with a final event: an error event then `[DONE]`, or a 503.
 """
 
 import asyncio
@@ -22,14 +30,19 @@ import json
 import secrets
 import time
 import uuid
+from collections import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.authentication import AuthenticationMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
@@ -41,10 +54,14 @@ from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence
 from eqx_gpt.serve.card import model_card
 from eqx_gpt.serve.completions import ChoiceText
 from eqx_gpt.serve.inspect import inspect_text
-from eqx_gpt.serve.requests import CompletionRequest, RequestError, parse_completion, parse_inspect
+from eqx_gpt.serve.requests import CompletionRequest, RequestError, load_body, parse_completion, parse_inspect
 
 PAGE = Path(__file__).resolve().parent / "page"
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 1 << 20  # a request's body: a prompt of 1 MiB is 250,000 GPT-2 tokens, far past any context
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of this machine, for `allowed_hosts`
+PUBLIC_PATHS = ("/", "/health")  # answered without the API key (and /page/, the page's files)
+SHUTTING_DOWN = "the server is shutting down; this completion ended before its last token"
 
 
 def error_response(
@@ -56,9 +73,30 @@ def error_response(
     kind: str = "invalid_request_error",
     headers: dict | None = None,
 ) -> JSONResponse:
-    """OpenAI's error JSON with `status`."""
+    """OpenAI's error JSON with `status`. A lone surrogate quoted from a request is written as its
+    escape (it cannot be UTF-8)."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    param = None if param is None else param.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
+
+
+END = -1  # the index of the event that ends a reply (`Server.drain`)
+
+
+class Cut(Exception):
+    """A completion ended before its last token: a failed step (`status` 500) or a drain (503)."""
+
+    def __init__(self, message: str, status: int, code: str | None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(
+        f"the request body is over this server's {limit} bytes; send a smaller one (or start the server "
+        f"with a larger --max-body-bytes)", status=413, code="request_too_large",
+    )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -76,14 +114,57 @@ class Choice:
 
 
 class Server:
-    """The app's state: the model, its tokenizer and name, and the batcher decoding for it."""
+    """The app's state: the model, its tokenizer and name, the batcher decoding for it, and the
+    replies in flight (for `drain`)."""
 
     def __init__(self, model: GPT, tokenizer, meta: dict, name: str, *, slots: int, queue_size: int,
-                 max_tokens_limit: int, keep: int | None):  # fmt: skip
+                 max_tokens_limit: int, keep: int | None, max_body_bytes: int):  # fmt: skip
         self.model, self.tokenizer, self.meta, self.name = model, tokenizer, meta, name
-        self.max_tokens_limit = max_tokens_limit
+        self.max_tokens_limit, self.max_body_bytes = max_tokens_limit, max_body_bytes
         self.batcher = Batcher(model, slots=slots, queue_size=queue_size, keep=keep)
         self.created = int(time.time())
+        self.replies: set[Reply] = set()
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
+
+    def drain(self, grace_s: float) -> None:
+        """Admit no more requests (503) and end every completion still running `grace_s` seconds
+        from now, each with a final event. Safe to call from any thread or a signal handler;
+        a second call can only bring the end closer."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._drain, grace_s)
+
+    def _drain(self, grace_s: float) -> None:
+        self.draining = True
+        assert self.loop is not None
+        self.loop.call_later(max(grace_s, 0.0), self._end_replies)
+
+    def _end_replies(self) -> None:
+        for reply in list(self.replies):
+            reply.queue.put_nowait((END, None))
+
+    async def read_json(self, request: Request):
+        """The request's JSON body, refused before any work when the server drains (503), when it
+        is not `application/json` (415) or when it is over `max_body_bytes` (413, before it is held)."""
+        if self.draining:
+            raise RequestError(SHUTTING_DOWN.split(";")[0] + "; retry on another server", status=503,
+                               code="server_shutting_down")  # fmt: skip
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise RequestError(
+                f"the body must be JSON sent with 'Content-Type: application/json', got "
+                f"{media or 'no content type'!r}", status=415, code="unsupported_media_type",
+            )  # fmt: skip
+        declared = request.headers.get("content-length", "")
+        if len(declared) > 20 or (declared.isdigit() and int(declared) > self.max_body_bytes):
+            raise _too_large(self.max_body_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            chunks.append(chunk)
+        return load_body(b"".join(chunks))
 
     async def models(self, request: Request) -> Response:
         model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "eqx_gpt"}
@@ -93,20 +174,19 @@ class Server:
         return JSONResponse(await run_in_threadpool(model_card, self.model, self.meta, self.name))
 
     async def inspect(self, request: Request) -> Response:
-        args = parse_inspect(await _json(request), self.model.config, self.tokenizer)
+        body = await self.read_json(request)
+        args = await run_in_threadpool(parse_inspect, body, self.model.config, self.tokenizer)
         return JSONResponse(await run_in_threadpool(lambda: inspect_text(self.model, self.tokenizer, **args)))
 
     async def completions(self, request: Request) -> Response:
         c = self.model.config
-        req = parse_completion(
-            await _json(request), model_name=self.name, tokenizer=self.tokenizer,
-            vocab_size=c.vocab_size, max_tokens_limit=self.max_tokens_limit,
+        body = await self.read_json(request)
+        req = await run_in_threadpool(
+            lambda: parse_completion(
+                body, model_name=self.name, tokenizer=self.tokenizer, vocab_size=c.vocab_size,
+                max_tokens_limit=self.max_tokens_limit, max_samples=self.batcher.queue_size,
+            )
         )  # fmt: skip
-        if len(req.prompts) * req.n > self.batcher.queue_size:
-            raise RequestError(
-                f"{len(req.prompts)} prompt(s) x n={req.n} samples exceed the queue's "
-                f"{self.batcher.queue_size}; send fewer per request", "n",
-            )  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
         choices = self._choices(req, queue, asyncio.get_running_loop())
         sequences = [ch.sequence for ch in choices if ch.sequence is not None]
@@ -148,6 +228,7 @@ class Reply:
         self.server, self.req, self.choices, self.queue = server, req, choices, queue
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        server.replies.add(self)  # until its events end: `Server.drain` may end it
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -171,14 +252,17 @@ class Reply:
                     yield ch, ch.text.echo, "length"
             while not all(ch.done for ch in self.choices):
                 index, event = await self.queue.get()
+                if index == END:
+                    raise Cut(SHUTTING_DOWN, 503, "server_shutting_down")
                 ch = self.choices[index]
                 if ch.done:
                     continue  # a cancelled sequence's last word
                 if isinstance(event, Failed):
-                    raise RuntimeError(event.message)
+                    raise Cut(event.message, 500, None)
                 if isinstance(event, Finished):
                     ch.done = True
-                    yield ch, ch.text.finish(), "length"
+                    piece = ch.text.finish()
+                    yield ch, piece, "stop" if ch.text.stopped else "length"
                     continue
                 assert isinstance(event, Token)
                 if event.prompt is not None:
@@ -196,6 +280,7 @@ class Reply:
                     self.server.batcher.cancel(ch.sequence)  # type: ignore[arg-type]
                 yield ch, piece, "stop" if ch.text.stopped else None
         finally:
+            self.server.replies.discard(self)
             for ch in self.choices:
                 if not ch.done and ch.sequence is not None:
                     self.server.batcher.cancel(ch.sequence)
@@ -209,8 +294,8 @@ class Reply:
                     yield _sse(self._chunk([out]))
             if self.req.include_usage:
                 yield _sse(self._chunk([], self.usage()))
-        except RuntimeError as e:
-            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        except Cut as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": e.code}})
         yield "data: [DONE]\n\n"
 
     async def _collect(self) -> list[dict]:
@@ -234,8 +319,8 @@ class Reply:
             return Response(status_code=499)  # nobody reads it
         try:
             choices = work.result()
-        except RuntimeError as e:
-            return error_response(str(e), 500, kind="server_error")
+        except Cut as e:
+            return error_response(str(e), e.status, kind="server_error", code=e.code)
         return JSONResponse(self._chunk(choices, self.usage()))
 
 
@@ -248,16 +333,40 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(f"the request body is not valid JSON ({e}); send a JSON object") from None
-
-
 async def _request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
     return error_response(str(exc), exc.status, param=exc.param, code=exc.code)
+
+
+async def _client_left(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # the client left while its body was read: nobody reads this
+
+
+class BearerKey(AuthenticationBackend):
+    """The API key, checked as OpenAI's clients send it (`Authorization: Bearer KEY`) on every path
+    but the page and `/health`."""
+
+    def __init__(self, key: str):
+        self.key = key.encode("utf-8")
+
+    async def authenticate(self, conn: HTTPConnection):
+        path = conn.url.path
+        if path in PUBLIC_PATHS or path.startswith("/page/"):
+            return None
+        scheme, _, given = conn.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            given.strip().encode("latin-1"), self.key
+        ):
+            raise AuthenticationError(
+                "a missing or incorrect API key; send the server's --api-key as 'Authorization: Bearer KEY' "
+                "(OpenAI's clients: api_key=KEY)"
+            )
+        return AuthCredentials(["api"]), SimpleUser("api")
+
+
+def _unauthorized(conn: HTTPConnection, exc: AuthenticationError) -> Response:
+    headers = {"WWW-Authenticate": "Bearer"}
+    return error_response(str(exc), 401, code="invalid_api_key", headers=headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -279,19 +388,32 @@ def create_app(
     queue_size: int = 64,
     max_tokens_limit: int = 4096,
     keep: int | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    api_key: str | None = None,
+    allowed_hosts: abc.Sequence[str] = LOOPBACK_HOSTS,
 ) -> Starlette:
-    """The served `model` (a `GPT`) with its `tokenizer`, as an ASGI app (run it with uvicorn).
+    """The served `model` (a `GPT`) with its `tokenizer`, as an ASGI app (run it with uvicorn, or
+    `eqx_gpt.serve.http_server.serve`, which adds the request deadline and the drain on SIGTERM).
 
     `name` is the model's id in the API; `meta` the checkpoint metadata (`load_model`'s third
     value, for the model card). `slots` sequences decode together, `queue_size` more may wait
-    (beyond, 429 with `Retry-After`); a request asks for at most `max_tokens_limit` tokens; `keep`
-    is the window's cut past the context (None: `generate`'s default).
+    (beyond, 429 with `Retry-After`; a request asks for at most `queue_size` samples); a request
+    asks for at most `max_tokens_limit` tokens; `keep` is the window's cut past the context (None:
+    `generate`'s default). A body over `max_body_bytes` is refused (413). With `api_key`, every
+    path but the page and `/health` needs `Authorization: Bearer <api_key>` (else 401). A request
+    whose `Host` is not in `allowed_hosts` is refused (400): the default names only this machine,
+    which a DNS-rebinding page cannot reach; `["*"]` takes any.
     """
+    if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if api_key is not None and not (isinstance(api_key, str) and api_key.strip() and api_key.isprintable()):
+        raise ValueError("api_key must be a non-empty string of printable characters (or None)")
     server = Server(model, tokenizer, meta or {}, name, slots=slots, queue_size=queue_size,
-                    max_tokens_limit=max_tokens_limit, keep=keep)  # fmt: skip
+                    max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        server.loop = asyncio.get_running_loop()
         server.batcher.start()
         try:
             yield
@@ -306,7 +428,12 @@ def create_app(
         Route("/v1/card", server.card),
         Mount("/page", StaticFiles(directory=PAGE), name="page"),
     ]
-    handlers = {RequestError: _request_error, HTTPException: _http_error}
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))]
+    if api_key is not None:
+        middleware.append(
+            Middleware(AuthenticationMiddleware, backend=BearerKey(api_key), on_error=_unauthorized)
+        )
+    handlers = {RequestError: _request_error, HTTPException: _http_error, ClientDisconnect: _client_left}
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
     app.state.server = server
     return app
