@@ -141,7 +141,8 @@ class Server:
 
     def _end_replies(self) -> None:
         for reply in list(self.replies):
-            reply.queue.put_nowait((END, None))
+            reply.ending = True  # seen before the tokens already queued for it
+            reply.queue.put_nowait((END, None))  # wakes it if it waits
 
     async def read_json(self, request: Request):
         """The request's JSON body, refused before any work when the server drains (503), when it
@@ -229,6 +230,7 @@ class Reply:
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         server.replies.add(self)  # until its events end: `Server.drain` may end it
+        self.ending = False
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {"id": self.id, "object": "text_completion", "created": self.created,
@@ -252,7 +254,7 @@ class Reply:
                     yield ch, ch.text.echo, "length"
             while not all(ch.done for ch in self.choices):
                 index, event = await self.queue.get()
-                if index == END:
+                if index == END or self.ending:
                     raise Cut(SHUTTING_DOWN, 503, "server_shutting_down")
                 ch = self.choices[index]
                 if ch.done:
