@@ -242,3 +242,19 @@ def test_a_request_sent_in_part_is_closed_at_the_deadline_and_a_leaver_logs_noth
 
         assert httpx.post(f"{live.url}/v1/completions", json=GOOD, timeout=60).status_code == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_echo_with_logprobs_of_a_prompt_past_the_context_lines_up_with_its_text(client):
+    prompt = "ROMEO: " * 7  # 49 characters, past the 32-token context
+    body = {**GOOD, "prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert "".join(lp["tokens"][: len(prompt)]) == prompt and lp["text_offset"][:49] == list(range(49))
+    assert lp["token_logprobs"][: 49 - 31] == [None] * 18 and None not in lp["token_logprobs"][18:]
+
+
+def test_a_fault_of_the_server_is_a_500_in_openai_json(run, monkeypatch):
+    with TestClient(app_for(run, slots=1), base_url=LOCAL, raise_server_exceptions=False) as c:
+        monkeypatch.setattr("eqx_gpt.serve.api.model_card", lambda *a: 1 / 0)
+        response = c.get("/v1/card")
+        assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+        still_serves(c)

@@ -340,6 +340,12 @@ async def _request_error(request: Request, exc: Exception) -> Response:
     return error_response(str(exc), exc.status, param=exc.param, code=exc.code)
 
 
+async def _server_error(request: Request, exc: Exception) -> Response:
+    """A fault of the server's own (logged with its traceback by uvicorn), in OpenAI's JSON."""
+    return error_response(f"internal server error ({type(exc).__name__}); see the server's log", 500,
+                          kind="server_error")  # fmt: skip
+
+
 async def _client_left(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # the client left while its body was read: nobody reads this
 
@@ -435,7 +441,8 @@ def create_app(
         middleware.append(
             Middleware(AuthenticationMiddleware, backend=BearerKey(api_key), on_error=_unauthorized)
         )
-    handlers = {RequestError: _request_error, HTTPException: _http_error, ClientDisconnect: _client_left}
+    handlers = {RequestError: _request_error, HTTPException: _http_error, ClientDisconnect: _client_left,
+                Exception: _server_error}  # fmt: skip
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
     app.state.server = server
     return app

@@ -98,11 +98,13 @@ class ChoiceText:
         self.logprobs["text_offset"].append(offset)
 
     def add_prompt(self, prompt_ids: list[int], event: Token) -> None:
-        """Record the prompt's own log-probabilities (for `echo` with `logprobs`): null for the first."""
+        """Record the prompt's own log-probabilities (for `echo` with `logprobs`): null for the first
+        (and for those cropped off a prompt longer than the context)."""
         if self.logprobs is None:
             return
         prompt = Detokenizer(self.tokenizer)
-        entries = [(prompt_ids[0], None, None), *(event.prompt or [])]
+        scored = event.prompt or []  # past the context, only the prompt's last tokens were scored
+        entries = [*((t, None, None) for t in prompt_ids[: len(prompt_ids) - len(scored)]), *scored]
         for token, logprob, top in entries:
             self._record(token, logprob, top, len(prompt.text))
             prompt.add(token)
