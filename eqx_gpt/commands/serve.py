@@ -8,7 +8,7 @@ Loads a run folder (its best checkpoint, else its latest), a checkpoint file, or
 GPT-2 folder, and serves it with uvicorn on 127.0.0.1 (loopback: only this machine can reach it,
 and only under this machine's names: a DNS-rebinding page is refused) unless `--host` says
 otherwise; another address without an API key is warned about. The page is at `/`, the API at
-`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn); without it, one line
+`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn, prometheus_client); without it, one line
 says how to install it, exit code 2.
 """
 
@@ -83,7 +83,11 @@ def parse_args(argv=None, prog: str = "eqx-gpt serve") -> argparse.Namespace:
 
 def check_extra() -> None:
     """Refuse, in one line naming the install, when the `serve` extra is missing."""
-    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in ("starlette", "uvicorn", "prometheus_client")
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
         raise ConfigError(f"serving needs {' and '.join(missing)}, from the serve extra: {INSTALL}")
 

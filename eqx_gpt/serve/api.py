@@ -6,6 +6,11 @@
     POST /v1/inspect       eqx_gpt's own: attention of a layer and head, next-token top 10 before and
                            after the filters (`eqx_gpt.serve.inspect`)
     GET  /v1/card          eqx_gpt's own: the model card (`eqx_gpt.serve.card`)
+    GET  /health           200 `{"status": "ok"}` while serving; 503 once draining (llama.cpp's)
+    GET  /metrics          Prometheus's text format (`eqx_gpt.serve.metrics`)
+    POST /tokenize         llama.cpp's: `content` (or vLLM's `prompt`) -> `tokens`, with their
+                           pieces if `with_pieces`
+    POST /detokenize       llama.cpp's: `tokens` -> `content`
     GET  /                 the page (`page/`: HTML, CSS and JS, no build step, nothing fetched)
 
 Requests are decoded together by one `Batcher` (its thread starts and stops with the app). The
@@ -48,13 +53,23 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from eqx_gpt._checks import SEED_MAX
+from eqx_gpt.errors import TokenizerError
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
 from eqx_gpt.serve.card import model_card
-from eqx_gpt.serve.completions import ChoiceText
+from eqx_gpt.serve.completions import ChoiceText, token_pieces
 from eqx_gpt.serve.inspect import inspect_text
-from eqx_gpt.serve.requests import CompletionRequest, RequestError, load_body, parse_completion, parse_inspect
+from eqx_gpt.serve.metrics import ServerMetrics
+from eqx_gpt.serve.requests import (
+    CompletionRequest,
+    RequestError,
+    load_body,
+    parse_completion,
+    parse_detokenize,
+    parse_inspect,
+    parse_tokenize,
+)
 
 PAGE = Path(__file__).resolve().parent / "page"
 RETRY_AFTER_S = 1
@@ -111,6 +126,7 @@ class Choice:
     tokens: int = 0
     echoed: bool = False
     done: bool = False
+    last_token: float | None = None  # when its latest token came (time.monotonic())
 
 
 class Server:
@@ -126,6 +142,7 @@ class Server:
         self.replies: set[Reply] = set()
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
+        self.metrics = ServerMetrics(self.batcher, lambda: len(self.replies))
 
     def drain(self, grace_s: float) -> None:
         """Admit no more requests (503) and end every completion still running `grace_s` seconds
@@ -167,6 +184,26 @@ class Server:
             chunks.append(chunk)
         return load_body(b"".join(chunks))
 
+    async def health(self, request: Request) -> Response:
+        if self.draining:
+            return error_response("the server is shutting down", 503, kind="unavailable_error",
+                                   code="server_shutting_down")  # fmt: skip
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
+
+    async def tokenize(self, request: Request) -> Response:
+        text, with_pieces = parse_tokenize(await self.read_json(request))
+        ids = await run_in_threadpool(_encode, self.tokenizer, text)
+        tokens = token_pieces(self.tokenizer, ids) if with_pieces else ids
+        return JSONResponse({"tokens": tokens, "count": len(ids),
+                             "max_model_len": self.model.config.context_length})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        ids = parse_detokenize(await self.read_json(request), self.model.config.vocab_size)
+        return JSONResponse({"content": await run_in_threadpool(self.tokenizer.decode, ids)})
+
     async def models(self, request: Request) -> Response:
         model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "eqx_gpt"}
         return JSONResponse({"object": "list", "data": [model]})
@@ -180,6 +217,7 @@ class Server:
         return JSONResponse(await run_in_threadpool(lambda: inspect_text(self.model, self.tokenizer, **args)))
 
     async def completions(self, request: Request) -> Response:
+        arrived = time.monotonic()
         c = self.model.config
         body = await self.read_json(request)
         req = await run_in_threadpool(
@@ -195,8 +233,11 @@ class Server:
             self.batcher.submit(sequences)
         except QueueFull as e:
             headers = {"Retry-After": str(RETRY_AFTER_S)}
+            self.metrics.rejected.labels("queue_full").inc()
             return error_response(str(e), 429, code="queue_full", kind="rate_limit_error", headers=headers)
-        reply = Reply(self, req, choices, queue)
+        self.metrics.requests.inc()
+        self.metrics.prompt_tokens.inc(sum(len(p) for p in req.prompts))
+        reply = Reply(self, req, choices, queue, arrived)
         if req.stream:
             return StreamingResponse(reply.stream(), media_type="text/event-stream")
         return await reply.whole(request)
@@ -225,8 +266,11 @@ class Server:
 class Reply:
     """The answer to one completion request, whole or streamed, as its choices' tokens arrive."""
 
-    def __init__(self, server: Server, req: CompletionRequest, choices: list[Choice], queue: asyncio.Queue):
+    def __init__(self, server: Server, req: CompletionRequest, choices: list[Choice], queue: asyncio.Queue,
+                 arrived: float):  # fmt: skip
         self.server, self.req, self.choices, self.queue = server, req, choices, queue
+        self.arrived = self.last_token = arrived  # time.monotonic()
+        self.first_token = True
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         server.replies.add(self)  # until its events end: `Server.drain` may end it
@@ -276,6 +320,7 @@ class Reply:
                     yield ch, piece, "length"
                     continue
                 ch.tokens += 1
+                self._count_token(ch)
                 piece += ch.text.add(event)
                 if ch.text.stopped:
                     ch.done = True
@@ -286,6 +331,16 @@ class Reply:
             for ch in self.choices:
                 if not ch.done and ch.sequence is not None:
                     self.server.batcher.cancel(ch.sequence)
+
+    def _count_token(self, ch: Choice) -> None:
+        now, metrics = time.monotonic(), self.server.metrics
+        metrics.tokens_predicted.inc()
+        if self.first_token:
+            metrics.time_to_first_token.observe(now - self.arrived)
+            self.first_token = False
+        elif ch.last_token is not None:
+            metrics.time_per_output_token.observe(now - ch.last_token)
+        ch.last_token = now
 
     async def stream(self) -> AsyncIterator[str]:
         try:
@@ -335,8 +390,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def _encode(tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError as e:
+        raise RequestError(f"the text cannot be encoded by this model's tokenizer: {e}", "content") from None
+
+
 async def _request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
+    request.app.state.server.metrics.rejected.labels(exc.code or "invalid_request").inc()
     return error_response(str(exc), exc.status, param=exc.param, code=exc.code)
 
 
@@ -374,6 +437,7 @@ class BearerKey(AuthenticationBackend):
 
 def _unauthorized(conn: HTTPConnection, exc: AuthenticationError) -> Response:
     headers = {"WWW-Authenticate": "Bearer"}
+    conn.app.state.server.metrics.rejected.labels("unauthorized").inc()
     return error_response(str(exc), 401, code="invalid_api_key", headers=headers)
 
 
@@ -434,6 +498,10 @@ def create_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/inspect", server.inspect, methods=["POST"]),
         Route("/v1/card", server.card),
+        Route("/health", server.health),
+        Route("/metrics", server.metrics_text),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Mount("/page", StaticFiles(directory=PAGE), name="page"),
     ]
     middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))]

@@ -109,6 +109,7 @@ class Batcher:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="eqx_gpt-batcher", daemon=True)
         self.steps = 0  # decode steps run (each advances every live slot by one token)
+        self.busy_slot_steps = 0  # live slots summed over decode steps (for /metrics: per step, on average)
 
     def _empty_cache(self):
         """Zeros in the layout of the unstacked model's batched cache (its shapes alone: no copy
@@ -258,6 +259,7 @@ class Batcher:
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)
         self.steps += 1
+        self.busy_slot_steps += sum(s is not None for s in self.slots)
         for i, s in enumerate(self.slots):
             if s is not None:
                 s.window.append(s.next_token)

@@ -17,9 +17,9 @@ REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a w
 MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 tokens
 
 
-def token_piece(tokenizer, token: int) -> str:
-    """The text of one token; for bytes that are not text alone, OpenAI's `bytes:\\xNN...` form
-    (a tokenizer without `token_bytes` gives its decoded text)."""
+def token_text(tokenizer, token: int) -> str | bytes:
+    """One token's text, or its bytes where they are not text alone (a tokenizer without
+    `token_bytes` gives its decoded text)."""
     to_bytes = getattr(tokenizer, "token_bytes", None)
     if to_bytes is None:
         return tokenizer.decode([token])
@@ -27,7 +27,20 @@ def token_piece(tokenizer, token: int) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return raw
+
+
+def token_piece(tokenizer, token: int) -> str:
+    """A token as OpenAI's log-probabilities name it: its text, or `bytes:\\xNN...`."""
+    text = token_text(tokenizer, token)
+    return text if isinstance(text, str) else "bytes:" + "".join(f"\\x{b:02x}" for b in text)
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[dict]:
+    """`/tokenize`'s pieces, as llama.cpp's server gives them: `{"id", "piece"}`, the piece a string
+    where the token's bytes are text, else the list of its byte values."""
+    pieces = [(token, token_text(tokenizer, token)) for token in ids]
+    return [{"id": t, "piece": text if isinstance(text, str) else list(text)} for t, text in pieces]
 
 
 class Detokenizer:

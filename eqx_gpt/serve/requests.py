@@ -276,6 +276,36 @@ def _top_p(body: dict) -> float | None:
     return None if value == 1 else float(value)
 
 
+def _object(body, fields: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise RequestError(f"unrecognized request argument supplied: {shown(unknown[0])}", unknown[0])
+    return body
+
+
+def parse_tokenize(body) -> tuple[str, bool]:
+    """`/tokenize`'s text and whether to give each token's piece: llama.cpp's `content` and
+    `with_pieces` (vLLM's `prompt` is taken for `content`; `model` and `add_special` change nothing)."""
+    body = _object(body, {"content", "prompt", "with_pieces", "model", "add_special"})
+    name = "prompt" if "prompt" in body and "content" not in body else "content"
+    text = body.get(name)
+    if not isinstance(text, str):
+        raise RequestError(f"{name} must be the text to tokenize, got {shown(text)}", name)
+    return text, _flag(body, "with_pieces")
+
+
+def parse_detokenize(body, vocab_size: int) -> list[int]:
+    """`/detokenize`'s token ids (`tokens`), each in `[0, vocab_size)`."""
+    tokens = _object(body, {"tokens", "model"}).get("tokens")
+    if not (isinstance(tokens, list) and _is_ids(tokens)):
+        raise RequestError(f"tokens must be a list of token ids, got {shown(tokens)}", "tokens")
+    if not all(0 <= t < vocab_size for t in tokens):
+        raise RequestError(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+    return tokens
+
+
 INSPECT_FIELDS = {"prompt", "layer", "head", "position", "temperature", "top_k", "top_p"}
 
 

@@ -1,0 +1,107 @@
+"""What operators wire up first: `/health`, `/metrics` (read back by Prometheus's own parser),
+`/tokenize` and `/detokenize` with token pieces."""
+
+import jax
+import pytest
+
+pytest.importorskip("starlette")
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+from serve_fixtures import app_for, make_run  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+from test_serve_security import CountingBytes  # noqa: E402
+
+from eqx_gpt import GPT, GPTConfig, create_app  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("serve")
+LOCAL = "http://localhost"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("run"))
+
+
+def metrics(client) -> dict[str, float]:
+    """Every sample of `/metrics` by its name and labels, as Prometheus's parser reads them."""
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in prometheus_parser.text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            key = sample.name + (f"{{{labels}}}" if labels else "")
+            if "le" not in sample.labels:
+                samples[key] = sample.value
+    return samples
+
+
+def test_health_is_ok_while_serving_and_503_once_draining(run):
+    with TestClient(app_for(run, slots=1, api_key="k"), base_url=LOCAL) as c:
+        assert c.get("/health").status_code == 200 and c.get("/health").json() == {"status": "ok"}  # no key
+        c.app.state.server._drain(60)  # type: ignore[attr-defined]
+        response = c.get("/health")
+        assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"
+
+
+def test_metrics_count_tokens_requests_rejections_and_latency(run):
+    with TestClient(app_for(run, slots=2, queue_size=4), base_url=LOCAL) as c:
+        before = metrics(c)
+        assert before["eqx_gpt_slots"] == 2 and before["eqx_gpt_tokens_predicted_total"] == 0
+        body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 7, "n": 2, "seed": 1}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        assert c.post("/v1/completions", json={**body, "temperature": -1}).status_code == 400
+        assert (
+            c.post("/v1/completions", content=b"{}", headers={"content-type": "text/plain"}).status_code
+            == 415
+        )
+        after = metrics(c)
+    assert after["eqx_gpt_requests_total"] == 1 and after["eqx_gpt_prompt_tokens_total"] == 6
+    assert after["eqx_gpt_tokens_predicted_total"] == 14
+    assert after["eqx_gpt_time_to_first_token_seconds_count"] == 1
+    assert (
+        after["eqx_gpt_time_per_output_token_seconds_count"] == 14 - 1 - 1
+    )  # each choice's first has no gap before
+    assert after["eqx_gpt_requests_rejected_total{reason=invalid_request}"] == 1
+    assert after["eqx_gpt_requests_rejected_total{reason=unsupported_media_type}"] == 1
+    steps, busy = after["eqx_gpt_decode_steps_total"], after["eqx_gpt_busy_slot_steps_total"]
+    assert steps >= 6 and steps <= busy <= 2 * steps  # 2 samples of 7 tokens: 6 decode steps each
+    assert after["eqx_gpt_requests_processing"] == 0 and after["eqx_gpt_requests_deferred"] == 0
+
+
+def test_metrics_need_the_api_key_when_one_is_set(run):
+    with TestClient(app_for(run, slots=1, api_key="k"), base_url=LOCAL) as c:
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers={"authorization": "Bearer k"}).status_code == 200
+
+
+BAD = [
+    ("/tokenize", {"content": 5}, "content"),
+    ("/tokenize", {"content": "☃"}, "content"),  # a character the char model's vocabulary lacks
+    ("/tokenize", {"content": "x", "frob": 1}, "frob"),
+    ("/detokenize", {"tokens": [10**6]}, "tokens"),
+    ("/detokenize", {"tokens": "x"}, "tokens"),
+]
+
+
+def test_tokenize_and_detokenize_with_pieces(run):
+    with TestClient(app_for(run, slots=1), base_url=LOCAL) as c:
+        tokenizer = c.app.state.server.tokenizer  # type: ignore[attr-defined]
+        ids = tokenizer.encode("ROMEO: hi")
+        plain = c.post("/tokenize", json={"content": "ROMEO: hi"}).json()
+        assert plain["tokens"] == ids and plain["count"] == 9 and plain["max_model_len"] == 32
+        assert c.post("/tokenize", json={"prompt": "ROMEO: hi"}).json()["tokens"] == ids  # vLLM's field
+        pieces = c.post("/tokenize", json={"content": "ROMEO: hi", "with_pieces": True}).json()["tokens"]
+        assert pieces == [{"id": i, "piece": ch} for i, ch in zip(ids, "ROMEO: hi", strict=True)]
+        assert c.post("/detokenize", json={"tokens": ids}).json() == {"content": "ROMEO: hi"}
+        for path, body, param in BAD:
+            bad = c.post(path, json=body)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
+def test_tokenize_gives_bytes_that_are_not_text_as_their_values():
+    config = GPTConfig(vocab_size=256, context_length=16, d_model=16, n_heads=2, n_layers=1)
+    app = create_app(GPT(config, key=jax.random.key(0)), CountingBytes(), name="b", slots=1)
+    with TestClient(app, base_url=LOCAL) as c:
+        pieces = c.post("/tokenize", json={"content": "aé", "with_pieces": True}).json()["tokens"]
+        assert pieces == [{"id": 97, "piece": "a"}, {"id": 195, "piece": [195]}, {"id": 169, "piece": [169]}]
+        assert c.post("/detokenize", json={"tokens": [97, 195, 169]}).json() == {"content": "aé"}
