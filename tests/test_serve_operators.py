@@ -105,3 +105,29 @@ def test_tokenize_gives_bytes_that_are_not_text_as_their_values():
         pieces = c.post("/tokenize", json={"content": "aé", "with_pieces": True}).json()["tokens"]
         assert pieces == [{"id": 97, "piece": "a"}, {"id": 195, "piece": [195]}, {"id": 169, "piece": [169]}]
         assert c.post("/detokenize", json={"tokens": [97, 195, 169]}).json() == {"content": "aé"}
+
+
+def test_logit_bias_bans_what_greedy_decoding_would_pick_and_100_selects_a_token(run):
+    with TestClient(app_for(run, slots=2), base_url=LOCAL) as c:
+        tokenizer = c.app.state.server.tokenizer  # type: ignore[attr-defined]
+        body = {"model": "tiny", "prompt": "KING:", "max_tokens": 40, "temperature": 0}
+        greedy = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        banned = tokenizer.encode(greedy[0])[0]
+        bias = {str(banned): -100}
+        text = c.post("/v1/completions", json={**body, "logit_bias": bias}).json()["choices"][0]["text"]
+        assert greedy[0] not in text and len(text) == 40  # never drawn, in prefill or in decode steps
+        sampled = {**body, "temperature": 1.5, "seed": 3, "logit_bias": bias, "max_tokens": 200}
+        assert greedy[0] not in c.post("/v1/completions", json=sampled).json()["choices"][0]["text"]
+        chosen = tokenizer.encode("Q")[0]
+        forced = {**body, "temperature": 1.0, "seed": 1, "logit_bias": {str(chosen): 100}}
+        assert c.post("/v1/completions", json=forced).json()["choices"][0]["text"] == "Q" * 40
+        small = {
+            **body,
+            "logit_bias": {str(banned): 0.5},
+        }  # a small bias changes little: the same greedy text
+        assert c.post("/v1/completions", json=small).json()["choices"][0]["text"][:1] == greedy[:1]
+        for bad in ({"x": 1}, {"-1": 1}, {"999": 1}, {"3": 101}, {"3": "a"}, [1], {"3": None}):
+            response = c.post("/v1/completions", json={**body, "logit_bias": bad})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
+        everything = {str(i): -100 for i in range(tokenizer.vocab_size)}
+        assert c.post("/v1/completions", json={**body, "logit_bias": everything}).status_code == 400

@@ -8,8 +8,8 @@ Loads a run folder (its best checkpoint, else its latest), a checkpoint file, or
 GPT-2 folder, and serves it with uvicorn on 127.0.0.1 (loopback: only this machine can reach it,
 and only under this machine's names: a DNS-rebinding page is refused) unless `--host` says
 otherwise; another address without an API key is warned about. The page is at `/`, the API at
-`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn, prometheus_client); without it, one line
-says how to install it, exit code 2.
+`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn, prometheus_client);
+without it, one line says how to install it, exit code 2.
 """
 
 import argparse

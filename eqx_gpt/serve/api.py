@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.concurrency import run_in_threadpool
@@ -62,6 +63,7 @@ from eqx_gpt.serve.completions import ChoiceText, token_pieces
 from eqx_gpt.serve.inspect import inspect_text
 from eqx_gpt.serve.metrics import ServerMetrics
 from eqx_gpt.serve.requests import (
+    BIAS_LIMIT,
     CompletionRequest,
     RequestError,
     load_body,
@@ -246,6 +248,7 @@ class Server:
         seed = secrets.randbelow(SEED_MAX + 1) if req.seed is None else req.seed
         options = SamplingOptions(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         score_only = req.max_tokens == 0 and req.echo and req.logprobs is not None
+        bias = logit_bias_array(req.logit_bias, self.model.config.vocab_size)
         choices = []
         for p, (prompt, text) in enumerate(zip(req.prompts, req.texts, strict=True)):
             for j in range(req.n):
@@ -255,7 +258,7 @@ class Server:
                 if req.max_tokens > 0 or score_only:
                     sequence = Sequence(
                         prompt, max(req.max_tokens, 1), options, sample_key_data(seed, j), emit,
-                        prompt_logprobs=req.echo and req.logprobs is not None,
+                        prompt_logprobs=req.echo and req.logprobs is not None, logit_bias=bias,
                     )  # fmt: skip
                 echo = text if req.echo else ""
                 choice_text = ChoiceText(self.tokenizer, req.stop, echo, req.logprobs)
@@ -379,6 +382,17 @@ class Reply:
         except Cut as e:
             return error_response(str(e), e.status, kind="server_error", code=e.code)
         return JSONResponse(self._chunk(choices, self.usage()))
+
+
+def logit_bias_array(bias: dict[int, float] | None, vocab_size: int) -> np.ndarray | None:
+    """A request's `logit_bias` as the `(vocab_size,)` array added to its logits: -100 is a ban
+    (minus infinity: the token is never drawn, as OpenAI's "should result in a ban" promises)."""
+    if bias is None:
+        return None
+    array = np.zeros(vocab_size, np.float32)
+    for token, value in bias.items():
+        array[token] = -np.inf if value <= -BIAS_LIMIT else value
+    return array
 
 
 def _sse(data: dict) -> str:

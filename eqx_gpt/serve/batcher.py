@@ -79,6 +79,7 @@ class Sequence:
     key_data: np.ndarray
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
+    logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
     cancelled: bool = False
     # The loop's own record, while the sequence holds a slot:
     window: list[int] = field(default_factory=list)  # the tokens fed to the cache, in order
@@ -217,6 +218,7 @@ class Batcher:
             None if greedy or o.top_k is None else jnp.int32(o.top_k),
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
+            None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -250,11 +252,15 @@ class Batcher:
             top_k[i] = vocab if s.options.top_k is None else min(s.options.top_k, vocab)
             top_p[i] = 1.0 if s.options.top_p is None else s.options.top_p
         live = [s for s in self.slots if s is not None and s.options.temperature > 0]
+        rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
+        if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
+            bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
         self._cache, chosen, logprobs = self.programs.decode(
             self._cache,
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
+            bias=bias,
         )  # fmt: skip
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)

@@ -54,6 +54,7 @@ class CompletionRequest:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]; -100 bans it
 
 
 def shown(value) -> str:
@@ -114,9 +115,10 @@ def _check_values(body) -> None:
 
 
 # Fields OpenAI takes that change nothing here, accepted at these values only.
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "logit_bias": {}, "suffix": None}
+NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "suffix": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "echo",
-         "logprobs", "stream", "stream_options", "user", *NEUTRAL}  # fmt: skip
+         "logprobs", "stream", "stream_options", "user", "logit_bias", *NEUTRAL}  # fmt: skip
+BIAS_LIMIT = 100  # OpenAI's range of a logit bias: [-100, 100]; -100 bans a token
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -216,6 +218,38 @@ def _encoded(prompts: list, tokenizer, vocab_size: int) -> tuple[list[list[int]]
     return ids, texts
 
 
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `logit_bias`: an object from token ids (as decimal strings) to numbers in
+    [-100, 100], added to the logits before temperature and the filters."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(
+            f"logit_bias must be an object from token ids to numbers, got {shown(value)}", "logit_bias"
+        )
+    bias = {}
+    for key, number in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
+            raise RequestError(
+                f"logit_bias keys are token ids in [0, {vocab_size}), got {shown(key)}", "logit_bias"
+            )
+        if (
+            isinstance(number, bool)
+            or not isinstance(number, int | float)
+            or not -BIAS_LIMIT <= number <= BIAS_LIMIT
+        ):
+            raise RequestError(
+                f"logit_bias values are numbers in [-{BIAS_LIMIT}, {BIAS_LIMIT}], got {shown(number)} "
+                f"for {key}",
+                "logit_bias",
+            )  # fmt: skip
+        bias[int(key)] = float(number)
+    if sum(b <= -BIAS_LIMIT for b in bias.values()) >= vocab_size:
+        raise RequestError("logit_bias bans every token (-100 for each); leave some to draw", "logit_bias")
+    return bias
+
+
 def _is_ids(items: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
@@ -264,6 +298,7 @@ def parse_completion(
         logprobs=_integer(body, "logprobs", None, 0, LOGPROBS_MAX),
         stream=_flag(body, "stream"),
         include_usage=_flag(options or {}, "include_usage"),
+        logit_bias=_logit_bias(body, vocab_size),
     )
 
 
