@@ -258,3 +258,18 @@ def test_a_fault_of_the_server_is_a_500_in_openai_json(run, monkeypatch):
         response = c.get("/v1/card")
         assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
         still_serves(c)
+
+
+def test_inspections_at_once_are_bounded_with_a_429(client):
+    server = client.app.state.server  # type: ignore[attr-defined]
+    server.inspecting = 2  # two passes running
+    try:
+        busy = client.post("/v1/inspect", json={"prompt": "ROMEO:"})
+        assert openai_error(busy, 429)["code"] == "inspect_busy" and busy.headers["retry-after"] == "1"
+    finally:
+        server.inspecting = 0
+    assert client.post("/v1/inspect", json={"prompt": "ROMEO:"}).status_code == 200
+
+
+def test_a_path_with_an_encoded_surrogate_is_a_404_in_openai_json(client):
+    openai_error(client.get("/v1/%ED%A0%80"), 404)

@@ -78,6 +78,7 @@ RETRY_AFTER_S = 1
 MAX_BODY_BYTES = 1 << 20  # a request's body: a prompt of 1 MiB is 250,000 GPT-2 tokens, far past any context
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of this machine, for `allowed_hosts`
 PUBLIC_PATHS = ("/", "/health")  # answered without the API key (and /page/, the page's files)
+INSPECTING_MAX = 2  # /v1/inspect forward passes at once (each outside the batch, on the same cores)
 SHUTTING_DOWN = "the server is shutting down; this completion ended before its last token"
 
 
@@ -143,6 +144,7 @@ class Server:
         self.created = int(time.time())
         self.replies: set[Reply] = set()
         self.draining = False
+        self.inspecting = 0  # /v1/inspect passes running
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
         self.metrics = ServerMetrics(self.batcher, lambda: len(self.replies))
 
@@ -214,9 +216,23 @@ class Server:
         return JSONResponse(await run_in_threadpool(model_card, self.model, self.meta, self.name))
 
     async def inspect(self, request: Request) -> Response:
+        """A forward pass outside the batch: at most `INSPECTING_MAX` at once, beyond 429, so a flood
+        of them cannot starve the decode loop."""
         body = await self.read_json(request)
         args = await run_in_threadpool(parse_inspect, body, self.model.config, self.tokenizer)
-        return JSONResponse(await run_in_threadpool(lambda: inspect_text(self.model, self.tokenizer, **args)))
+        if self.inspecting >= INSPECTING_MAX:
+            self.metrics.rejected.labels("inspect_busy").inc()
+            return error_response(
+                f"{self.inspecting} inspections are running (at most {INSPECTING_MAX}); retry shortly", 429,
+                code="inspect_busy", kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
+            )  # fmt: skip
+        self.inspecting += 1
+        try:
+            return JSONResponse(
+                await run_in_threadpool(lambda: inspect_text(self.model, self.tokenizer, **args))
+            )
+        finally:
+            self.inspecting -= 1
 
     async def completions(self, request: Request) -> Response:
         arrived = time.monotonic()

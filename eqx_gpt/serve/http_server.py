@@ -1,8 +1,9 @@
 """Running the app with uvicorn so that it can be left running: `serve`.
 
 uvicorn's own settings bound a header's size (`h11_max_incomplete_event_size`), idle keep-alive
-connections (`timeout_keep_alive`) and how long responses may run after SIGTERM
-(`timeout_graceful_shutdown`). Two things it lacks are added here:
+connections (`timeout_keep_alive`), the connections open at once (`limit_concurrency`: beyond,
+503) and how long responses may run after SIGTERM (`timeout_graceful_shutdown`). Two things it
+lacks are added here:
 
 - **A request deadline.** uvicorn holds a connection that sends half a request for ever (its
   keep-alive timer is reset by every byte, and no timer runs before the first response; see
@@ -35,6 +36,7 @@ class Limits:
     request_timeout_s: float = 10.0  # to send a whole request (headers and body)
     keep_alive_s: float = 5.0  # an idle connection between requests
     shutdown_timeout_s: float = 5.0  # completions in flight may run after SIGTERM
+    max_connections: int = 512  # open at once; beyond, uvicorn answers 503
 
 
 class DeadlineH11Protocol(H11Protocol):
@@ -94,7 +96,7 @@ def uvicorn_config(app, *, host: str, port: int, limits: Limits) -> uvicorn.Conf
     return uvicorn.Config(
         app, host=host, port=port, log_level="warning", lifespan="on",
         http=deadline_protocol(limits.request_timeout_s),  # type: ignore[arg-type]
-        h11_max_incomplete_event_size=HEADER_BYTES,
+        h11_max_incomplete_event_size=HEADER_BYTES, limit_concurrency=limits.max_connections,
         timeout_keep_alive=limits.keep_alive_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=limits.shutdown_timeout_s + FINAL_EVENTS_S,  # type: ignore[arg-type]
     )  # fmt: skip
