@@ -44,6 +44,7 @@ import numpy as np
 from starlette.applications import Starlette
 from starlette.authentication import AuthCredentials, AuthenticationBackend, AuthenticationError, SimpleUser
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
@@ -443,6 +444,34 @@ async def _client_left(request: Request, exc: Exception) -> Response:
     return Response(status_code=499)  # the client left while its body was read: nobody reads this
 
 
+class PlainErrorsAsJSON:
+    """ASGI middleware: a plain-text error that Starlette's own middleware answers (a foreign
+    `Host`: "Invalid host header") becomes OpenAI's error JSON with the same status."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        held: dict = {}
+
+        async def send_as_json(message):
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                if Headers(raw=message["headers"]).get("content-type", "").startswith("text/plain"):
+                    held.update(status=message["status"], body=b"")
+                    return
+            if held and message["type"] == "http.response.body":
+                held["body"] += message.get("body", b"")
+                if not message.get("more_body", False):
+                    text = held["body"].decode("utf-8", "replace").strip() or "refused"
+                    await error_response(text, held["status"])(scope, receive, send)
+                return
+            await send(message)
+
+        await self.app(scope, receive, send_as_json)
+
+
 class BearerKey(AuthenticationBackend):
     """The API key, checked as OpenAI's clients send it (`Authorization: Bearer KEY`) on every path
     but the page and `/health`."""
@@ -534,7 +563,10 @@ def create_app(
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Mount("/page", StaticFiles(directory=PAGE), name="page"),
     ]
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))]
+    middleware = [
+        Middleware(PlainErrorsAsJSON),
+        Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+    ]
     if api_key is not None:
         middleware.append(
             Middleware(AuthenticationMiddleware, backend=BearerKey(api_key), on_error=_unauthorized)
