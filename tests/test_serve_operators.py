@@ -1,16 +1,16 @@
 """What operators wire up first: `/health`, `/metrics` (read back by Prometheus's own parser),
 `/tokenize` and `/detokenize` with token pieces."""
 
-import jax
 import pytest
 
 pytest.importorskip("starlette")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 from serve_fixtures import app_for, make_run  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
-from test_serve_security import CountingBytes  # noqa: E402
+from test_serve_security import HighBytes  # noqa: E402
 
-from eqx_gpt import GPT, GPTConfig, create_app  # noqa: E402
+from eqx_gpt import create_app, load_model  # noqa: E402
+from eqx_gpt.serve.completions import token_pieces  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")
 LOCAL = "http://localhost"
@@ -36,7 +36,7 @@ def metrics(client) -> dict[str, float]:
 
 
 def test_health_is_ok_while_serving_and_503_once_draining(run):
-    with TestClient(app_for(run, slots=1, api_key="k"), base_url=LOCAL) as c:
+    with TestClient(app_for(run, slots=4, api_key="k"), base_url=LOCAL) as c:
         assert c.get("/health").status_code == 200 and c.get("/health").json() == {"status": "ok"}  # no key
         c.app.state.server._drain(60)  # type: ignore[attr-defined]
         response = c.get("/health")
@@ -44,9 +44,9 @@ def test_health_is_ok_while_serving_and_503_once_draining(run):
 
 
 def test_metrics_count_tokens_requests_rejections_and_latency(run):
-    with TestClient(app_for(run, slots=2, queue_size=4), base_url=LOCAL) as c:
+    with TestClient(app_for(run, slots=4, queue_size=4), base_url=LOCAL) as c:
         before = metrics(c)
-        assert before["eqx_gpt_slots"] == 2 and before["eqx_gpt_tokens_predicted_total"] == 0
+        assert before["eqx_gpt_slots"] == 4 and before["eqx_gpt_tokens_predicted_total"] == 0
         body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 7, "n": 2, "seed": 1}
         assert c.post("/v1/completions", json=body).status_code == 200
         assert c.post("/v1/completions", json={**body, "temperature": -1}).status_code == 400
@@ -69,7 +69,7 @@ def test_metrics_count_tokens_requests_rejections_and_latency(run):
 
 
 def test_metrics_need_the_api_key_when_one_is_set(run):
-    with TestClient(app_for(run, slots=1, api_key="k"), base_url=LOCAL) as c:
+    with TestClient(app_for(run, slots=4, api_key="k"), base_url=LOCAL) as c:
         assert c.get("/metrics").status_code == 401
         assert c.get("/metrics", headers={"authorization": "Bearer k"}).status_code == 200
 
@@ -84,7 +84,7 @@ BAD = [
 
 
 def test_tokenize_and_detokenize_with_pieces(run):
-    with TestClient(app_for(run, slots=1), base_url=LOCAL) as c:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as c:
         tokenizer = c.app.state.server.tokenizer  # type: ignore[attr-defined]
         ids = tokenizer.encode("ROMEO: hi")
         plain = c.post("/tokenize", json={"content": "ROMEO: hi"}).json()
@@ -98,17 +98,19 @@ def test_tokenize_and_detokenize_with_pieces(run):
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param
 
 
-def test_tokenize_gives_bytes_that_are_not_text_as_their_values():
-    config = GPTConfig(vocab_size=256, context_length=16, d_model=16, n_heads=2, n_layers=1)
-    app = create_app(GPT(config, key=jax.random.key(0)), CountingBytes(), name="b", slots=1)
-    with TestClient(app, base_url=LOCAL) as c:
-        pieces = c.post("/tokenize", json={"content": "aé", "with_pieces": True}).json()["tokens"]
-        assert pieces == [{"id": 97, "piece": "a"}, {"id": 195, "piece": [195]}, {"id": 169, "piece": [169]}]
-        assert c.post("/detokenize", json={"tokens": [97, 195, 169]}).json() == {"content": "aé"}
+def test_tokenize_gives_bytes_that_are_not_text_as_their_values(run):
+    model, _, _ = load_model(run, kind="GPT")
+    with TestClient(create_app(model, HighBytes(), name="b", slots=4), base_url=LOCAL) as c:
+        pieces = c.post("/tokenize", json={"content": "AZ", "with_pieces": True}).json()["tokens"]
+        assert pieces == [{"id": 0, "piece": "A"}, {"id": 25, "piece": "Z"}]
+        assert c.post("/tokenize", json={"content": "A"}).json()["tokens"] == [0]
+        assert c.post("/detokenize", json={"tokens": [0, 40]}).json() == {"content": "A\ufffd"}
+        pieces = token_pieces(HighBytes(), [1, 40])
+        assert pieces == [{"id": 1, "piece": "B"}, {"id": 40, "piece": [0x80 + 40]}]
 
 
 def test_logit_bias_bans_what_greedy_decoding_would_pick_and_100_selects_a_token(run):
-    with TestClient(app_for(run, slots=2), base_url=LOCAL) as c:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as c:
         tokenizer = c.app.state.server.tokenizer  # type: ignore[attr-defined]
         body = {"model": "tiny", "prompt": "KING:", "max_tokens": 40, "temperature": 0}
         greedy = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
