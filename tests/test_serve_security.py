@@ -291,3 +291,28 @@ def test_inspections_at_once_are_bounded_with_a_429(client):
 
 def test_a_path_with_an_encoded_surrogate_is_a_404_in_openai_json(client):
     openai_error(client.get("/v1/%ED%A0%80"), 404)
+
+
+def test_serving_beyond_loopback_without_a_key_warns_and_loopback_answers_only_its_names(
+    run, capsys, monkeypatch
+):
+    from eqx_gpt.commands import serve as serve_command
+    from eqx_gpt.serve import http_server
+
+    served = []
+    monkeypatch.setattr(http_server, "serve", lambda app, **kw: served.append((app, kw)))
+    monkeypatch.delenv(serve_command.API_KEY_VARIABLE, raising=False)
+    assert serve_command.main(["--checkpoint", str(run), "--host", "0.0.0.0", "--port", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: listening on 0.0.0.0 without an API key" in err and "--api-key" in err
+    monkeypatch.setenv(serve_command.API_KEY_VARIABLE, "from-env")
+    assert serve_command.main(["--checkpoint", str(run), "--host", "0.0.0.0", "--port", "0"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    with TestClient(served[-1][0], base_url="http://192.168.1.5") as c:  # any name, but the key
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"authorization": "Bearer from-env"}).status_code == 200
+    assert serve_command.allowed_hosts("127.0.0.1") == ["127.0.0.1", "[::1]", "localhost"]
+    assert serve_command.allowed_hosts("::1") == ["127.0.0.1", "[::1]", "localhost"]
+    assert serve_command.allowed_hosts("10.1.2.3") == ["*"]
+    assert serve_command.main(["--checkpoint", str(run), "--api-key", " "]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
