@@ -316,3 +316,19 @@ def test_serving_beyond_loopback_without_a_key_warns_and_loopback_answers_only_i
     assert serve_command.allowed_hosts("10.1.2.3") == ["*"]
     assert serve_command.main(["--checkpoint", str(run), "--api-key", " "]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+@pytest.mark.gpt2_bpe
+def test_incremental_decoding_of_gpt2_tokens_gives_the_whole_text():
+    from eqx_gpt.tokenizer import GPT2Tokenizer
+
+    tokenizer = GPT2Tokenizer()
+    text = "Ünïcödé — 日本語のテキスト 🎭🎭 and “quotes”, then plain words. " * 3
+    ids = tokenizer.encode(text)
+    choice = ChoiceText(tokenizer, stops=[], logprobs=1)
+    out = "".join(choice.add(Token(i, -1.0, [(i, -1.0)])) for i in ids) + choice.finish()
+    assert out == text and tokenizer.decode(ids) == text
+    pieces = (choice.logprobs or {})["tokens"]
+    assert any(p.startswith("bytes:\\x") for p in pieces)  # the emoji's and CJK's partial tokens
+    offsets = (choice.logprobs or {})["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
