@@ -41,6 +41,9 @@ def test_health_is_ok_while_serving_and_503_once_draining(run):
         c.app.state.server._drain(60)  # type: ignore[attr-defined]
         response = c.get("/health")
         assert response.status_code == 503 and response.json()["error"]["code"] == "server_shutting_down"
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+        refused = c.post("/v1/completions", json=body, headers={"authorization": "Bearer k"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
 
 
 def test_metrics_count_tokens_requests_rejections_and_latency(run):

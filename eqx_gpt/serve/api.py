@@ -80,6 +80,7 @@ MAX_BODY_BYTES = 1 << 20  # a request's body: a prompt of 1 MiB is 250,000 GPT-2
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the names of this machine, for `allowed_hosts`
 PUBLIC_PATHS = ("/", "/health")  # answered without the API key (and /page/, the page's files)
 INSPECTING_MAX = 2  # /v1/inspect forward passes at once (each outside the batch, on the same cores)
+NOT_ADMITTING = "the server is shutting down and admits no more requests; retry on another server"
 SHUTTING_DOWN = "the server is shutting down; this completion ended before its last token"
 
 
@@ -170,8 +171,7 @@ class Server:
         """The request's JSON body, refused before any work when the server drains (503), when it
         is not `application/json` (415) or when it is over `max_body_bytes` (413, before it is held)."""
         if self.draining:
-            raise RequestError(SHUTTING_DOWN.split(";")[0] + "; retry on another server", status=503,
-                               code="server_shutting_down")  # fmt: skip
+            raise RequestError(NOT_ADMITTING, status=503, code="server_shutting_down")
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media != "application/json":
             raise RequestError(
