@@ -253,6 +253,11 @@ def test_a_request_sent_in_part_is_closed_at_the_deadline_and_a_leaver_logs_noth
                 s.sendall(sent)
                 start = time.monotonic()
                 assert s.recv(4096) == b"" and time.monotonic() - start < 5  # closed, unanswered
+        with socket.create_connection(
+            ("127.0.0.1", live.port), timeout=15
+        ) as s:  # headers past 16 KiB, unended
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 20_000)
+            assert s.recv(4096).startswith(b"HTTP/1.1 400")
         with socket.create_connection(("127.0.0.1", live.port), timeout=15) as s:  # leaves mid-body
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                       b"\r\nContent-Length: 100\r\n\r\n{\"mo")  # fmt: skip

@@ -25,7 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: a request's headers are at most this
+HEADER_BYTES = 16 * 1024  # h11's default, set explicitly: headers still unended past this are refused
 FINAL_EVENTS_S = 2.0  # past the drain, for the final events to be written
 
 
