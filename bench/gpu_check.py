@@ -207,10 +207,14 @@ def headline(name: str, r: dict) -> str:
             for case, v in cases.items()
         )
     if name == "determinism":
-        fixed, xla = "fixed order", "XLA scatter-add"
         text = "; ".join(
-            f"{case} {fixed} {v[fixed]['step_ms']} ms (same bits {v[fixed]['same_bits']}), "
-            f"{xla} {v[xla]['step_ms']} ms (same bits {v[xla]['same_bits']}): cost {v.get('cost')}"
+            f"{case} "
+            + ", ".join(
+                f"{label} {r['step_ms']} ms (same bits {r['same_bits']})"
+                for label, r in v.items()
+                if isinstance(r, dict)
+            )
+            + f": cost {v.get('cost')}"
             for case, v in cases.items()
         )
         return (f"{text}; train.py again, compiled afresh: same losses {g('again_same_losses')}; "
