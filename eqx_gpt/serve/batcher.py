@@ -84,6 +84,7 @@ class Sequence:
     key_data: np.ndarray
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
+    logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
     cancelled: bool = False
     failure: str | None = None  # why the sequence ends before its tokens are drawn
     # The loop's own record, while the sequence holds a slot:
@@ -117,6 +118,7 @@ class Batcher:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="eqx_gpt-batcher", daemon=True)
         self.steps = 0  # decode steps run (each advances every live slot by one token)
+        self.busy_slot_steps = 0  # live slots summed over decode steps (for /metrics: per step, on average)
 
     def _empty_cache(self):
         """Zeros in the layout of the loop model's batched cache, one row per slot; a cache whose
@@ -230,6 +232,7 @@ class Batcher:
             None if greedy or o.top_k is None else jnp.int32(o.top_k),
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
+            None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -263,15 +266,20 @@ class Batcher:
             top_k[i] = vocab if s.options.top_k is None else min(s.options.top_k, vocab)
             top_p[i] = 1.0 if s.options.top_p is None else s.options.top_p
         live = [s for s in self.slots if s is not None and s.options.temperature > 0]
+        rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
+        if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
+            bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
         self._cache, chosen, logprobs = self.programs.decode(
             self._cache,
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
+            bias=bias,
         )  # fmt: skip
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)
         self.steps += 1
+        self.busy_slot_steps += sum(s is not None for s in self.slots)
         for i, s in enumerate(self.slots):
             if s is not None:
                 s.window.append(s.next_token)

@@ -65,6 +65,7 @@ def _prefill(
     temperature: Float[Array, ""],
     top_k: Int[Array, ""] | None,
     top_p: Float[Array, ""] | None,
+    bias: Float[Array, " vocab"] | None,
     *,
     prompt_logprobs: bool,
 ):
@@ -76,7 +77,9 @@ def _prefill(
     """
     model: Decoder = eqx.combine(params, static)
     logits, fresh = prefill(model, padded)
-    token = sample_rows(logits[:, length - 1], sample_key(key_data), produced, temperature, top_k, top_p)
+    last = logits[:, length - 1]
+    last = last if bias is None else last + bias  # logit_bias: before the filters
+    token = sample_rows(last, sample_key(key_data), produced, temperature, top_k, top_p)
     write = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype), slot, 0)
     cache = jax.tree.map(write, cache, fresh)
     chosen = token_logprobs(logits[0, length - 1], token[0])
@@ -95,6 +98,7 @@ def _decode(
     temperature: Float[Array, " slots"],
     top_k: Int[Array, " slots"],
     top_p: Float[Array, " slots"],
+    bias: Float[Array, "slots vocab"] | None,
     *,
     use_top_k: bool,
     use_top_p: bool,
@@ -108,7 +112,8 @@ def _decode(
         k, p = (k if use_top_k else None), (p if use_top_p else None)
         return sample_rows(lg[None], sample_key(kd), index, t, k, p)[0]
 
-    chosen = jax.vmap(sample)(logits, key_data, produced, temperature, top_k, top_p)
+    biased = logits if bias is None else logits + bias  # logit_bias: before the filters
+    chosen = jax.vmap(sample)(biased, key_data, produced, temperature, top_k, top_p)
     return cache, chosen, token_logprobs(logits, chosen)
 
 
@@ -129,17 +134,19 @@ class Programs:
         self.looped_params, self.looped_static = eqx.partition(loop_model(model), eqx.is_array)
 
     def prefill(
-        self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs
-    ):
+        self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs,
+        bias=None,
+    ):  # fmt: skip
         return _prefill_jit(
             self.static, self.params, cache, slot, padded, length, produced, key_data,
-            temperature, top_k, top_p, prompt_logprobs=prompt_logprobs,
+            temperature, top_k, top_p, bias, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def decode(
-        self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p
-    ):
+        self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p,
+        bias=None,
+    ):  # fmt: skip
         return _decode_jit(
             self.looped_static, self.looped_params, cache, tokens, starts, produced, key_data,
-            temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
+            temperature, top_k, top_p, bias, use_top_k=use_top_k, use_top_p=use_top_p,
         )  # fmt: skip
