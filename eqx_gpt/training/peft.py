@@ -13,6 +13,7 @@ rsLoRA and per-module ranks are refused).
 
 import json
 import re
+from operator import attrgetter
 from pathlib import Path
 
 import equinox as eqx
@@ -23,8 +24,9 @@ import numpy as np
 from eqx_gpt.errors import CheckpointError, TrainingError
 from eqx_gpt.files import atomic_write_bytes
 from eqx_gpt.gpt2 import CONFIG_NAME, gpt2_changed
+from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.lora import LORA_MODULES, LoRALinear, apply_lora, check_lora
+from eqx_gpt.model.lora import LoRALinear, apply_lora, check_lora
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model.transformer.h."
@@ -43,7 +45,8 @@ def _adapted(model: GPT) -> dict[str, LoRALinear]:
     layers = model.blocks.layers
     if isinstance(layers, tuple):
         raise TrainingError("PEFT adapters are read and written for a GPT with stacked layers")
-    return {name: get(layers) for name, get in LORA_MODULES.items() if isinstance(get(layers), LoRALinear)}
+    found = {name: attrgetter(path)(layers) for name, path in GPT2_PROJECTIONS.items()}
+    return {name: module for name, module in found.items() if isinstance(module, LoRALinear)}
 
 
 def adapter_config(model: GPT, base: str) -> dict:
@@ -130,7 +133,7 @@ def base_directory(directory: str | Path) -> Path:
 
 
 def adapter_targets(directory: str | Path) -> list[str]:
-    """The GPT-2 modules (`LORA_MODULES` names) a PEFT folder's tensors adapt."""
+    """The GPT-2 modules (`GPT2_PROJECTIONS`' names) a PEFT folder's tensors adapt."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / ADAPTER_WEIGHTS
@@ -187,15 +190,14 @@ def load_adapters(model: GPT, directory: str | Path, *, dropout: float | None = 
                 raise CheckpointError(
                     f"{path}: {module}'s lora_{which} is missing for some of the {n} layers"
                 ) from None
-            like = getattr(LORA_MODULES[module](adapted.blocks.layers), field)
+            get = attrgetter(f"blocks.layers.{GPT2_PROJECTIONS[module]}.{field}")
+            like = get(adapted)
             if stacked.shape != like.shape:
                 raise CheckpointError(
                     f"{path}: {module}.lora_{which} has shape {stacked.shape[1:][::-1]} per layer but the "
                     f"base and r={rank} imply {like.shape[1:][::-1]}; the adapter is for another model"
                 )
-            getters.append(
-                lambda m, module=module, field=field: getattr(LORA_MODULES[module](m.blocks.layers), field)
-            )
+            getters.append(get)
             arrays.append(jnp.asarray(stacked, jnp.float32))
     return eqx.tree_at(lambda m: [get(m) for get in getters], adapted, arrays)
 
