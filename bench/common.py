@@ -144,7 +144,7 @@ def reuse_host_memory() -> bool:
     The costs, measured there: the process keeps its peak memory until it exits, and every thread
     allocates from one arena, which slowed GPT-2-124M's batch-1 generation by 11-20% and its
     training step by 9-24%. So the training loop amortises the faults instead, with up to 8
-    steps a call (`training.loop.SECONDS_PER_CALL`); `bench/vs_transformers.py --reuse-host-memory`
+    steps a call (`training.run.SECONDS_PER_CALL`); `bench/vs_transformers.py --reuse-host-memory`
     shows that torch's CPU allocator gains more from it than XLA does.
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

@@ -4,7 +4,7 @@
     uv run python bench/trackers.py --step-ms 12 --log-interval 10 --trackers tensorboard
 
 The trainer sends one train record every `--log-interval` steps and one evaluation record every
-`--eval-interval` steps (`eqx_gpt.trackers`); nothing is sent at the other steps. So a
+`--eval-interval` steps (`eqx_gpt.training.trackers`); nothing is sent at the other steps. So a
 tracker's cost per step is (train record time / log interval + evaluation record time / eval
 interval), printed as a share of `--step-ms`: the issue's budget is 1%. The evaluation record is
 timed apart because the TensorBoard tracker makes its events durable there (an fsync), before the
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description  # noqa: E402 (bench/common.py)
 
-from eqx_gpt.trackers import TRACKERS, open_trackers, parse_trackers  # noqa: E402
+from eqx_gpt.training.trackers import TRACKERS, open_trackers, parse_trackers  # noqa: E402
 
 CONFIG = {"d_model": 384, "n_layers": 6, "lr": 1e-3, "optimizer": "adamw", "batch_size": 32}
 

@@ -50,14 +50,13 @@ from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.model.vocab import pad_vocab
+from eqx_gpt.peft import load_adapters, save_adapters
 from eqx_gpt.serve import Batcher, create_app
 from eqx_gpt.tokenizer import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.callbacks import Callback, StopTraining
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.peft import load_adapters, save_adapters
 from eqx_gpt.training.presets import PRESETS
-from eqx_gpt.training.records import EvaluationRecord, FinalRecord, StepRecord
-from eqx_gpt.training.result import TrainResult
+from eqx_gpt.training.records import EvaluationRecord, FinalRecord, StepRecord, TrainResult
 from eqx_gpt.training.run import train
 from eqx_gpt.training.step import (
     init_optimizer_state,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tiktoken.load
 
-from eqx_gpt.training.determinism import request_deterministic_gpu_ops
+from eqx_gpt.training.parallel import request_deterministic_gpu_ops
 
 # What train.py asks for before JAX starts (the tests of exact resume assert what it relies on).
 request_deterministic_gpu_ops()

@@ -56,6 +56,36 @@ def test_the_package_is_a_few_flat_modules_and_its_wings():
     assert len(wings) >= 3 and set(WINGS) <= set(wings), wings
 
 
+def _longest_chain(graph: dict[str, set[str]], within: str) -> list[str]:
+    """The longest path of imports among the modules under `within` (the graph has no cycle)."""
+    inside = {
+        m: {t for t in ts if t.startswith(within + ".")}
+        for m, ts in graph.items()
+        if m.startswith(within + ".")
+    }
+    longest: dict[str, list[str]] = {}
+
+    def chain(module: str) -> list[str]:
+        if module not in longest:
+            below = [chain(t) for t in sorted(inside.get(module, ()))]
+            longest[module] = [module, *max(below, key=len, default=[])]
+        return longest[module]
+
+    return max((chain(m) for m in sorted(inside)), key=len, default=[])
+
+
+def test_the_training_wing_reads_in_one_sitting():
+    # At most 16 modules, none a sliver (under 40 lines) but `__init__.py`, and a reader goes down at
+    # most 7 modules of imports from `train()` to the step (issue 58: it was 23 modules, 11 deep).
+    wing = LIBRARY / "training"
+    modules = sorted(wing.glob("*.py"))
+    assert len(modules) <= 16, [p.name for p in modules]
+    short = [p.name for p in modules if p.name != "__init__.py" and len(p.read_text().splitlines()) < 40]
+    assert not short, short
+    chain = _longest_chain(_graph(), "eqx_gpt.training")
+    assert len(chain) <= 7, " -> ".join(chain)
+
+
 def test_the_import_graph_has_no_cycle():
     graph, state, cycles = _graph(), {}, []
 
@@ -129,7 +159,7 @@ def _exported() -> set[str]:
 # Benchmarks that time a part of the library no user calls, by the module that holds it. Each is
 # a benchmark of that part, so it cannot use a version of its own; no example is ever here.
 TIMES_AN_INTERNAL = {
-    "bench/trackers.py": "eqx_gpt.trackers",  # the trainer's TensorBoard and W&B writers, per record
+    "bench/trackers.py": "eqx_gpt.training.trackers",  # the trainer's TensorBoard and W&B writers, per record
 }
 
 

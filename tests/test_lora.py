@@ -31,7 +31,7 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
 from eqx_gpt.model.dropout import dropout
-from eqx_gpt.training import loop as loop_module
+from eqx_gpt.training import run as run_module
 from eqx_gpt.training.step import loss_fn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
 def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
     tmp_path, gpt2_corpus, lora_run, monkeypatch
 ):
-    out, real_save = tmp_path / "killed", loop_module.save
+    out, real_save = tmp_path / "killed", run_module.save
 
     class Killed(BaseException):
         pass
@@ -248,10 +248,10 @@ def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
         if name == LATEST and run.state.step == 2:
             raise Killed  # as SIGKILL would, right after the checkpoint at step 2
 
-    monkeypatch.setattr(loop_module, "save", save_then_die)
+    monkeypatch.setattr(run_module, "save", save_then_die)
     with pytest.raises(Killed):
         _train(out, gpt2_corpus, **LORA)
-    monkeypatch.setattr(loop_module, "save", real_save)
+    monkeypatch.setattr(run_module, "save", real_save)
     assert read_metadata(checkpoint_file(out, LATEST))["step"] == 2
     result = _train(out, resume=True)
     assert result.step == 4 and not result.interrupted

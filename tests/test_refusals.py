@@ -28,7 +28,7 @@ from eqx_gpt import (
 )
 from eqx_gpt.checkpoint import BEST, LATEST, checkpoint_file, read_metadata
 from eqx_gpt.gpt2 import GPT2FormatError, is_gpt2_directory, load_gpt2, read_gpt2_config
-from eqx_gpt.training import loop as loop_module
+from eqx_gpt.training import run as run_module
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.run import train
@@ -161,7 +161,7 @@ def _tiny_train(corpus, out, resume=False, **settings):
 
 
 def test_a_kill_between_the_best_and_latest_writes_is_redone_on_resume(corpus, tmp_path, monkeypatch):
-    out, real_save = tmp_path / "run", loop_module.save
+    out, real_save = tmp_path / "run", run_module.save
 
     class Killed(BaseException):
         pass
@@ -171,12 +171,12 @@ def test_a_kill_between_the_best_and_latest_writes_is_redone_on_resume(corpus, t
         if name == BEST and run.state.step == 4:
             raise Killed  # as SIGKILL would, after best and before latest
 
-    monkeypatch.setattr(loop_module, "save", save_then_die)
+    monkeypatch.setattr(run_module, "save", save_then_die)
     with pytest.raises(Killed):
         _tiny_train(corpus, out, max_steps=4, eval_interval=2)
     best_val = read_metadata(checkpoint_file(out, BEST))["val_loss"]
     assert read_metadata(checkpoint_file(out, LATEST))["step"] == 2
-    monkeypatch.setattr(loop_module, "save", real_save)
+    monkeypatch.setattr(run_module, "save", real_save)
     result = _tiny_train(corpus, out, max_steps=4, eval_interval=2, resume=True)
     assert not result.interrupted and result.step == 4
     assert [read_metadata(checkpoint_file(out, n))["step"] for n in (BEST, LATEST)] == [4, 4]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import eqx_gpt.training.loop
+import eqx_gpt.training.run
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import load_text
 from eqx_gpt.training.run import train
@@ -43,7 +43,7 @@ class SimulatedClock:
     def __init__(self, monkeypatch, *, compile_s=5.0, step_s=0.1, eval_s=0.05):
         self.t, self.steps, self.step_s, self.eval_s = 1000.0, 0, step_s, eval_s
         self.compile_s = compile_s
-        dispatch, summed = eqx_gpt.training.loop.dispatch_steps, evaluate_module._summed_loss
+        dispatch, summed = eqx_gpt.training.run.dispatch_steps, evaluate_module._summed_loss
 
         def timed_dispatch(run, n):
             self.t += (self.compile_s if self.steps == 0 else 0.0) + n * self.step_s
@@ -54,7 +54,7 @@ class SimulatedClock:
             self.t += self.eval_s
             return summed(*args)
 
-        monkeypatch.setattr(eqx_gpt.training.loop, "dispatch_steps", timed_dispatch)
+        monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", timed_dispatch)
         monkeypatch.setattr(evaluate_module, "_summed_loss", timed_summed)
 
     def __call__(self) -> float:
@@ -151,13 +151,13 @@ def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_
 
 def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, monkeypatch):
     clock = SimulatedClock(monkeypatch, step_s=0.05)
-    dispatch = eqx_gpt.training.loop.dispatch_steps
+    dispatch = eqx_gpt.training.run.dispatch_steps
 
     def slower_after_step_60(run, n):
         clock.step_s = 0.05 if clock.steps < 60 else 0.5  # the machine got busy
         return dispatch(run, n)
 
-    monkeypatch.setattr(eqx_gpt.training.loop, "dispatch_steps", slower_after_step_60)
+    monkeypatch.setattr(eqx_gpt.training.run, "dispatch_steps", slower_after_step_60)
     result, lines = _run(corpus, tmp_path / "run", clock, max_minutes=0.5, eval_interval=1000)
     assert clock() <= 1000.0 + 30 + 1.0, lines  # one call late at most
     assert 60 < result.step < 150, lines
@@ -166,11 +166,11 @@ def test_steps_that_slow_down_mid_run_stop_at_the_time_limit(tmp_path, corpus, m
 
 
 def test_steps_go_one_per_call_when_slow_and_several_when_fast(tmp_path, corpus, monkeypatch):
-    for step_s, most in ((0.01, eqx_gpt.training.loop.STEPS_PER_CALL), (3.0, 1)):
+    for step_s, most in ((0.01, eqx_gpt.training.run.STEPS_PER_CALL), (3.0, 1)):
         clock = SimulatedClock(monkeypatch, step_s=step_s)
-        sizes, dispatch = [], eqx_gpt.training.loop.dispatch_steps
+        sizes, dispatch = [], eqx_gpt.training.run.dispatch_steps
         monkeypatch.setattr(
-            eqx_gpt.training.loop,
+            eqx_gpt.training.run,
             "dispatch_steps",
             lambda run, n, d=dispatch, s=sizes: (s.append(n), d(run, n))[1],
         )
@@ -234,9 +234,9 @@ def test_sigterm_during_the_final_validation_ends_a_complete_run_without_the_fig
     changes = dict(max_steps=20, eval_interval=20, sample_tokens=5)
     clock = SimulatedClock(monkeypatch)
     calls = _signal_at_eval_call(monkeypatch, clock, None)
-    finish, before_final = eqx_gpt.training.loop.finish, []
+    finish, before_final = eqx_gpt.training.run.finish, []
     monkeypatch.setattr(
-        eqx_gpt.training.loop, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1]
+        eqx_gpt.training.run, "finish", lambda *a: (before_final.append(len(calls)), finish(*a))[1]
     )
     result, _ = _run(corpus, tmp_path / "never", clock, **changes)
     assert not result.interrupted and result.sample

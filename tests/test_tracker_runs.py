@@ -24,8 +24,8 @@ from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _sta
 
 import eqx_gpt.visualize as visualize
 from eqx_gpt.errors import ConfigError
-from eqx_gpt.trackers import TAGS
 from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.trackers import TAGS
 
 __all__ = ["corpus", "offline_wandb"]  # fixtures, used by name
 

@@ -1,4 +1,4 @@
-"""The trackers (`eqx_gpt.trackers`): TensorBoard's event files read back with TensorBoard's
+"""The trackers (`eqx_gpt.training.trackers`): TensorBoard's event files read back with TensorBoard's
 own reader, across a kill and resume; W&B offline, its transaction log read back; a missing extra
 in one line; and nothing written by a process that is not the writer."""
 
@@ -17,10 +17,10 @@ import wandb
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
-from eqx_gpt import trackers as trackers_module
 from eqx_gpt.errors import ConfigError
-from eqx_gpt.trackers import TAGS, open_trackers, parse_trackers, require_trackers
+from eqx_gpt.training import trackers as trackers_module
 from eqx_gpt.training.run_dir import Metrics, kept_records
+from eqx_gpt.training.trackers import TAGS, open_trackers, parse_trackers, require_trackers
 
 CONFIG = {"d_model": 64, "lr": 0.001, "optimizer": "adamw", "data": None, "tracker": "tensorboard"}
 
@@ -106,7 +106,7 @@ def test_tensorboard_event_files_equal_metrics_jsonl(tmp_path):
 FIRST_RUN = [train_record(s) for s in (10, 20, 30)] + [eval_record(30), train_record(40)]
 KILLED_RUN = """
 import json, os, signal
-from eqx_gpt.trackers import open_trackers
+from eqx_gpt.training.trackers import open_trackers
 t = open_trackers(["tensorboard"], {out!r}, config=json.loads({config!r}), resume_step=None, is_writer=True)
 for record in json.loads({records!r}):  # the evaluation at 30, then its checkpoint, then step 40
     t.log(record)

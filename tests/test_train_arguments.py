@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import eqx_gpt.training.loop as loop_module
+import eqx_gpt.training.run as run_module
 from eqx_gpt import EqxGptError, TrainConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,13 +113,13 @@ def test_two_threads_of_one_process_in_one_folder_are_told_it_is_this_process(co
 
 
 def _interrupt_after_the_first_call(monkeypatch):
-    dispatch = loop_module.dispatch_steps
+    dispatch = run_module.dispatch_steps
 
     def then_interrupt(run, n):
         dispatch(run, n)
         signal.raise_signal(signal.SIGINT)  # the run's handler only sets its stop flag
 
-    monkeypatch.setattr(loop_module, "dispatch_steps", then_interrupt)
+    monkeypatch.setattr(run_module, "dispatch_steps", then_interrupt)
 
 
 def test_an_interrupted_call_says_how_its_caller_resumes(corpus, tmp_path, monkeypatch, capsys):

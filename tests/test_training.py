@@ -276,7 +276,7 @@ def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
 
 
 def test_deterministic_gpu_ops_are_asked_for_unless_the_user_chose():
-    from eqx_gpt.training.determinism import request_deterministic_gpu_ops
+    from eqx_gpt.training.parallel import request_deterministic_gpu_ops
 
     environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     assert request_deterministic_gpu_ops(environ)

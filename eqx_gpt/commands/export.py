@@ -87,7 +87,7 @@ def export(checkpoint: Path, out_dir: Path, *, overwrite: bool, adapters_only: b
 def _export_adapters(model, meta: dict, out_dir: Path) -> dict:
     """Write a LoRA run's adapters as a PEFT folder for its base GPT-2."""
     from eqx_gpt.model.lora import has_lora
-    from eqx_gpt.training.peft import save_adapters
+    from eqx_gpt.peft import save_adapters
 
     if not has_lora(model):
         raise ConfigError(f"{meta['path']} is not a LoRA run (train.py --lora-rank); drop --adapters-only")

@@ -26,11 +26,9 @@ from eqx_gpt.model.config import (
     GPTConfig,
 )
 from eqx_gpt.training import run as run_module
-from eqx_gpt.training.arguments import resume_on_the_command_line
 from eqx_gpt.training.config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
-from eqx_gpt.training.determinism import request_deterministic_gpu_ops
-from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values
-from eqx_gpt.training.parallel import initialize_distributed
+from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values, resume_on_the_command_line
+from eqx_gpt.training.parallel import initialize_distributed, request_deterministic_gpu_ops
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.training.run import AUTO
 

@@ -15,17 +15,18 @@ A callback subclasses `Callback` and overrides the methods it wants; the others 
 steps in flight, saves the `latest` checkpoint and returns with `interrupted`; the run resumes with
 `train(out_dir=..., resume=True)`, with the losses it would have had. Any other exception from a
 callback ends the run as an error does (the checkpoints written so far stay).
+
+Ctrl-C, SIGTERM and a callback's `StopTraining` set one flag (`StopFlag`), which the loop reads
+between calls of steps and evaluations read between their calls.
 """
 
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from eqx_gpt.errors import EqxGptError
-from eqx_gpt.training.records import EvaluationRecord, StepRecord
-
-if TYPE_CHECKING:  # the result imports the records, not the callbacks
-    from eqx_gpt.training.result import TrainResult
+from eqx_gpt.training.records import EvaluationRecord, StepRecord, TrainResult
 
 
 class StopTraining(EqxGptError):
@@ -57,7 +58,7 @@ class Callback:
     def on_checkpoint(self, name: str, path: Path, step: int) -> None:
         """Checkpoint `name` of `step` was written: `path` is its metadata file, the weights beside it."""
 
-    def on_end(self, result: "TrainResult") -> None:
+    def on_end(self, result: TrainResult) -> None:
         """The run's result, `result.history` holding every record of the run."""
 
 
@@ -96,5 +97,37 @@ class Callbacks:
     def on_checkpoint(self, name: str, path: Path, step: int) -> None:
         self._each(lambda c: c.on_checkpoint(name, path, step))
 
-    def on_end(self, result: "TrainResult") -> None:
+    def on_end(self, result: TrainResult) -> None:
         self._each(lambda c: c.on_end(result))  # a stop asked now changes nothing: the run is over
+
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM (while the run holds the main thread's handlers) or by `request()`, so
+    the loop stops between steps; a second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.set = False
+        self.previous = {}
+
+    def request(self) -> None:
+        """Stop the run at the loop's next check (a callback's `StopTraining`)."""
+        self.set = True
+
+    def __call__(self) -> bool:
+        """Whether the run was asked to stop."""
+        return self.set
+
+    def __enter__(self) -> "StopFlag":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.set and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.set = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)

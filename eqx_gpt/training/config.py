@@ -6,7 +6,7 @@ from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.lora import check_lora, lora_modules
-from eqx_gpt.trackers import parse_trackers
+from eqx_gpt.training.trackers import parse_trackers
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")

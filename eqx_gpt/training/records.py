@@ -8,13 +8,18 @@
                       `evaluate.evaluate_run`) and the time since the run started
     FinalRecord       the final validation, last
 
-Figures travel by name, so a new one is added where it is computed and nowhere here.
+and what `train` returns, `TrainResult`, whose `history` holds them. Figures travel by name, so a
+new one is added where it is computed and nowhere here.
 """
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.tokenizer import Tokenizer
 
 # The keys of a step's record in metrics.jsonl that the loop adds to the step's figures.
 STEP_KEYS = ("step", "lr", "tokens_per_s")
@@ -93,3 +98,28 @@ def record_from_dict(d: Mapping[str, Any]) -> Record:
         return EvaluationRecord(d["step"], figures, d.get("elapsed_s", math.nan))
     figures = {k: v for k, v in d.items() if k not in STEP_KEYS}
     return StepRecord(d["step"], figures, d.get("lr", math.nan), d.get("tokens_per_s", math.nan))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `train` returns: the model as the run ended, its tokenizer, and the run's figures.
+
+    `model` holds the LAST step's weights, not the best: the weights of the lowest periodic
+    validation loss (`best_val_loss`) are the `best` checkpoint, `load_model(out_dir, kind="GPT")`.
+
+    `history` holds the records of the whole run, in order, as `metrics.jsonl` holds them (a
+    resumed run's too, read back from the file): a `StepRecord` every `log_interval` steps and at
+    the last step, an `EvaluationRecord` at each evaluation, and the `FinalRecord` last, if the run
+    finished. Every step's figures, logged or not, go to `Callback.on_step`.
+    """
+
+    model: GPT  # the last step's weights (the best: `load_model(out_dir, kind="GPT")`)
+    tokenizer: Tokenizer
+    step: int  # optimiser steps done
+    val_loss: float | None  # the final validation's loss (interrupted: the last evaluation's)
+    best_val_loss: float | None  # the lowest periodic validation loss, the `best` checkpoint's
+    elapsed_s: float
+    interrupted: bool  # stopped (Ctrl-C, SIGTERM, a callback); `train(out_dir=..., resume=True)` resumes
+    sample: str | None  # a short sample from the best checkpoint (None when interrupted, or none asked)
+    out_dir: Path
+    history: tuple[Record, ...] = ()

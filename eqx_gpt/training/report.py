@@ -19,11 +19,11 @@ from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError
-from eqx_gpt.trackers import Trackers
 from eqx_gpt.training.callbacks import Callbacks
 from eqx_gpt.training.records import EvaluationRecord, FinalRecord, Record, StepRecord, record_from_dict
 from eqx_gpt.training.run_dir import Metrics
 from eqx_gpt.training.time_plan import TimePlan
+from eqx_gpt.training.trackers import Trackers
 
 
 class Report:

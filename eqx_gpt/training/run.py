@@ -6,41 +6,77 @@
     out_dir/loss.png         train and validation curves, redrawn at each evaluation, and the
                              final validation's point
     out_dir/tensorboard/     with `tracker="tensorboard"`: the records of metrics.jsonl as event
-                             files (`eqx_gpt.trackers`); `tracker="wandb"` writes out_dir/wandb/
+                             files (`trackers.py`); `tracker="wandb"` writes out_dir/wandb/
     out_dir/<LATEST> ...     the checkpoint of the last evaluation (or interruption)
     out_dir/<BEST> ...       the checkpoint with the lowest validation loss so far
                              (files named by `checkpoint.py`)
 
-Read it top to bottom: `train` resolves the settings (`options.py`), locks and checks the folder
-(`run_dir.py`), sets up (`setup.py`: every check, nothing written), claims the folder, says what
-it runs, then hands the run to the loop (`loop.py`), which reports through `report.py` (and the
-callbacks, `callbacks.py`), checkpoints through `saving.py` and ends in `end.py`.
+Read it top to bottom, as a run goes:
+- the start (`train`): resolve the settings (`options.py`), lock and check the folder
+  (`run_dir.py`), set up (`setup.py`: every check, nothing written), claim the folder, say what
+  it runs; then `Run`, one run in progress, shared by the loop, its checkpoints and its end;
+- the loop (`train_loop`): evaluate where due, dispatch steps, read their figures, fit the
+  schedule to the time, until the schedule's end or a stop, reporting through `report.py` (and
+  the callbacks, `callbacks.py`). Steps go to the device in calls of up to `STEPS_PER_CALL` (one
+  compiled program for any count, so how steps are grouped never changes a bit); the loop never
+  waits for a step's figures, which are read `READ_LAG` steps later. The loop alone decides when
+  the run stops: at the end of its schedule, at `--max-minutes`, on Ctrl-C, SIGTERM or a
+  callback's `StopTraining`, or on a non-finite loss;
+- the checkpoints (`save`): `latest` at each evaluation (and when it stops), `best` at each new
+  lowest validation loss (files named and written atomically by `eqx_gpt.checkpoint`);
+- the end: `finish` (the final validation, a sample, the summary) when the run reached its
+  schedule's end, `interrupted` (a checkpoint and how to resume) when it was asked to stop;
+  either way a `TrainResult`.
 """
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import numpy as np
 
-from eqx_gpt.checkpoint import LATEST, checkpoint_file, delete_checkpoints, read_metadata
+from eqx_gpt.checkpoint import (
+    BEST,
+    LATEST,
+    checkpoint_file,
+    delete_checkpoints,
+    load_model,
+    read_metadata,
+    save_checkpoint,
+)
+from eqx_gpt.errors import TrainingError
+from eqx_gpt.evaluation import Shown
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.trackers import TENSORBOARD_DIR, Trackers, open_trackers, require_trackers
-from eqx_gpt.training.arguments import check_train_arguments, resume_in_python
-from eqx_gpt.training.callbacks import Callback, Callbacks
+from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.lora import has_lora
+from eqx_gpt.peft import save_run_adapters
+from eqx_gpt.streams import TRAIN_BATCHES
+from eqx_gpt.training.callbacks import Callback, Callbacks, StopFlag
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.evaluate import final_evaluations, plan_evaluations
-from eqx_gpt.training.loop import train_loop
+from eqx_gpt.training.data import batch_reader, window_starts
+from eqx_gpt.training.evaluate import (
+    RunEvaluations,
+    evaluate_run,
+    final_evaluations,
+    final_validation,
+    plan_evaluations,
+)
 from eqx_gpt.training.options import (
     MODEL_FIELDS,
     TRAIN_FIELDS,
     RunOptions,
     check_printable,
+    check_train_arguments,
     given_settings,
     resolve_options,
+    resume_in_python,
 )
-from eqx_gpt.training.report import Progress, Report
-from eqx_gpt.training.result import TrainResult
+from eqx_gpt.training.parallel import shard_rows
+from eqx_gpt.training.records import FinalRecord, TrainResult
+from eqx_gpt.training.report import Progress, Report, sample_text
 from eqx_gpt.training.run_dir import (
     METRICS_NAME,
     Metrics,
@@ -48,11 +84,18 @@ from eqx_gpt.training.run_dir import (
     check_run_dir,
     kept_records,
 )
-from eqx_gpt.training.running import Run
 from eqx_gpt.training.setup import RunSetup, TrainState, set_up
-from eqx_gpt.training.step import describe_optimizer
-from eqx_gpt.training.stop import StopFlag
-from eqx_gpt.training.time_plan import TimePlan
+from eqx_gpt.training.step import describe_optimizer, learning_rate
+from eqx_gpt.training.time_plan import TimePlan, eval_budget
+from eqx_gpt.training.trackers import TENSORBOARD_DIR, Trackers, open_trackers, require_trackers
+
+READ_LAG = 2  # read a logged loss this many steps after dispatching it, so the device never idles
+STEPS_PER_CALL = 8  # optimiser steps per dispatch at most (`make_train_steps`): 1.2-1.3x on small models
+# Fewer steps per call when steps are slower, since a stop waits for the call in flight; but each
+# call maps and faults in its scratch afresh (164 MB at the default step: 42,000 page faults, about
+# 100 ms of system time on a 2-core EPYC), so a call of 300 ms steps still holds 8 of them.
+SECONDS_PER_CALL = 2.5
+PLAN_AFTER = 20  # steps timed after compilation before fitting the schedule to max_minutes
 
 AUTO = (
     "auto"  # `train(preset=AUTO)`: `cpu`, `finetune-shakespeare` with `init_from`, on resume the checkpoint's
@@ -215,3 +258,250 @@ def _describe_start(report: Report, options: RunOptions, setup: RunSetup, state:
         where = {"tensorboard": f"tensorboard --logdir {setup.out_dir / TENSORBOARD_DIR}",
                  "wandb": f"W&B run in {setup.out_dir / 'wandb'}"}  # fmt: skip
         report.log("trackers: " + "; ".join(where[name] for name in options.trackers))
+
+
+@dataclass
+class Run:
+    """One run in progress: what was resolved, what changes, how it reports (and to its
+    callbacks), its time plan, its evaluations, and whether Ctrl-C, SIGTERM or a callback asked
+    it to stop."""
+
+    setup: RunSetup
+    state: TrainState
+    report: Report
+    plan: TimePlan
+    evaluations: RunEvaluations
+    stopping: Callable[[], bool] = lambda: False
+    resume_with: Callable[[Path], str] = resume_in_python  # how the caller resumes it
+
+
+def train_loop(run: Run, sample_tokens: int) -> TrainResult:
+    """Evaluate where due, then step until the schedule's end or a stop; then finish, or save and
+    say how to resume."""
+    setup, state, c = run.setup, run.state, run.setup.config
+    run.report.start_rate(setup.start, run.report.t_start)
+    # The start of a run, and a resumption from a checkpoint whose evaluation was interrupted.
+    if (state.step % c.eval_interval == 0 or state.step == state.schedule_steps) and not state.evaluated:
+        evaluate_and_save(run)
+    while state.step < state.schedule_steps and not run.stopping():
+        # The first call is one step alone: it compiles, and the time plan starts after it.
+        # Calls end at the next evaluation.
+        next_eval = (state.step // c.eval_interval + 1) * c.eval_interval
+        first = state.step == setup.start
+        n = min(steps_per_call(run), state.schedule_steps - state.step, next_eval - state.step)
+        if first and run.report.bar.tty:  # the first call compiles: say so, in place, while it does
+            run.report.bar.update("compiling the training step")
+        dispatch_steps(run, n)
+        if first:
+            run.plan.start_timing(state.step, run.report.compiled(state.step))
+        elif state.step >= _timed_from(run) + PLAN_AFTER:
+            # Refitted after every call: calls run ahead of the steps done, so the first fit reads
+            # the rate high (798 steps planned where 650 fit in a 3-minute run, cut at step 500).
+            fit_to_time(run, announce=state.step - n < _timed_from(run) + PLAN_AFTER)
+        if (
+            state.step // c.log_interval > (state.step - n) // c.log_interval
+            or state.step == state.schedule_steps
+        ):
+            read_losses(run, state.step - READ_LAG)
+        if run.plan.out_of_time(run.report.now()) and state.step < state.schedule_steps:
+            state.schedule_steps = state.step
+            run.report.log(f"time limit reached at step {state.step}")
+        if state.step % c.eval_interval == 0 or state.step == state.schedule_steps:
+            if evaluate_and_save(run) and state.step < state.schedule_steps:
+                fit_to_time(run, announce=False)
+    read_losses(run, state.step)
+    if run.stopping() and not (state.step == state.schedule_steps and state.evaluated):
+        return interrupted(run)
+    return finish(run, sample_tokens)
+
+
+def read_losses(run: Run, until: int) -> None:
+    """Have the report read the figures of the steps up to `until` (and tell the callbacks); stop
+    the run on a non-finite loss."""
+    bad = run.report.read_losses(until, run.state.schedule_steps, run.plan)
+    if bad is not None:
+        step, loss = bad
+        raise TrainingError(
+            f"loss became {loss} at step {step}; stopped. {last_good(run)}. Try a lower --lr or --grad-clip"
+        )
+
+
+def dispatch_steps(run: Run, n: int) -> None:
+    """Queue `n` optimiser steps from the current step on the device, in one call (not waiting)."""
+    setup, state, c = run.setup, run.state, run.setup.config
+    length = setup.model_config.context_length + 1  # a window: the input and its targets
+    steps = list(range(state.step, state.step + n))
+    lrs = [learning_rate(s, c, state.schedule_steps) for s in steps]
+    starts = np.full((STEPS_PER_CALL, c.batch_size), -1, np.int64)  # -1: an unused slot, zeros
+    for i, s in enumerate(steps):
+        starts[i] = window_starts(
+            s, n_tokens=len(setup.train_ids), seed=c.seed, stream=TRAIN_BATCHES, batch_size=c.batch_size,
+            length=length,
+        )  # fmt: skip
+    # Each process reads only its own devices' rows of the windows from the shards.
+    reader = batch_reader(setup.train_ids, starts, length)
+    batches = shard_rows(reader, (*starts.shape, length), setup.mesh, 1)
+    step_ids, rates = np.zeros(STEPS_PER_CALL, np.int32), np.zeros(STEPS_PER_CALL, np.float32)
+    step_ids[:n], rates[:n] = steps, lrs
+    state.model, state.opt_state, figures = setup.train_steps(
+        state.model, state.opt_state, batches, step_ids, rates, np.int32(n)
+    )
+    state.step += n
+    run.report.dispatched([s + 1 for s in steps], figures, lrs)
+
+
+def evaluate_and_save(run: Run) -> bool:
+    """Evaluate (`evaluate_run`: the train loss on fixed windows; the validation loss over the whole
+    split, in non-overlapping windows, so that no sampling noise can pick the best checkpoint, or
+    on a larger corpus over the same evenly spread windows each time, `--eval-tokens`), log it,
+    checkpoint `latest` (and `best` if it is), redraw the loss plot and tell the callbacks.
+    Returns False, having recorded nothing, if the run was asked to stop before the evaluation
+    finished."""
+    setup, state, report = run.setup, run.state, run.report
+    read_losses(run, state.step)
+    t0 = report.now()
+    figures = evaluate_run(
+        run.evaluations, state.model, run.stopping, Shown(report.bar, f"step {state.step} evaluation")
+    )
+    if figures is None:
+        return False
+    if state.step > setup.start:
+        run.plan.add_evaluation(report.now() - t0)
+    if not all(math.isfinite(value) for value in figures.values()):
+        raise TrainingError(
+            f"evaluation loss became non-finite at step {state.step}; stopped. {last_good(run)}"
+        )
+    val = figures["val_loss"]
+    is_best = val < state.best_val
+    state.best_val = min(state.best_val, val)
+    state.last_eval = (state.step, val)
+    # The record first, then `best`, then `latest`: a kill before `latest` is written leaves it at the
+    # previous evaluation, whose resumption redoes this step (and drops the records after it).
+    record = report.record_evaluation(state.step, figures)
+    if is_best:
+        save(run, BEST)
+    save(run, LATEST)
+    report.evaluated(state.step, figures, is_best)
+    report.callbacks.on_evaluation(record)
+    return True
+
+
+def fit_to_time(run: Run, *, announce: bool) -> None:
+    """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
+    # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
+    # step's worth of tokens): the fixed training windows, then the validation tokens it reads.
+    setup, state, c, now = run.setup, run.state, run.setup.config, run.report.now()
+    val_tokens = min(len(setup.val_ids), eval_budget(c.eval_tokens, setup.model_config))
+    eval_cost = (len(setup.eval_train_rows) / c.batch_size + val_tokens / setup.tokens_per_step) / 3
+    schedule_steps = run.plan.fit(state.step, state.schedule_steps, now, c.eval_interval, eval_cost)
+    if announce:
+        fits = run.plan.steps_that_fit(state.step, now, c.eval_interval, eval_cost)
+        if fits is not None and fits > c.max_steps:
+            # More steps than the recipe wants: a preset's max_steps is where its model stops gaining.
+            run.report.log(
+                f"time plan: {fits} steps would fit in {c.max_minutes:g} min; the run stops at {c.max_steps}"
+            )
+        elif schedule_steps != state.schedule_steps:
+            run.report.log(
+                f"time plan: {schedule_steps} steps fit in {c.max_minutes:g} min; schedule refitted"
+            )
+    state.schedule_steps = schedule_steps
+
+
+def steps_per_call(run: Run) -> int:
+    """Steps in the next call: 1 until the step rate is measured, then as many as run in about
+    `SECONDS_PER_CALL`, at most `STEPS_PER_CALL`. A stop waits for the call in flight, so slow steps
+    go one at a time. Every group size runs the same compiled program (`make_train_steps`), so the
+    grouping never changes what a step computes."""
+    rate = run.plan.steps_per_second(run.state.step, run.report.now())
+    return 1 if rate is None else max(1, min(STEPS_PER_CALL, int(SECONDS_PER_CALL * rate)))
+
+
+def _timed_from(run: Run) -> int:
+    """The step the time plan started timing at (after the first call, which compiles)."""
+    assert run.plan.timed_from is not None
+    return run.plan.timed_from[0]
+
+
+def save(run: Run, name: str) -> None:
+    """Write checkpoint `name` (`LATEST` or `BEST`) of the run at its current step, then tell the
+    callbacks."""
+    setup, state = run.setup, run.state
+    val_step, val_loss = state.last_eval if state.last_eval is not None else (None, None)
+    run.report.flush()  # the trackers hold every record up to the checkpoint, whatever kills the run
+    path = save_checkpoint(
+        setup.out_dir, name, state.model, state.opt_state, step=state.step, tokenizer=setup.tokenizer,
+        train_config=setup.config.to_dict(), val_loss=val_loss, val_loss_step=val_step,
+        best_val_loss=None if math.isinf(state.best_val) else state.best_val,
+        schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
+    )  # fmt: skip
+    if has_lora(state.model):  # and its adapters in PEFT's format
+        save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
+    if name == LATEST:
+        state.last_saved = state.step
+    run.report.callbacks.on_checkpoint(name, path, state.step)
+
+
+def last_good(run: Run) -> str:
+    """Which checkpoint a run that failed can resume from, for its error message."""
+    latest, saved = checkpoint_file(run.setup.out_dir, LATEST), run.state.last_saved
+    return f"Last good checkpoint: {f'{latest} (step {saved})' if saved is not None else 'none'}"
+
+
+def result(run: Run, *, val_loss: float | None, interrupted: bool, sample: str | None) -> TrainResult:
+    """The run's `TrainResult`, its history every record of `metrics.jsonl`."""
+    state = run.state
+    return TrainResult(
+        state.model, run.setup.tokenizer, state.step, val_loss=val_loss,
+        best_val_loss=None if math.isinf(state.best_val) else state.best_val, elapsed_s=run.report.elapsed(),
+        interrupted=interrupted, sample=sample, out_dir=run.setup.out_dir, history=run.report.history(),
+    )  # fmt: skip
+
+
+def interrupted(run: Run) -> TrainResult:
+    """Ctrl-C, SIGTERM or a callback's stop: log the step reached, checkpoint it, say how to resume."""
+    report, state, out_dir = run.report, run.state, run.setup.out_dir
+    report.record_last_read()
+    if state.last_saved is None or state.step > state.last_saved:
+        save(run, LATEST)
+    report.log(
+        f"interrupted at step {state.step}; saved {checkpoint_file(out_dir, LATEST)}. Resume with: "
+        f"{run.resume_with(out_dir)}"
+    )
+    val = state.last_eval[1] if state.last_eval is not None else None
+    return result(run, val_loss=val, interrupted=True, sample=None)
+
+
+def finish(run: Run, sample_tokens: int) -> TrainResult:
+    """The end of a run that reached its schedule's end: the final model's loss over the whole
+    validation split in overlapping windows (the figure to quote; `final_validation`), a sample
+    from the best checkpoint, the summary. A stop during the final validation skips it and the
+    sample: the checkpoints are complete."""
+    setup, state, report = run.setup, run.state, run.report
+    assert state.last_eval is not None  # the loop evaluates at the schedule's end
+    t0, val = report.now(), state.last_eval[1]
+    shown = Shown(report.bar, "final validation")
+    final, covers = final_validation(run.evaluations, state.model, val, run.plan, t0, run.stopping, shown)
+    if final is None:
+        report.log(
+            f"interrupted during the final validation; the run is complete at step {state.step} (periodic "
+            f"val loss {val:.4f}). The final figure: uv run evaluate.py --checkpoint "
+            f"{checkpoint_file(setup.out_dir, LATEST)}"
+        )
+        return result(run, val_loss=val, interrupted=True, sample=None)
+    report.record_final(FinalRecord(state.step, final.loss, final.n_predicted, final.whole))
+    report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
+    sample = None
+    if sample_tokens > 0 and not run.stopping():
+        has_best = checkpoint_file(setup.out_dir, BEST).exists()
+        best = load_model(setup.out_dir, kind="GPT")[0] if has_best else state.model
+        assert isinstance(best, GPT)  # kind="GPT" refuses another model
+        sample = sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
+    report.log(
+        f"done: step {state.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
+        f"{state.best_val:.4f}) in {report.elapsed() / 60:.1f} min; checkpoints in {setup.out_dir}/"
+    )
+    if sample is not None:
+        report.log(f"sample (best checkpoint, temperature 0.8):\n{sample}")
+        report.record_sample(state.step, sample)
+    return result(run, val_loss=final.loss, interrupted=False, sample=sample)

@@ -26,13 +26,13 @@ from eqx_gpt.gpt2 import GPT2FormatError, gpt2_identity, gpt2_tokenizer, load_gp
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.lora import apply_lora
+from eqx_gpt.peft import check_base, describe, load_adapters
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.data import BUNDLED, check_split, fixed_batches, load_corpus
 from eqx_gpt.training.options import ModelSettings, RunOptions
 from eqx_gpt.training.parallel import check_batch, data_mesh, replicate, shard_parameters
-from eqx_gpt.training.peft import check_base, describe, load_adapters
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run_dir import METRICS_NAME, final_recorded
 from eqx_gpt.training.step import count_params, init_optimizer_state, make_optimizer, make_train_steps
