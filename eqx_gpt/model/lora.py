@@ -317,6 +317,18 @@ def lora_options(train_config: dict) -> dict | None:
     }
 
 
+def lora_record(model: PyTree) -> dict | None:
+    """`apply_lora`'s `rank`, `alpha`, `dropout` and `targets` (the adapted paths) that rebuild
+    `model`'s adapters on its base (`lora_template`), as a checkpoint of a model of one's own records
+    them; None for a model without adapters."""
+    adapted = {p: m for p, m in named_linears(model).items() if isinstance(m, LoRALinear)}
+    if not adapted:
+        return None
+    first = next(iter(adapted.values()))
+    return {"rank": first.rank, "alpha": first.scale * first.rank, "dropout": first.dropout,
+            "targets": list(adapted)}  # fmt: skip
+
+
 def has_lora(model: PyTree) -> bool:
     """Whether `model` holds any `LoRALinear`."""
     leaves = jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, LoRALinear))

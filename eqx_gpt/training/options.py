@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
 from eqx_gpt.errors import ConfigError, TrainingError
@@ -101,11 +102,17 @@ class RunOptions:
     schedule_steps: int
     checkpoint: dict | None = None
     from_preset: dict = dataclasses.field(default_factory=dict)
+    instance: Any = None  # a model of the caller's own, passed to `train(model=...)`
     overrides: dict = dataclasses.field(default_factory=dict)
     trackers: tuple[str, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "trackers", parse_trackers(self.train.tracker))
+
+    @property
+    def own_model(self) -> bool:
+        """Whether the run trains a model of the caller's own (passed, or `--model`), not a `GPT`."""
+        return self.instance is not None or self.train.model is not None
 
     def explain(self, message: str) -> str:
         """`message` about an invalid value, saying which of the values it names the preset set, so
@@ -135,8 +142,9 @@ def given_settings(config: TrainConfig | None, model: GPTConfig | None, options:
     return {**settings, **options}
 
 
-def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOptions:
-    """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`."""
+def resolve_options(settings: dict, checkpoint: dict | None = None, *, instance: Any = None) -> RunOptions:
+    """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`;
+    `instance` a model of the caller's own (`train(model=...)`), whose shape no setting may give."""
     unknown = sorted(set(settings) - {*MODEL_FIELDS, *TRAIN_FIELDS, "preset"})
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
@@ -144,12 +152,26 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
     preset = settings.get("preset", FINETUNE_PRESET if fine_tune else DEFAULT_PRESET)
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    own = instance is not None or settings.get("model") is not None
+    shape = [k for k in settings if k in MODEL_FIELDS]
+    if own and shape:
+        what = type(instance).__name__ if instance is not None else f"--model {settings['model']}"
+        raise ConfigError(
+            f"--{shape[0].replace('_', '-')} sets a GPT's shape, but the run trains {what}, whose shape "
+            f"is its own; leave the model settings out"
+        )
+    if instance is not None and settings.get("model") is not None:
+        raise ConfigError(
+            f"train() got both a model ({type(instance).__name__}) and model={settings['model']!r}; pass one"
+        )
     try:
         if checkpoint is None:
-            return _fresh(settings, preset)
-        return _resumed(settings, preset if "preset" in settings else None, checkpoint)
+            options = _fresh(settings, preset)
+        else:
+            options = _resumed(settings, preset if "preset" in settings else None, checkpoint)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    return dataclasses.replace(options, instance=instance) if instance is not None else options
 
 
 # Every setting's dataclass default, and the settings that name files.
@@ -185,7 +207,7 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     try:
         model = ModelSettings.from_values(values)
         train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
-        if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
+        if train.init_from is None and train.model is None:  # checked now, before any corpus is read
             model.config(vocab_size=1)
     except (TypeError, ValueError) as e:
         raise ConfigError(_blame_preset(str(e), preset, from_preset)) from None
@@ -201,8 +223,14 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             )
         width = read_gpt2_config(train.init_from).d_model  # the rank's bound
         check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
+        lora_modules(train.lora_targets)  # a GPT-2's: PEFT's names or a GPT block's
         if train.lora_adapters is not None:
             _check_adapters_match(train)
+    if train.model is not None and train.init_from is not None:
+        raise ConfigError(
+            f"--model {train.model} builds a fresh model and --init-from {train.init_from} starts from one; "
+            f"pass one of them"
+        )
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     before = preset_values(preset)
@@ -260,13 +288,14 @@ def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:
 def _check_checkpoint(checkpoint: dict) -> None:
     """Refuse a checkpoint that is not a GPT's (the encoder-decoder of examples/translate.py), or
     whose model config is not one, before anything is compared with it or read for it."""
-    if checkpoint.get("model", "GPT") != "GPT":
+    if checkpoint.get("model", "GPT") == "Transformer":
         raise ConfigError(
             f"{Path(checkpoint['path']).parent}/ holds a {checkpoint['model']} run, not a GPT's: train.py "
             f"cannot resume it; resume it with the script that trained it (examples/translate.py)"
         )
     try:
-        GPTConfig(**checkpoint["model_config"])
+        if checkpoint.get("model", "GPT") == "GPT":  # else a model of the user's own: its sizes
+            GPTConfig(**checkpoint["model_config"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint['path']} has an invalid model config: {e}") from None
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
-from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError
 from eqx_gpt.training.callbacks import Callbacks
 from eqx_gpt.training.records import EvaluationRecord, FinalRecord, Record, StepRecord, record_from_dict
@@ -220,7 +220,7 @@ def clock(seconds: float) -> str:
 
 
 def sample_text(
-    model: GPT, tokenizer: Tokenizer, n_tokens: int, *, seed: int, temperature: float = 0.8
+    model: Decoder, tokenizer: Tokenizer, n_tokens: int, *, seed: int, temperature: float = 0.8
 ) -> str:
     """A short continuation of a newline (or of token 0, in a corpus without newlines), to show
     what the model learned."""

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -49,8 +50,10 @@ from eqx_gpt.checkpoint import (
 )
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.evaluation import Shown
+from eqx_gpt.generation.decoder import MEMBERS as DECODER_MEMBERS
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel, check_language_model
 from eqx_gpt.model.lora import has_lora
 from eqx_gpt.peft import save_run_adapters
 from eqx_gpt.streams import TRAIN_BATCHES
@@ -104,7 +107,7 @@ AUTO = (
 
 def train(
     config: TrainConfig | None = None,
-    model: GPTConfig | None = None,
+    model: GPTConfig | LanguageModel | str | None = None,
     *,
     preset: str | None = AUTO,
     out_dir: str | Path = "out",
@@ -117,7 +120,8 @@ def train(
     callbacks: Sequence[Callback] = (),
     **options: object,
 ) -> TrainResult:
-    """Train a GPT in `out_dir` and return it, its tokenizer and the run's figures.
+    """Train a GPT, or a model of your own, in `out_dir` and return it, its tokenizer and the run's
+    figures.
 
     Where each setting comes from: the dataclass defaults, then the preset, then what is passed.
     `preset` is a name of `PRESETS`, None for the defaults alone, or `AUTO` (`cpu`, or
@@ -125,7 +129,12 @@ def train(
     with, which override the preset's: `train(TrainConfig(max_steps=40))` is the `cpu` preset's
     recipe for 40 steps, as `train(max_steps=40)` is (pass `preset=None` for the dataclass defaults
     under it). `model` likewise gives the model fields it was constructed with (its `vocab_size` is
-    not read: the tokenizer's is). `options` are single settings by name, any `TrainConfig` field or
+    not read: the tokenizer's is). `model` may also be a model of your own (a `LanguageModel`, such
+    as `MyDecoder(...)`: trained as it is, with the preset's recipe; its `vocab_size` must be the
+    tokenizer's; to resume its run pass a model of its class again, the skeleton the checkpoint is
+    read into) or `"MODULE:FUNCTION"`, a function called as `FUNCTION(vocab_size, key=key)` that
+    the run records, as `train.py --model` does. A model of your own has its own shape, so model
+    settings beside it are refused. `options` are single settings by name, any `TrainConfig` field or
     `GPTConfig` field but `vocab_size`, and override both. The run's first lines name the preset
     and every setting given that changed it.
 
@@ -140,8 +149,13 @@ def train(
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if model is not None and not isinstance(model, GPTConfig):
-        raise TypeError(f"model must be a GPTConfig, got {type(model).__name__}")
+    instance = None
+    if isinstance(model, str):
+        options = {"model": model, **options}
+        model = None
+    elif model is not None and not isinstance(model, GPTConfig):
+        check_language_model(model, "train()'s model")  # a model of one's own, or a one-line error
+        instance, model = model, None
     unknown = sorted(set(options) - {*MODEL_FIELDS, *TRAIN_FIELDS})
     if unknown:
         raise TypeError(
@@ -153,7 +167,7 @@ def train(
         settings["preset"] = preset
     return _train(
         settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now, callbacks=callbacks, resume_with=resume_in_python,
+        progress=progress, now=now, callbacks=callbacks, resume_with=resume_in_python, instance=instance,
     )  # fmt: skip
 
 
@@ -169,10 +183,11 @@ def _train(
     now: Callable[[], float],
     callbacks: Sequence[Callback] = (),
     resume_with: Callable[[Path], str] = resume_in_python,
+    instance: Any = None,
 ) -> TrainResult:
     """`train` with its settings by name (`options.resolve_options`) and its arguments checked
     (`check_train_arguments`); `resume_with` says how the caller resumes an interrupted run
-    (`train.py` calls this with its command line's)."""
+    (`train.py` calls this with its command line's); `instance` is a model of the caller's own."""
     out_dir = check_train_arguments(
         out_dir=out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
         progress=progress, now=now,
@@ -182,7 +197,8 @@ def _train(
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
     stop = StopFlag()
     told = Callbacks(callbacks, request_stop=stop.request, log=log)  # checked before anything is written
-    options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
+    # a fresh run's settings, checked first
+    options = None if resume else resolve_options(settings, instance=instance)
     if options is not None:  # a missing extra is refused before anything is written
         require_trackers(options.trackers)
     with RunDirLock(out_dir) as lock:
@@ -190,7 +206,7 @@ def _train(
         records = []
         if resume:  # the checkpoint's metadata, and the settings laid over it
             meta = read_metadata(checkpoint_file(out_dir, LATEST))
-            options = resolve_options(settings, meta)
+            options = resolve_options(settings, meta, instance=instance)
             require_trackers(options.trackers)
             records = kept_records(out_dir / METRICS_NAME, meta["step"])
         assert options is not None
@@ -242,9 +258,13 @@ def _open_trackers(setup: RunSetup, names: tuple[str, ...], records: list[dict])
 def _describe_start(report: Report, options: RunOptions, setup: RunSetup, state: TrainState) -> None:
     """The lines a run starts with: what it trains, from which settings, how, for how long, and from where."""
     c, m, preset = setup.config, setup.model_config, setup.checkpoint_meta.get("preset")
+    shape = (
+        f"{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads" if isinstance(m, GPTConfig)
+        else f"a {type(state.model).__name__}" + (f" (--model {c.model})" if c.model else "")
+    )  # fmt: skip
     report.log(
-        f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {m.n_layers} layers, d_model "
-        f"{m.d_model}, {m.n_heads} heads, context {m.context_length}; batch {c.batch_size} "
+        f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {shape}, context "
+        f"{m.context_length}; batch {c.batch_size} "
         f"({setup.tokens_per_step:,} tokens/step) on {setup.mesh.size} {jax.devices()[0].platform} "
         f"device{'s' if setup.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
     )
@@ -386,6 +406,22 @@ def evaluate_and_save(run: Run) -> bool:
     return True
 
 
+def _sample(run: Run, sample_tokens: int) -> str | None:
+    """The run's closing sample, from its best checkpoint (else the last step's model): None, said
+    in a line, for a model of one's own that is not a `Decoder` (generation needs its cache)."""
+    setup, state = run.setup, run.state
+    missing = [name for name in DECODER_MEMBERS if not hasattr(state.model, name)]
+    if missing:
+        run.report.log(
+            f"no sample: the {type(state.model).__name__} is not a Decoder (it lacks {', '.join(missing)})"
+        )
+        return None
+    has_best = checkpoint_file(setup.out_dir, BEST).exists()
+    like = None if isinstance(state.model, GPT) else state.model
+    best: Any = load_model(setup.out_dir, like=like)[0] if has_best else state.model
+    return sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
+
+
 def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
@@ -435,7 +471,7 @@ def save(run: Run, name: str) -> None:
         best_val_loss=None if math.isinf(state.best_val) else state.best_val,
         schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
     )  # fmt: skip
-    if has_lora(state.model):  # and its adapters in PEFT's format
+    if has_lora(state.model) and isinstance(state.model, GPT):  # and its adapters in PEFT's format
         save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
     if name == LATEST:
         state.last_saved = state.step
@@ -493,10 +529,7 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
-        has_best = checkpoint_file(setup.out_dir, BEST).exists()
-        best = load_model(setup.out_dir, kind="GPT")[0] if has_best else state.model
-        assert isinstance(best, GPT)  # kind="GPT" refuses another model
-        sample = sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
+        sample = _sample(run, sample_tokens)
     report.log(
         f"done: step {state.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
         f"{state.best_val:.4f}) in {report.elapsed() / 60:.1f} min; checkpoints in {setup.out_dir}/"

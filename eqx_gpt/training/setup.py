@@ -21,10 +21,12 @@ from jaxtyping import PyTree
 from eqx_gpt.checkpoint import load_checkpoint, run_template
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
-from eqx_gpt.errors import TrainingError
+from eqx_gpt.errors import ConfigError, TrainingError
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_identity, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.factory import build_model
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import ModelShape, check_language_model
 from eqx_gpt.model.lora import apply_lora
 from eqx_gpt.peft import check_base, describe, load_adapters
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
@@ -44,7 +46,7 @@ class RunSetup:
     """What a run resolved before its first step; nothing here changes while it trains."""
 
     config: TrainConfig
-    model_config: GPTConfig
+    model_config: GPTConfig | ModelShape  # a GPT's config, or the sizes of a model of one's own
     out_dir: Path
     tokenizer: Tokenizer
     train_ids: TokenSpan  # the splits' tokens, read from the shards as needed (`TokenSpan.rows`)
@@ -65,7 +67,7 @@ class RunSetup:
 class TrainState:
     """What the loop changes as a run trains; everything else about it is fixed in `RunSetup`."""
 
-    model: GPT
+    model: PyTree  # a GPT, or a model of one's own (a `LanguageModel`)
     opt_state: PyTree
     step: int  # optimiser steps done
     schedule_steps: int  # the schedule's length: the run ends here (`--max-minutes` may refit it)
@@ -83,9 +85,9 @@ class TrainState:
 # arguments; the data, evaluation and logging are the loop's). Every other field is part of the
 # step's identity, so an option added later can never be dropped from it by omission.
 _NOT_READ_BY_THE_STEP = (
-    "data", "tokenizer", "init_from", "lora_adapters", "max_steps", "max_minutes", "warmup_steps", "schedule",
-    "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval", "text_field",
-    "split", "tracker",
+    "data", "tokenizer", "model", "init_from", "lora_adapters", "max_steps", "max_minutes", "warmup_steps",
+    "schedule", "decay_fraction", "eval_interval", "eval_batches", "eval_tokens", "log_interval",
+    "text_field", "split", "tracker",
 )  # fmt: skip
 _UNSCALED_BY_ADAMW = ("lr", "min_lr", "adam_lr")  # AdamW alone runs at unit rate times the schedule
 
@@ -115,17 +117,26 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     try:
         wanted = _tokenizer_wanted(config, meta, model_options)
         corpus, source, config = _load_corpus(config, meta, wanted, log)
-        model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+        gpt_config, tokenizer = _model_config_and_tokenizer(
+            model_options, config, corpus, meta, options.own_model
+        )
     except (GPT2FormatError, TrainingError) as e:  # a value the preset set is named as the preset's
         raise type(e)(options.explain(str(e))) from None
+    if gpt_config is None:
+        own = _own_model(options, tokenizer.vocab_size, out_dir)
+        model_config: GPTConfig | ModelShape = ModelShape.of(own)
+    else:
+        own, model_config = None, gpt_config
     for name, ids in (("train", corpus.train), ("validation", corpus.val)):
         check_split(ids, name, model_config.context_length, source)
     mesh = data_mesh()
     check_batch(mesh, config.batch_size, config.grad_accum)
     # Dropout keys for the model's dropout, or LoRA's on the adapters' input.
-    dropout = model_config.dropout > 0 or (config.lora_rank is not None and config.lora_dropout > 0)
+    # A model of one's own is always passed keys: its dropout is its own to know.
+    dropout = not isinstance(model_config, GPTConfig) or model_config.dropout > 0
+    dropout = dropout or (config.lora_rank is not None and config.lora_dropout > 0)
     optimizer, train_steps = optimizer_and_step(config, dropout=dropout)
-    state = _initial_state(options, config, model_config, optimizer, out_dir, log)
+    state = _initial_state(options, config, model_config, optimizer, out_dir, log, own)
     # Data parallelism: each batch split over the devices; parameters and optimiser state on every
     # device, or (--fsdp) split over them too.
     place = shard_parameters if config.fsdp else replicate
@@ -174,12 +185,46 @@ def data_line(source: str, corpus: Corpus, tokenizer: Tokenizer, *, given: bool)
     )
 
 
-def _initial_state(options, config, model_config, optimizer, out_dir: Path, log) -> TrainState:
-    """The model and optimiser state to start from: fresh (or GPT-2's weights with `--init-from`),
-    or the checkpoint's, refusing a run that already finished."""
+def _own_model(options: RunOptions, vocab_size: int, out_dir: Path) -> PyTree:
+    """The model of the caller's own: the one passed to `train(model=...)` (trained as it is, or on
+    resume the skeleton its checkpoint is read into), or the one `--model`'s function builds with the
+    run's seed (on resume, as shapes). One line for a model of another vocabulary or class."""
+    meta, spec = options.checkpoint, options.train.model
+    if options.instance is not None:
+        model = options.instance
+        check_language_model(model, "train()'s model")
+        if meta is not None and meta.get("model") != type(model).__name__:
+            raise ConfigError(
+                f"the run in {out_dir}/ trained a {meta.get('model')}, not a {type(model).__name__}; "
+                f"pass the model it trained to resume it, or another --out-dir"
+            )
+        if model.vocab_size != vocab_size:
+            raise ConfigError(
+                f"the {type(model).__name__} has vocab_size {model.vocab_size}, but the tokenizer has "
+                f"{vocab_size} ids; build it with vocab_size={vocab_size} (or pass model='MODULE:FUNCTION', "
+                f"which is called with it)"
+            )
+        return model
+    if spec is None:
+        raise ConfigError(
+            f"the run in {out_dir}/ trained a {(meta or {}).get('model')} passed to train(model=...), "
+            f"which it cannot rebuild; pass that model again: train(model=..., resume=True)"
+        )
+    key = batch_key(options.train.seed, INIT, 0)
+    if meta is not None:
+        return eqx.filter_eval_shape(build_model, spec, vocab_size, key=key)
+    return build_model(spec, vocab_size, key=key)
+
+
+def _initial_state(options, config, model_config, optimizer, out_dir: Path, log, own) -> TrainState:
+    """The model and optimiser state to start from: fresh (a model of one's own `own`, or GPT-2's
+    weights with `--init-from`, or a new GPT), or the checkpoint's, refusing a run that already
+    finished."""
     meta = options.checkpoint
     if meta is None:
-        if config.init_from is not None:
+        if own is not None:
+            model = own
+        elif config.init_from is not None:
             log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
             model = load_gpt2(config.init_from, **options.model.gpt2_options())
             if config.lora_adapters is not None:
@@ -204,9 +249,9 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
         )
     if meta.get("lora_base") is not None:
         check_base(meta["lora_base"])
-    template = run_template(model_config, config.to_dict())
+    template = own if own is not None else run_template(model_config, config.to_dict())
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, template)
-    model, opt_state, _, meta = load_checkpoint(meta, opt_like)
+    model, opt_state, _, meta = load_checkpoint(meta, opt_like, like=template)
     start, schedule_steps = meta["step"], options.schedule_steps
     last_eval = saved_evaluation(meta)
     finished = start >= schedule_steps and (last_eval or (None,))[0] == start
@@ -244,10 +289,11 @@ def _load_corpus(
 
 
 def _model_config_and_tokenizer(
-    model_options: ModelSettings, config: TrainConfig, corpus: Corpus, meta: dict | None
-) -> tuple[GPTConfig, Tokenizer]:
+    model_options: ModelSettings, config: TrainConfig, corpus: Corpus, meta: dict | None, own: bool
+) -> tuple[GPTConfig | None, Tokenizer]:
     """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
-    (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
+    (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus.
+    No config for a model of one's own (`own`): its shape is its own."""
     if meta is None and config.init_from is not None:
         model_config = read_gpt2_config(config.init_from, **model_options.gpt2_options())
         return model_config, gpt2_tokenizer(model_config)
@@ -262,6 +308,8 @@ def _model_config_and_tokenizer(
             f"the corpus ({config.data or BUNDLED}) has other characters ({corpus.tokenizer!r}) than the "
             f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with --data"
         )
+    if own:
+        return None, tokenizer
     try:
         return model_options.config(tokenizer.vocab_size), tokenizer
     except (TypeError, ValueError) as e:
