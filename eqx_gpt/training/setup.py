@@ -15,6 +15,7 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
@@ -204,7 +205,8 @@ def _own_model(options: RunOptions, vocab_size: int, out_dir: Path) -> PyTree:
                 f"{vocab_size} ids; build it with vocab_size={vocab_size} (or pass model='MODULE:FUNCTION', "
                 f"which is called with it)"
             )
-        return model
+        # A copy: the compiled steps update their inputs in place, and the caller keeps its model.
+        return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
     if spec is None:
         raise ConfigError(
             f"the run in {out_dir}/ trained a {(meta or {}).get('model')} passed to train(model=...), "
