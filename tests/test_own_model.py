@@ -152,6 +152,14 @@ def test_a_model_built_by_module_function_trains_samples_and_evaluates_from_the_
         == 0
     )
     assert json.loads((out / "latest.json").read_text())["step"] == 6
+    # --init-from the run, with --lora-rank: adapters on its best model, read back by its function.
+    tuned = tmp_path / "lora"
+    lora = ["--init-from", str(out), "--lora-rank", "2", "--lora-targets", "qkv", "--max-steps", "2",
+            "--eval-interval", "2", "--eval-tokens", "2048", "--sample-tokens", "0", "--out-dir", str(tuned)]  # fmt: skip
+    assert train_command.main(lora) == 0
+    separate, _, meta = load_model(tuned, lora="separate")
+    assert meta["lora"]["targets"] == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
+    assert isinstance(separate.blocks[1].attn.qkv, LoRALinear) and type(separate).__name__ == "MyDecoder"
 
 
 @pytest.mark.parametrize(
@@ -248,3 +256,13 @@ def test_lora_on_ones_own_model_keeps_its_type_and_trains_the_adapters_alone(myd
     assert type(merged) is mydec.MyDecoder and type(merged.blocks[0].attn.qkv) is Linear
     tokens = jnp.arange(10) % 65
     np.testing.assert_allclose(merged(tokens), result.model(tokens), atol=2e-5)
+
+
+def test_the_guides_python_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its runs write their folders here
+    namespace: dict = {"__name__": "guide_own_model"}
+    for block in _section_blocks():
+        exec(compile(block, str(GUIDE), "exec"), namespace)
+    assert type(namespace["trained"]).__name__ == type(namespace["tuned"]).__name__ == "MyDecoder"
+    assert isinstance(namespace["adapted"].blocks[0].attn.qkv, LoRALinear)
+    assert namespace["result"].step == 10 and (tmp_path / "out-mydec-lora" / "latest.json").is_file()

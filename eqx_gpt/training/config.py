@@ -186,7 +186,7 @@ class TrainConfig(DictConfig):
         for name, choices in (("optimizer", OPTIMIZERS), ("schedule", SCHEDULES), ("tokenizer", TOKENIZERS)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.init_from is not None and self.tokenizer != "gpt2":
+        if self.init_from is not None and self.model is None and self.tokenizer != "gpt2":
             raise ConfigError(
                 f"--init-from {self.init_from} starts from GPT-2, whose tokenizer is gpt2, not "
                 f"{self.tokenizer!r}; leave out --tokenizer"

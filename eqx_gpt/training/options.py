@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
+from eqx_gpt.checkpoint import find_checkpoint, holds_run, is_own_model, read_metadata
 from eqx_gpt.errors import ConfigError, TrainingError
 from eqx_gpt.gpt2 import read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
@@ -199,8 +200,11 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     values = {**preset_values(preset), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(resolved_path("init_from", values["init_from"]))
-        values.update(_from_adapters(values["init_from"], settings))
-        if "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
+        own_run = _own_run(values["init_from"], settings)
+        values.update(own_run or _from_adapters(values["init_from"], settings))
+        if own_run is not None:
+            from_preset.pop("tokenizer", None)
+        elif "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
             values["tokenizer"] = "gpt2"
             from_preset.pop("tokenizer", None)
     # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
@@ -221,21 +225,43 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             raise ConfigError(
                 _blame_preset("LoRA adapters train with AdamW; drop --optimizer muon", preset, from_preset)
             )
-        width = read_gpt2_config(train.init_from).d_model  # the rank's bound
-        check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
-        lora_modules(train.lora_targets)  # a GPT-2's: PEFT's names or a GPT block's
+        if train.model is None:  # a GPT-2's (a model of one's own is checked when it is built)
+            width = read_gpt2_config(train.init_from).d_model  # the rank's bound
+            check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
+            lora_modules(train.lora_targets)  # PEFT's names or a GPT block's
         if train.lora_adapters is not None:
             _check_adapters_match(train)
-    if train.model is not None and train.init_from is not None:
+    if settings.get("model") is not None and settings.get("init_from") is not None:
         raise ConfigError(
-            f"--model {train.model} builds a fresh model and --init-from {train.init_from} starts from one; "
-            f"pass one of them"
+            f"--model {settings['model']} builds a fresh model and --init-from {settings['init_from']} "
+            f"starts from one; pass one of them"
         )
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     before = preset_values(preset)
     overrides = {k: v for k, v in settings.items() if k != "preset" and v != before.get(k)}
     return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset, overrides=overrides)
+
+
+def _own_run(init_from: str, settings: dict) -> dict | None:
+    """With `--init-from` a run of a model of one's own (`--model MODULE:FUNCTION`): the run's
+    function becomes the run's `model`, and its tokenizer kind the run's; None for any other folder.
+    A run of a model passed from Python, which the command line cannot rebuild, is one line."""
+    if not holds_run(init_from):
+        return None
+    meta = read_metadata(find_checkpoint(init_from))
+    if not is_own_model(meta):
+        raise ConfigError(
+            f"--init-from {init_from} is a run of a GPT; start from its checkpoint with --resume, or from "
+            f"a Hugging Face GPT-2 folder (export.py writes one)"
+        )
+    spec = meta["train_config"].get("model")
+    if not isinstance(spec, str):
+        raise ConfigError(
+            f"--init-from {init_from} holds a {meta['model']} passed to train() from Python, which the run "
+            f"cannot rebuild; in Python: load_model(run, like=...), then train(model=...)"
+        )
+    return {"model": spec, "tokenizer": meta["tokenizer"].get("kind", "char")}
 
 
 def _from_adapters(init_from: str, settings: dict) -> dict:

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from eqx_gpt.checkpoint import load_checkpoint, run_template
+from eqx_gpt.checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    load_model,
+    own_template,
+    read_metadata,
+    run_template,
+)
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import ConfigError, TrainingError
@@ -28,7 +35,7 @@ from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.factory import build_model
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.language_model import ModelShape, check_language_model
-from eqx_gpt.model.lora import apply_lora
+from eqx_gpt.model.lora import apply_lora, lora_record
 from eqx_gpt.peft import check_base, describe, load_adapters
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
@@ -171,7 +178,7 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
 def _lora_base(config: TrainConfig, meta: dict | None) -> dict:
     """`{"lora_base": identity}` of a LoRA run's base GPT-2 (the checkpoint's on resume, checked
     then against the folder), so that a changed base is refused; `{}` for other runs."""
-    if config.lora_rank is None or config.init_from is None:
+    if config.lora_rank is None or config.init_from is None or config.model is not None:
         return {}
     return {"lora_base": meta.get("lora_base") if meta is not None else gpt2_identity(config.init_from)}
 
@@ -218,13 +225,29 @@ def _own_model(options: RunOptions, vocab_size: int, out_dir: Path) -> PyTree:
     return build_model(spec, vocab_size, key=key)
 
 
+def _own_lora(model: PyTree, config: TrainConfig, log: Callable[[str], None]) -> PyTree:
+    """`model` (a run's model of one's own) with the LoRA adapters `--lora-rank` asks for, if any."""
+    if config.lora_rank is None:
+        return model
+    model = apply_lora(
+        model, config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
+        dropout=config.lora_dropout, key=batch_key(config.seed, LORA_INIT, 0),
+    )  # fmt: skip
+    record = lora_record(model) or {}
+    log(f"LoRA rank {config.lora_rank} on {', '.join(record.get('targets', []))}; the base is frozen")
+    return model
+
+
 def _initial_state(options, config, model_config, optimizer, out_dir: Path, log, own) -> TrainState:
     """The model and optimiser state to start from: fresh (a model of one's own `own`, or GPT-2's
     weights with `--init-from`, or a new GPT), or the checkpoint's, refusing a run that already
     finished."""
     meta = options.checkpoint
     if meta is None:
-        if own is not None:
+        if own is not None and config.init_from is not None:  # a run of one's own model: its best
+            log(f"init: {config.init_from}/ (a run of {config.model})")
+            model = _own_lora(load_model(config.init_from, like=own)[0], config, log)
+        elif own is not None:
             model = own
         elif config.init_from is not None:
             log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
@@ -251,7 +274,7 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log,
         )
     if meta.get("lora_base") is not None:
         check_base(meta["lora_base"])
-    template = own if own is not None else run_template(model_config, config.to_dict())
+    template = own_template(meta, own) if own is not None else run_template(model_config, config.to_dict())
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, template)
     model, opt_state, _, meta = load_checkpoint(meta, opt_like, like=template)
     start, schedule_steps = meta["step"], options.schedule_steps
@@ -270,6 +293,9 @@ def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: Mod
     --init-from's vocabulary) when fine-tuning, else --tokenizer ('char': the corpus's characters)."""
     if meta is not None:
         return {"kind": "char"} if meta["tokenizer"].get("kind") == "char" else meta["tokenizer"]
+    if config.init_from is not None and config.model is not None:  # a run of one's own model: its tokenizer
+        tokenizer = read_metadata(find_checkpoint(config.init_from))["tokenizer"]
+        return {"kind": "char"} if tokenizer.get("kind") == "char" else tokenizer
     if config.init_from is not None:
         return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options.gpt2_options())).to_dict()
     return {"kind": config.tokenizer}
@@ -296,7 +322,7 @@ def _model_config_and_tokenizer(
     """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
     (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus.
     No config for a model of one's own (`own`): its shape is its own."""
-    if meta is None and config.init_from is not None:
+    if meta is None and config.init_from is not None and not own:
         model_config = read_gpt2_config(config.init_from, **model_options.gpt2_options())
         return model_config, gpt2_tokenizer(model_config)
     tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
