@@ -155,7 +155,8 @@ def test_a_model_built_by_module_function_trains_samples_and_evaluates_from_the_
     # --init-from the run, with --lora-rank: adapters on its best model, read back by its function.
     tuned = tmp_path / "lora"
     lora = ["--init-from", str(out), "--lora-rank", "2", "--lora-targets", "qkv", "--max-steps", "2",
-            "--eval-interval", "2", "--eval-tokens", "2048", "--sample-tokens", "0", "--out-dir", str(tuned)]  # fmt: skip
+            "--eval-interval", "2", "--eval-tokens", "2048", "--sample-tokens", "0",
+            "--out-dir", str(tuned)]  # fmt: skip
     assert train_command.main(lora) == 0
     separate, _, meta = load_model(tuned, lora="separate")
     assert meta["lora"]["targets"] == ["blocks.0.attn.qkv", "blocks.1.attn.qkv"]
