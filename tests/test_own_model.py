@@ -267,3 +267,23 @@ def test_the_guides_python_runs_as_written(tmp_path, monkeypatch):
     assert type(namespace["trained"]).__name__ == type(namespace["tuned"]).__name__ == "MyDecoder"
     assert isinstance(namespace["adapted"].blocks[0].attn.qkv, LoRALinear)
     assert namespace["result"].step == 10 and (tmp_path / "out-mydec-lora" / "latest.json").is_file()
+
+
+def test_adapters_of_ones_own_model_save_and_load_in_eqx_gpts_format(mydec, tmp_path):
+    from eqx_gpt import load_adapters, save_adapters
+
+    base = mydec.make_decoder(65, key=jax.random.key(0))
+    adapted = apply_lora(base, 2, alpha=4.0, targets="qkv,head", key=jax.random.key(1))
+    bs = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=lambda n: isinstance(n, LoRALinear))
+                    if isinstance(n, LoRALinear)]  # fmt: skip
+    adapted = eqx.tree_at(bs, adapted, [jnp.full(b.shape, 0.5) for b in bs(adapted)])  # B is zero at first
+    save_adapters(adapted, tmp_path / "adapters", base="mydec:make_decoder")
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["format"] == "eqx_gpt-lora" and config["model"] == "MyDecoder" and config["r"] == 2
+    assert config["target_modules"] == ["blocks.0.attn.qkv", "blocks.1.attn.qkv", "head"]
+    again = load_adapters(base, tmp_path / "adapters")
+    assert type(again) is mydec.MyDecoder
+    for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(eqx_gpt.CheckpointError, match="adapters of a MyDecoder, not of a GPT"):
+        load_adapters(GPT(GPTConfig(vocab_size=65, n_layers=1), key=jax.random.key(0)), tmp_path / "adapters")

@@ -471,8 +471,9 @@ def save(run: Run, name: str) -> None:
         best_val_loss=None if math.isinf(state.best_val) else state.best_val,
         schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
     )  # fmt: skip
-    if has_lora(state.model) and isinstance(state.model, GPT):  # and its adapters in PEFT's format
-        save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
+    if has_lora(state.model):  # and its adapters: PEFT's format for a GPT, eqx_gpt's for one's own
+        base = setup.config.init_from if isinstance(state.model, GPT) else setup.config.model
+        save_run_adapters(setup.out_dir, name, state.model, base=str(base or type(state.model).__name__))
     if name == LATEST:
         state.last_saved = state.step
     run.report.callbacks.on_checkpoint(name, path, state.step)
