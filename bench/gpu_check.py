@@ -5,7 +5,8 @@ PyTorch's nanoGPT and with `transformers`, within one time budget. `bench/gpu_ch
     JAX_PLATFORMS=cpu bash bench/gpu_check.sh --dry-run     # the same stages at tiny sizes, on the CPU
 
 The stages (`bench/gpu_stages.py`) run in turn in one process, each with its own time limit, the
-budget left shared in order: peaks, tests, train, nanogpt, gpt2, dtype, variants. A stage that fails is marked
+budget left shared in order: peaks, tests, nanogpt, gpt2, train, determinism, profile, variants, dtype
+(the targets' stages first). A stage that fails is marked
 so and the next one starts; one that outruns its limit is stopped with its process, and a new
 process runs the rest; whatever happens, one summary table is printed last and
 written with every figure to OUT/gpu_check.json, and all output to OUT/gpu_check.log.
@@ -14,6 +15,7 @@ written with every figure to OUT/gpu_check.json, and all output to OUT/gpu_check
 import argparse
 import datetime
 import json
+import operator
 import os
 import shutil
 import signal
@@ -42,18 +44,30 @@ class Stage:
 # than the budget, which goes to the stages in this order (those that finish early leave theirs).
 STAGES = [
     Stage("peaks", 40, "bf16 and fp32 matmul rates of the device (MFU's denominators)"),
-    Stage("tests", 150, "model and sampling equivalence, training exactness, one-device sharding, bf16"),
-    Stage("train", 90, "train.py --preset shakespeare-char for a fixed number of steps"),
+    Stage("tests", 150, "model and sampling equivalence, training exactness, the attention kernel, bf16"),
     Stage("nanogpt", 120, "the shakespeare-char step against nanoGPT's, torch.compile, bf16"),
     Stage("gpt2", 120, "GPT-2-124M's shapes against transformers: generation and a bf16 step"),
+    Stage("train", 90, "train.py --preset shakespeare-char for a fixed number of steps"),
+    Stage("determinism", 150, "exact resume's cost: fixed-order kernels against XLA's, and the global flag"),
+    Stage("profile", 60, "the top kernels by device time of the bf16 steps"),
+    Stage("variants", 120, "where the bf16 step's time goes: dropout, layer loop, loss bounds, batch"),
     Stage("dtype", 90, "the training step at compute_dtype float32 against bfloat16"),
-    Stage("variants", 90, "where the bf16 step's time goes: no dropout (char), layers unrolled (GPT-2)"),
 ]
 TARGETS = [
     # (stage, figure, how it compares, target, what)
     ("nanogpt", "ratio", "<=", 1.0, "shakespeare-char step / nanoGPT's compiled step"),
     ("gpt2", "train_mfu_bf16.eqx_gpt", ">=", 0.40, "GPT-2-124M bf16 training MFU of bf16 peak"),
     ("gpt2", "generation_ratio", ">=", 1.5, "generation tokens/s / transformers'"),
+    ("determinism", "shakespeare-char.cost", "<=", 0.05, "exact resume's cost in the char step"),
+    (
+        "determinism",
+        "shakespeare-char.fixed order.same_bits",
+        "==",
+        True,
+        "two char trainings alike, same bits",
+    ),
+    ("determinism", "gpt2-124m.fixed order.same_bits", "==", True, "two GPT-2 trainings alike, same bits"),
+    ("determinism", "again_same_losses", "==", True, "train.py twice, each compiled afresh, same losses"),
 ]
 
 
@@ -136,7 +150,8 @@ def judge(stages: dict, dry_run: bool) -> list[dict]:
     judged = []
     for stage, path, how, target, what in TARGETS:
         value = figure(stages, stage, path)
-        met = None if value is None else (value <= target if how == "<=" else value >= target)
+        compare = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}[how]
+        met = None if value is None else compare(value, target)
         verdict = (
             "not judged (dry run)"
             if dry_run
@@ -175,15 +190,36 @@ def headline(name: str, r: dict) -> str:
             f"{v.get('bf16_over_fp32')}"
             for case, v in cases
         )
+    cases = {case: v for case, v in r.items() if isinstance(v, dict)}
     if name == "variants":
         return "; ".join(
             f"{case} "
             + ", ".join(
-                f"{label} {v.get('step_ms')} ms ({v.get('over_as_timed')}x)" for label, v in cases.items()
+                f"{label} {v.get('step_ms')} ms ({v.get('over_as_timed')}x, MFU {v.get('mfu_bf16')})"
+                for label, v in variants.items()
             )
-            for case, cases in r.items()
-            if isinstance(cases, dict)
+            for case, variants in cases.items()
         )
+    if name == "profile":
+        return "; ".join(
+            f"{case} {v.get('device_ms_per_step')} ms a step on the device, top: "
+            + ", ".join(f"{k[0][:40]} {k[1]} ms ({k[2]}%)" for k in v.get("kernels", [])[:4])
+            for case, v in cases.items()
+        )
+    if name == "determinism":
+        text = "; ".join(
+            f"{case} "
+            + ", ".join(
+                f"{label} {r['step_ms']} ms (same bits {r['same_bits']})"
+                for label, r in v.items()
+                if isinstance(r, dict)
+            )
+            + f": cost {v.get('cost')}"
+            for case, v in cases.items()
+        )
+        return (f"{text}; train.py again, compiled afresh: same losses {g('again_same_losses')}; "
+                f"train.py tok/s {g('tokens_per_s_default')}, with the global flag "
+                f"{g('tokens_per_s_global_flag')}: its cost {g('global_flag_cost')}")  # fmt: skip
     return ""
 
 

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -43,7 +44,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 # The tests that mean most on a GPU: model and sampling equivalence (cached decoding against the
 # full forward, GPT-2 against transformers' logits), training exactness (steps grouped any way,
 # accumulation), one-device sharding (the data mesh the trainer builds), bf16 (fused cuDNN
-# attention against the per-head path, bf16 loss and gradients against fp32).
+# attention against the per-head path, bf16 loss and gradients against fp32), the embedding's
+# fixed-order gradient against the scatter-add, the attention kernels (compiled, not interpreted).
 GPU_TESTS = [
     "tests/test_gpt.py",
     "tests/test_generate.py",
@@ -53,6 +55,8 @@ GPU_TESTS = [
     "tests/test_parallel.py",
     "tests/test_mixed_precision.py",
     "tests/test_loss.py",
+    "tests/test_embedding.py",
+    "tests/test_flash_attention.py",
 ]
 # The dry run collects every test above, and runs this one, which builds a one-device mesh.
 DRY_TEST = "test_batches_that_devices_cannot_share_are_rejected_with_the_fix"  # in test_parallel.py
@@ -194,7 +198,7 @@ def stage_tests(record: Record, sizes: Sizes, args) -> None:
     if args.dry_run:  # every test of the selection is collected (a missing one is an error); one runs
         cmd += ["-k", DRY_TEST]
     elif find_spec("xdist"):  # several test processes share the GPU, none taking most of its memory
-        cmd += ["-n", "4", "--dist", "loadgroup"]
+        cmd += ["-n", "8", "--dist", "loadgroup"]
     record.put(
         selection=GPU_TESTS, matmul_precision="highest", ran="one test (dry run)" if args.dry_run else "all"
     )
@@ -231,16 +235,23 @@ def char_config(sizes: Sizes, compute_dtype: str | None = None):
     return GPTConfig(vocab_size=65, **model)
 
 
-def stage_train(record: Record, sizes: Sizes, args) -> None:
+def run_train(sizes: Sizes, env: dict, record: Record, prefix: str = "") -> float:
+    """`train.py --preset shakespeare-char` for `sizes.train_steps` steps under `env`: its figures
+    recorded (names prefixed by `prefix`); returns its tokens/s."""
     from common import flops_per_token
 
     out_dir = Path(tempfile.mkdtemp(prefix="gpu-check-train-")) / "run"
     cmd = [sys.executable, "train.py", "--preset", "shakespeare-char", "--max-steps", str(sizes.train_steps),
            "--sample-tokens", "0", "--out-dir", str(out_dir), *sizes.train_flags]  # fmt: skip
-    record.put(command=" ".join(cmd[1:]))
+    record.put(**{f"{prefix}command": " ".join(cmd[1:]), f"{prefix}xla_flags": env.get("XLA_FLAGS", ""),
+                  f"{prefix}out_dir": str(out_dir)})  # fmt: skip
     start = time.perf_counter()
-    run = subprocess.run(cmd, cwd=ROOT)
-    record.put(train_rc=run.returncode, wall_s=round(time.perf_counter() - start, 1))
+    run = subprocess.run(cmd, cwd=ROOT, env=env)
+    record.put(
+        **{f"{prefix}train_rc": run.returncode, f"{prefix}wall_s": round(time.perf_counter() - start, 1)}
+    )
+    if run.returncode != 0:
+        raise SystemExit(f"train.py exit {run.returncode}")
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     # The first rate read can still hold the compile; the trainer measures from after it.
@@ -249,15 +260,18 @@ def stage_train(record: Record, sizes: Sizes, args) -> None:
     flops_per_s = flops_per_token(config) * tokens_per_s
     peaks = peaks_of(record.path.parent)
     final = [r["final_val_loss"] for r in rows if "final_val_loss" in r]
-    record.put(
+    record.put(**{prefix + k: v for k, v in dict(
         steps=max(r["step"] for r in rows), tokens_per_s=round(tokens_per_s, 1),
         compute_dtype=config.compute_dtype, mfu_fp32=mfu(flops_per_s, 1.0, peaks.get("fp32_tflops")),
         mfu_bf16=mfu(flops_per_s, 1.0, peaks.get("bf16_tflops")),
         val_loss=[r["val_loss"] for r in rows if "val_loss" in r][-1:],
         final_val_loss=final[-1] if final else None,
-    )  # fmt: skip
-    if run.returncode != 0:
-        raise SystemExit(f"train.py exit {run.returncode}")
+    ).items()})  # fmt: skip
+    return tokens_per_s
+
+
+def stage_train(record: Record, sizes: Sizes, args) -> None:
+    run_train(sizes, dict(os.environ), record)
 
 
 # --- the eqx_gpt training step, timed ------------------------------------------------------------
@@ -372,14 +386,18 @@ def stage_nanogpt(record: Record, sizes: Sizes, args) -> None:
 
 def gpt2_config(sizes: Sizes, compute_dtype: str = "float32"):
     """The gpt2-124m preset's model at `sizes.gpt2_model`'s shape (GPT-2-124M's in the real run)."""
+    import jax
+
     from eqx_gpt import PRESETS, GPTConfig
 
     s = sizes.gpt2_model
     shape = dict(
         n_layers=s["n_layer"], d_model=s["n_embd"], n_heads=s["n_head"], context_length=s["n_positions"]
     )
-    model = {**PRESETS["gpt2-124m"].model, **shape, "compute_dtype": compute_dtype}
-    return GPTConfig(vocab_size=GPT2_VOCAB, **model)
+    # The preset as a run on this device resolves it (on a GPU its layers unrolled).
+    values = PRESETS["gpt2-124m"].values(gpu=jax.default_backend() == "gpu")
+    model = {k: v for k, v in values.items() if k in GPTConfig.__dataclass_fields__}
+    return GPTConfig(vocab_size=GPT2_VOCAB, **{**model, **shape, "compute_dtype": compute_dtype})
 
 
 # The training configs timed: each preset's, with gradient clipping off for GPT-2 as on transformers'
@@ -559,11 +577,58 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
 # --- variants ------------------------------------------------------------------------------------
 
 
+@contextmanager
+def patched(target: str, value):
+    """`target` ("module:attribute") set to `value` within the block: a variant's step is traced
+    (on its first call) inside it, and jit keeps what it traced."""
+    import importlib
+
+    module_name, attribute = target.split(":")
+    module = importlib.import_module(module_name)
+    saved = getattr(module, attribute)
+    setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(module, attribute, saved)
+
+
+# (what a variant replaces, with what), for `patched`.
+CPU_LOSS_BOUNDS = (
+    "eqx_gpt.model.loss:chunk_limits",
+    lambda: __import__("eqx_gpt.model.loss").model.loss.CPU_LIMITS,
+)
+SCATTER_ADD = ("eqx_gpt.model.embedding:one_hot_gradient_default", lambda: False)
+CUDNN_AT_RATE_0 = ("eqx_gpt.model.attention:KERNELS_WITHOUT_DROPOUT", False)
+PER_HEAD_PATH = ("eqx_gpt.model.attention:flash_attention_available", lambda dtype, d_head: False)
+
+
+def variant_cases(sizes: Sizes) -> dict:
+    """Each model's step as timed elsewhere, and the variants that show where its time goes:
+    {model: (preset, batch, config, {label: (config changes, batch, patch or None)})}."""
+    char, gpt2 = char_config(sizes, "bfloat16"), gpt2_config(sizes, "bfloat16")
+    return {
+        "shakespeare-char": ("shakespeare-char", sizes.char_batch, char, {
+            "dropout 0": (dict(dropout=0.0), sizes.char_batch, None),
+            "dropout 0, cuDNN": (dict(dropout=0.0), sizes.char_batch, CUDNN_AT_RATE_0),
+            "per-head dropout path": ({}, sizes.char_batch, PER_HEAD_PATH),
+        }),
+        "gpt2-124m": ("gpt2-124m", sizes.gpt2_batch, gpt2, {
+            "cuDNN attention": ({}, sizes.gpt2_batch, CUDNN_AT_RATE_0),
+            "layers rolled": (dict(scan_unroll=1), sizes.gpt2_batch, None),
+            "CPU loss bounds": ({}, sizes.gpt2_batch, CPU_LOSS_BOUNDS),
+            "batch x2": ({}, 2 * sizes.gpt2_batch, None),
+        }),
+    }  # fmt: skip
+
+
 def stage_variants(record: Record, sizes: Sizes, args) -> None:
     """Where the bf16 step's time goes, each variant against the step as timed above (interleaved):
-    shakespeare-char without dropout (with attention dropout the step leaves cuDNN's fused kernel),
-    and GPT-2-124M with every layer unrolled (`scan_unroll = n_layers`). The first H100 run
-    (docs/PERFORMANCE.md) measured these by hand: 9.26 -> 5.95 ms and 52.8 -> 45.8 ms."""
+    shakespeare-char without dropout (in our kernels, and in cuDNN's), with dropout on the per-head
+    path the kernels replace; GPT-2-124M with cuDNN's attention instead of ours, with its layers in a
+    rolled scan (the CPU's way),
+    with the CPU's loss bounds (393 blocks of 128 columns at 8 x 1,024 tokens: the first H200
+    profile's largest cost) and at twice the batch. Each with its MFU of the bf16 peak."""
     import dataclasses
 
     import jax
@@ -572,39 +637,145 @@ def stage_variants(record: Record, sizes: Sizes, args) -> None:
     from eqx_gpt import GPT
 
     peak = peaks_of(record.path.parent).get("bf16_tflops")
-    char, gpt2 = char_config(sizes, "bfloat16"), gpt2_config(sizes, "bfloat16")
-    cases = {
-        "shakespeare-char": ("shakespeare-char", sizes.char_batch, char, {"dropout 0": dict(dropout=0.0)}),
-        "gpt2-124m": ("gpt2-124m", sizes.gpt2_batch, gpt2, {"unrolled": dict(scan_unroll=gpt2.n_layers)}),
-    }
-    for name, (preset, batch, config, changes) in cases.items():
-        train_config = train_config_of(preset, batch)
-        configs = {"as timed": config, **{k: dataclasses.replace(config, **v) for k, v in changes.items()}}
-        steps = {}
-        for label, c in configs.items():
-            batches = random_batches(c.vocab_size, batch, c.context_length + 1)
-            steps[label] = EqxStep(GPT(c, key=jax.random.key(0)), train_config, batches)
-            steps[label].first()
+    for name, (preset, batch, config, changes) in variant_cases(sizes).items():
+        variants = {"as timed": ({}, batch, None), **changes}
+        steps, batches_of = {}, {}
+        for label, (change, n, patch) in variants.items():
+            c = dataclasses.replace(config, **change)
+            steps[label] = EqxStep(GPT(c, key=jax.random.key(0)), train_config_of(preset, n),
+                                   random_batches(c.vocab_size, n, c.context_length + 1))  # fmt: skip
+            batches_of[label] = n
+            with patched(*patch) if patch else nullcontext():
+                steps[label].first()
         times = {label: [] for label in steps}
         for _ in range(sizes.rounds):
             for label, step in steps.items():
                 times[label] += time_blocks(step, step.sync, sizes.block, sizes.blocks)
-        flops_step = flops_per_token(config) * batch * config.context_length
         base = statistics.median(times["as timed"])
         figures = {}
         for label, t in times.items():
             step_s = statistics.median(t)
-            figures[label] = dict(
-                step_ms=median_ms(t),
-                over_as_timed=round(step_s / base, 3),
-                mfu_bf16=mfu(flops_step, step_s, peak),
-            )
+            flops_step = flops_per_token(config) * batches_of[label] * config.context_length
+            figures[label] = dict(step_ms=median_ms(t), over_as_timed=round(step_s / base, 3),
+                                  mfu_bf16=mfu(flops_step, step_s, peak))  # fmt: skip
         record.put(**{name: figures})
         del steps
 
 
+# --- profile -------------------------------------------------------------------------------------
+
+
+def stage_profile(record: Record, sizes: Sizes, args) -> None:
+    """The top kernels by device time of the bf16 steps timed above (JAX's profiler,
+    `bench/gpu_profile.py`): where the time goes, for the next change to aim at."""
+    import jax
+    from gpu_profile import top_kernels
+
+    from eqx_gpt import GPT
+
+    cases = {"gpt2-124m": (gpt2_config(sizes, "bfloat16"), sizes.gpt2_batch),
+             "shakespeare-char": (char_config(sizes, "bfloat16"), sizes.char_batch)}  # fmt: skip
+    for name, (config, batch) in cases.items():
+        step = EqxStep(GPT(config, key=jax.random.key(0)), train_config_of(name, batch),
+                       random_batches(config.vocab_size, batch, config.context_length + 1))  # fmt: skip
+        step.first()
+        for _ in range(3):
+            step.sync(step())
+        profile = top_kernels(step, step.sync, steps=5, top=12)
+        record.put(quiet=True, **{name: profile})
+        print(f"  {name}: device time {profile['device_ms_per_step']} ms a step; its top kernels:")
+        for kernel, ms, percent, calls in profile["kernels"]:
+            print(f"    {ms:8.3f} ms {percent:5.1f}% x{calls:<6} {kernel}")
+        del step
+
+
+# --- determinism ---------------------------------------------------------------------------------
+
+
+def same_bits(a, b) -> tuple[bool, int]:
+    """Whether two models' arrays are equal bit for bit, and how many entries differ."""
+    import equinox as eqx
+    import jax
+
+    leaves = zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)),
+        jax.tree.leaves(eqx.filter(b, eqx.is_array)),
+        strict=True,
+    )
+    differing = sum(
+        int(np.sum(np.asarray(x).view(np.uint8) != np.asarray(y).view(np.uint8))) for x, y in leaves
+    )
+    return differing == 0, differing
+
+
+def twice(config, preset: str, batch: int, steps: int, patch) -> tuple[bool, int, list[float]]:
+    """Train two models built alike for `steps` steps on the same batches: whether they end equal
+    bit for bit (and how many bytes differ), and the seconds per step of the second, timed."""
+    import jax
+
+    from eqx_gpt import GPT
+
+    runs, times = [], []
+    for _ in range(2):
+        step = EqxStep(GPT(config, key=jax.random.key(0)), train_config_of(preset, batch),
+                       random_batches(config.vocab_size, batch, config.context_length + 1))  # fmt: skip
+        with patched(*patch) if patch else nullcontext():
+            step.first()
+        times = time_blocks(step, step.sync, steps, 1)
+        runs.append(step.state[0])
+    return (*same_bits(*runs), times)
+
+
+def stage_determinism(record: Record, sizes: Sizes, args) -> None:
+    """Exact resume's cost, both ways. In one process: two trainings of the bf16 step built alike
+    end with the same bits (the embedding gradient as a fixed-order product, attention in our own
+    kernel), while with XLA's scatter-add instead of the product they need not; and the step time
+    of each. Then `train.py` with XLA's global `--xla_gpu_deterministic_ops`, against the train
+    stage's run without it: what the global flag cost."""
+    cases = {"shakespeare-char": (char_config(sizes, "bfloat16"), sizes.char_batch),
+             "gpt2-124m": (gpt2_config(sizes, "bfloat16"), sizes.gpt2_batch)}  # fmt: skip
+    for name, (config, batch) in cases.items():
+        figures = {}
+        variants = [("fixed order", None), ("XLA scatter-add", SCATTER_ADD)]
+        if config.dropout == 0:  # attention in cuDNN's kernel instead of ours
+            variants.append(("cuDNN attention", CUDNN_AT_RATE_0))
+        for label, patch in variants:
+            same, differing, times = twice(config, name, batch, 2 * sizes.block, patch)
+            figures[label] = dict(same_bits=same, bytes_differing=differing, step_ms=median_ms(times))
+        figures["cost"] = round(
+            figures["fixed order"]["step_ms"] / figures["XLA scatter-add"]["step_ms"] - 1, 4
+        )
+        record.put(**{name: figures})
+    train = record.path.parent / "train.json"
+    first = json.loads(train.read_text()) if train.exists() else {}
+    # The train stage's command again in a process of its own, compiling (and autotuning) afresh:
+    # what a resumed run is, as the tests stage checks steps grouped into calls in other ways.
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    run_train(sizes, env, record, "again_")
+    if first.get("out_dir"):
+        record.put(
+            again_same_losses=logged_losses(Path(first["out_dir"]))
+            == logged_losses(Path(record["again_out_dir"]))
+        )
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
+    flagged = run_train(sizes, dict(os.environ, XLA_FLAGS=flags), record, "global_flag_")
+    default = first.get("tokens_per_s")
+    record.put(
+        tokens_per_s_default=default, tokens_per_s_global_flag=flagged,
+        global_flag_cost=round(1 - flagged / default, 4) if default and flagged else None,
+    )  # fmt: skip
+
+
+def logged_losses(out_dir: Path) -> list:
+    """Every loss a run logged, in order (training and validation), as metrics.jsonl holds them:
+    Python's shortest round-trip text of each float, so equal lists mean equal bits."""
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r.get("step"), k, r[k]) for r in rows for k in sorted(r) if "loss" in k]
+
+
 STAGES = {"peaks": stage_peaks, "tests": stage_tests, "train": stage_train, "nanogpt": stage_nanogpt,
-          "gpt2": stage_gpt2, "dtype": stage_dtype, "variants": stage_variants}  # fmt: skip
+          "gpt2": stage_gpt2, "dtype": stage_dtype, "variants": stage_variants, "profile": stage_profile,
+          "determinism": stage_determinism}  # fmt: skip
 
 
 def run(name: str, record: Record, sizes: Sizes, args) -> None:

@@ -12,11 +12,6 @@ from pathlib import Path
 import pytest
 import tiktoken.load
 
-from eqx_gpt.training.parallel import request_deterministic_gpu_ops
-
-# What train.py asks for before JAX starts (the tests of exact resume assert what it relies on).
-request_deterministic_gpu_ops()
-
 _SHARED_TIKTOKEN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tiktoken-cache"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and _SHARED_TIKTOKEN.is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(_SHARED_TIKTOKEN)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["peaks", "tests", "train", "nanogpt", "gpt2", "dtype", "variants"]
+STAGES = ["peaks", "tests", "nanogpt", "gpt2", "train", "determinism", "profile", "variants", "dtype"]
 
 
 def probe_wheel(folder: Path) -> Path:
@@ -65,7 +65,7 @@ def test_every_stage_runs_and_the_summary_is_printed_and_written(dry_run):
         assert stage["status"] == "ok", (name, stage)
     table = out.stdout[out.stdout.index("gpu_check DRY RUN") : out.stdout.index("\nwrote ")]
     assert all(f"\n{name} " in table for name in STAGES) and table in log
-    assert [t["verdict"] for t in report["targets"]] == ["not judged (dry run)"] * 3
+    assert [t["verdict"] for t in report["targets"]] == ["not judged (dry run)"] * 7
 
 
 @pytest.mark.slow
@@ -87,7 +87,22 @@ def test_each_stage_measured_what_it_measures_on_a_gpu(dry_run):
         assert s["dtype"][case]["fp32_step_ms"] > 0 and s["dtype"][case]["bf16_step_ms"] > 0
     assert s["variants"]["shakespeare-char"]["as timed"]["over_as_timed"] == 1.0
     assert s["variants"]["shakespeare-char"]["dropout 0"]["step_ms"] > 0
-    assert s["variants"]["gpt2-124m"]["unrolled"]["step_ms"] > 0
+    for label in ("layers rolled", "CPU loss bounds", "batch x2"):
+        assert s["variants"]["gpt2-124m"][label]["step_ms"] > 0
+    for case in ("shakespeare-char", "gpt2-124m"):
+        d = s["determinism"][case]
+        assert (
+            d["fixed order"]["same_bits"] is True and d["XLA scatter-add"]["step_ms"] > 0
+        )  # a CPU adds in order
+        assert isinstance(d["cost"], float)
+        profile = s["profile"][case]
+        assert profile["device_ms_per_step"] > 0 and len(profile["kernels"]) > 3
+        assert all(isinstance(name, str) and ms >= 0 for name, ms, _, _ in profile["kernels"])
+    assert s["determinism"]["tokens_per_s_default"] == s["train"]["tokens_per_s"]
+    assert s["determinism"]["again_same_losses"] is True  # one CPU process and the next: the same bits
+    assert (
+        s["determinism"]["global_flag_tokens_per_s"] > 0 and s["determinism"]["global_flag_cost"] is not None
+    )
 
 
 @pytest.mark.slow

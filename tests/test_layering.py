@@ -160,6 +160,7 @@ def _exported() -> set[str]:
 # a benchmark of that part, so it cannot use a version of its own; no example is ever here.
 TIMES_AN_INTERNAL = {
     "bench/trackers.py": "eqx_gpt.training.trackers",  # the trainer's TensorBoard and W&B writers, per record
+    "bench/flash_attention.py": "eqx_gpt.model.flash_attention",  # the kernels attention takes on a GPU
 }
 
 

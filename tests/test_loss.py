@@ -10,7 +10,15 @@ import optax
 import pytest
 
 from eqx_gpt import GPT, GPTConfig
-from eqx_gpt.model.loss import chunked_cross_entropy, chunks_pay, default_block, next_token_loss
+from eqx_gpt.model.loss import (
+    CPU_LIMITS,
+    GPU_LIMITS,
+    chunk_limits,
+    chunked_cross_entropy,
+    chunks_pay,
+    default_block,
+    next_token_loss,
+)
 from eqx_gpt.training.presets import PRESETS
 
 # 300 ids padded to 320: the padding columns must take no probability.
@@ -126,6 +134,17 @@ def test_blocks_cover_a_few_mib_of_logits():
     assert default_block(48 * 64, 50_304) == 341  # the default body's batch: 340 after evening out
     assert default_block(1, 50_304) == 50_304  # one token: the whole head in one block
     assert default_block(1 << 20, 50_304) == 128  # a million tokens: never narrower than 128
+
+
+def test_a_gpu_keeps_gpt2_steps_plain_and_chunks_in_wide_blocks():
+    # On a GPU the CPU's bounds made GPT-2's loss over 8 x 1,024 tokens 393 narrow blocks.
+    assert chunk_limits() is CPU_LIMITS  # this suite runs on a CPU
+    assert chunks_pay(8 * 1024, 50_304, 768, gradient=True, limits=CPU_LIMITS)
+    assert not chunks_pay(8 * 1024, 50_304, 768, gradient=True, limits=GPU_LIMITS)
+    assert not chunks_pay(16 * 1024, 50_304, 768, gradient=True, limits=GPU_LIMITS)
+    assert chunks_pay(32 * 1024, 50_304, 768, gradient=True, limits=GPU_LIMITS)
+    assert default_block(32 * 1024, 50_304, GPU_LIMITS) == 2048
+    assert default_block(8 * 1024, 50_304, CPU_LIMITS) == 128
 
 
 def test_the_character_presets_keep_the_plain_loss_bit_for_bit():

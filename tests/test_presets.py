@@ -11,6 +11,13 @@ from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.step import decay_mask, describe_optimizer, learning_rate
 
 
+def test_gpt2_124m_unrolls_its_layers_on_a_gpu_only(monkeypatch):
+    assert resolve_options({"preset": "gpt2-124m"}).model.scan_unroll == 1  # this suite runs on a CPU
+    monkeypatch.setattr("eqx_gpt.training.options.on_gpu", lambda: True)
+    assert resolve_options({"preset": "gpt2-124m"}).model.scan_unroll == 12
+    assert resolve_options({"preset": "gpt2-124m", "scan_unroll": 2}).model.scan_unroll == 2  # a flag wins
+
+
 def test_gpt2_124m_resolves_to_gpt2_small_and_nanogpts_adamw():
     options = resolve_options({"preset": "gpt2-124m"})
     c = options.train

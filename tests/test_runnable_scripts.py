@@ -27,10 +27,12 @@ SMOKE: dict[str, tuple[list[str], tuple[str, ...]] | None] = {
     "bench/torch_gpt.py": None,  # the PyTorch child of vs_pytorch.py, run through it
     "bench/gpu_check.py": None,  # run by bench/gpu_check.sh --dry-run in tests/test_gpu_check.py
     "bench/gpu_stages.py": None,  # the stages' child of gpu_check.py, run through it
+    "bench/gpu_profile.py": None,  # the profile stage's reader of JAX's trace, run through gpu_check
     "bench/bpe_step.py": (["--smoke"], ()),
     "bench/compile_layers.py": (["--smoke"], ()),
     "bench/data_grain.py": (["--smoke"], ("grain",)),
     "bench/data_path.py": (["--smoke"], ()),
+    "bench/flash_attention.py": (["--smoke"], ()),
     "bench/recipe_step.py": (["--smoke"], ()),
     "bench/sample.py": (["--smoke"], ()),
     "bench/trackers.py": (["--step-ms", "85", "--calls", "2", "--warmup", "1"], ("tensorboardX", "wandb")),

@@ -273,19 +273,3 @@ def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
     assert float(figures["grad_norm"][0]) == pytest.approx(expected, rel=1e-4)
     assert float(figures["loss"][0]) == pytest.approx(loss, rel=1e-5)
     assert float(figures["grad_norm"][1]) == 0  # a slot past n
-
-
-def test_deterministic_gpu_ops_are_asked_for_unless_the_user_chose():
-    from eqx_gpt.training.parallel import request_deterministic_gpu_ops
-
-    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    assert request_deterministic_gpu_ops(environ)
-    assert environ["XLA_FLAGS"].split() == [
-        "--xla_force_host_platform_device_count=2", "--xla_gpu_deterministic_ops=true"
-    ]  # fmt: skip
-    assert not request_deterministic_gpu_ops(environ)  # asked once
-    chosen = {"XLA_FLAGS": "--xla_gpu_deterministic_ops=false"}
-    assert not request_deterministic_gpu_ops(chosen)
-    assert chosen["XLA_FLAGS"] == "--xla_gpu_deterministic_ops=false"
-    empty: dict[str, str] = {}
-    assert request_deterministic_gpu_ops(empty) and empty == {"XLA_FLAGS": "--xla_gpu_deterministic_ops=true"}

@@ -28,7 +28,7 @@ from eqx_gpt.model.config import (
 from eqx_gpt.training import run as run_module
 from eqx_gpt.training.config import OPTIMIZERS, SCHEDULES, TOKENIZERS, TrainConfig
 from eqx_gpt.training.options import MODEL_FIELDS, TRAIN_FIELDS, preset_values, resume_on_the_command_line
-from eqx_gpt.training.parallel import initialize_distributed, request_deterministic_gpu_ops
+from eqx_gpt.training.parallel import initialize_distributed
 from eqx_gpt.training.presets import DEFAULT_PRESET, PRESETS
 from eqx_gpt.training.run import AUTO
 
@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
 
     def body() -> int:
         try:
-            request_deterministic_gpu_ops()  # resume continues the same bits on a GPU too
             initialize_distributed()  # one process of a multi-host run (docs/GUIDE.md: "Scaling out")
             result = run_module._train(
                 {**settings, **({} if preset == AUTO else {"preset": preset})}, Path(out_dir), resume=resume,

@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import check_last_dim, check_size, is_traced, is_whole, typechecked
 from eqx_gpt.model.dropout import check_rate, dropout, dropout_active
+from eqx_gpt.model.flash_attention import flash_attention_available, flash_multi_head_attention
 from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.positions import rotary_embedding
 from eqx_gpt.streams import keys_per_sequence, projection_keys
@@ -166,6 +167,13 @@ def fused_attention(
     inputs; `None` is XLA's reference path, which matches the per-head `vmap` path.
     """
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+
+# On a GPU, attention without dropout takes eqx_gpt's kernels too, not cuDNN's: their backward adds
+# in a fixed order (dq and dk/dv in kernels of their own, no atomics), while cuDNN's adds dq with
+# atomics unless XLA's global --xla_gpu_deterministic_ops is set, which cost a quarter of a run's
+# GPU throughput. So a GPU run gives the same bits every time, and a resumed run continues them.
+KERNELS_WITHOUT_DROPOUT = True
 
 
 def _cudnn_attention_available(dtype) -> bool:
@@ -364,9 +372,14 @@ class MultiHeadAttention(eqx.Module):
 
     def _attend(self, q, k, v, mask, key, rate: float, cached: bool = False):
         """All heads' outputs `(*batch, seq, d_model)`, attention weights dropped out at `rate`:
-        cuDNN's fused kernel on a GPU with 16-bit activations and no dropout (the same function,
-        see `fused_attention`), else `multi_head_attention`. A cache's layout (`cached`) is read
-        by `multi_head_attention` only: cuDNN's kernel takes keys position first."""
+        on a GPU the fused kernels of `flash_attention` (the same function, its dropout mask a
+        hash of `key`: `dropout_keep`), at any rate unless `KERNELS_WITHOUT_DROPOUT` is off, then
+        cuDNN's fused kernel without dropout with 16-bit activations (`fused_attention`); else
+        `multi_head_attention`. A cache's layout (`cached`) is read by `multi_head_attention`
+        only: the fused kernels take keys position first."""
+        kernels = rate > 0.0 or KERNELS_WITHOUT_DROPOUT
+        if kernels and not cached and flash_attention_available(q.dtype, q.shape[-1]):
+            return flash_multi_head_attention(q, k, v, mask, rate, key)
         if _cudnn_attention_available(q.dtype) and rate == 0.0 and not cached:
             per_sequence = mask is not None and mask.ndim > 2
             fused_mask = mask[..., None, :, :] if mask is not None and per_sequence else mask  # heads=1

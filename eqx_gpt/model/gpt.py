@@ -12,6 +12,7 @@ from eqx_gpt.model.attention import KVCache, causal_mask
 from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout, dropout_active
+from eqx_gpt.model.embedding import embedding_lookup
 from eqx_gpt.model.linear import Linear, linear
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.model.positions import sinusoidal_positions
@@ -94,7 +95,10 @@ class GPT(eqx.Module):
         """Token vectors plus the position vectors of positions `start .. start + new - 1`, read
         from a table of `table_length` rows (sinusoidal or learned; none under RoPE)."""
         c = self.config
-        x = self.embed[tokens]
+        # Its gradient reaches the lookup as `compute_dtype` values unless the sinusoidal scale
+        # multiplies it first: then it needs float32's bits (`embedding_lookup`).
+        sinusoidal = c.positions != "rope" and self.pos_embed is None
+        x = embedding_lookup(self.embed, tokens, exact_dtype=jnp.float32 if sinusoidal else c.compute_dtype)
         if c.positions == "rope":  # positions enter in attention
             return x.astype(c.compute_dtype)
         if self.pos_embed is None:  # sinusoidal

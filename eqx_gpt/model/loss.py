@@ -20,9 +20,11 @@ than the second pass's extra matrix multiply (`bench/bpe_step.py`).
 cross-entropy) while the logits of one call are small (`LOGITS_AT_ONCE`), the chunked one past
 that; but a gradient through a wide head (GPT-2-124M's 768) stays plain up to 512 MiB of logits,
 since the second pass's matrix multiply costs it more than it saves. The character models'
-losses, training's and evaluation's, are thus computed exactly as before.
+losses, training's and evaluation's, are thus computed exactly as before. A GPU has bounds of its
+own (`GPU_LIMITS`): far more memory, no cache to fit.
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -40,11 +42,35 @@ RECOMPUTE_MAX_WIDTH = 256  # a gradient at a wider head is chunked only past the
 GRADIENT_LOGITS_AT_ONCE = 1 << 27  # 512 MiB of float32 logits
 
 
-def default_block(n_tokens: int, padded_vocab: int) -> int:
+@dataclass(frozen=True)
+class ChunkLimits:
+    """When a loss is chunked, and how wide its blocks are, on one kind of device."""
+
+    logits_at_once: int  # a loss over more logits than this is chunked
+    gradient_logits_at_once: int  # the same, for a gradient through a head wider than RECOMPUTE_MAX_WIDTH
+    block_logits: int  # logits per block
+
+
+CPU_LIMITS = ChunkLimits(LOGITS_AT_ONCE, GRADIENT_LOGITS_AT_ONCE, BLOCK_LOGITS)
+# A GPU holds tens of GB and reads them at terabytes a second, and it has no cache for a block to
+# stay in: the CPU's bounds made GPT-2-124M's loss over 8 x 1,024 tokens 393 scan steps of narrow
+# products, half of its training step on an H200 (bench/gpu_check.sh's profile). There, a loss is
+# plain up to 4 GiB of float32 logits (8 x 1,024 and 16 x 1,024 tokens of GPT-2), and past that its
+# blocks hold 256 MiB of logits each.
+GPU_LIMITS = ChunkLimits(1 << 28, 1 << 30, 1 << 26)
+
+
+def chunk_limits() -> ChunkLimits:
+    """The bounds for JAX's default backend: `GPU_LIMITS` on a GPU, else `CPU_LIMITS`."""
+    return GPU_LIMITS if jax.default_backend() == "gpu" else CPU_LIMITS
+
+
+def default_block(n_tokens: int, padded_vocab: int, limits: ChunkLimits | None = None) -> int:
     """Columns per block for a loss over `n_tokens` with a head of `padded_vocab` columns: about
-    `BLOCK_LOGITS` logits (340 columns for 3,072 tokens and GPT-2's 50,304), at least `MIN_BLOCK`,
-    at most the whole head."""
-    return min(padded_vocab, max(MIN_BLOCK, BLOCK_LOGITS // max(1, n_tokens)))
+    `limits.block_logits` logits (default `chunk_limits()`; on a CPU 340 columns for 3,072 tokens
+    and GPT-2's 50,304), at least `MIN_BLOCK`, at most the whole head."""
+    limits = chunk_limits() if limits is None else limits
+    return min(padded_vocab, max(MIN_BLOCK, limits.block_logits // max(1, n_tokens)))
 
 
 def chunked_cross_entropy(
@@ -167,16 +193,24 @@ def _chunked_bwd(vocab_size, softcap, residuals, g):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def chunks_pay(n_tokens: int, padded_vocab: int, d_model: int = 0, *, gradient: bool = False) -> bool:
-    """Whether a loss over `n_tokens` is chunked: when its logits would exceed `LOGITS_AT_ONCE`;
-    but under differentiation (`gradient`) at a head wider than `RECOMPUTE_MAX_WIDTH`, only past
-    `GRADIENT_LOGITS_AT_ONCE`, because there the second pass's matrix multiply costs more than
-    the memory traffic it saves (GPT-2-124M's step on 4 x 256 tokens: 7.8 s plain, 9.2 s chunked,
-    on a 2-core AVX2 EPYC)."""
+def chunks_pay(
+    n_tokens: int,
+    padded_vocab: int,
+    d_model: int = 0,
+    *,
+    gradient: bool = False,
+    limits: ChunkLimits | None = None,
+) -> bool:
+    """Whether a loss over `n_tokens` is chunked: when its logits would exceed
+    `limits.logits_at_once` (default `chunk_limits()`); but under differentiation (`gradient`) at a
+    head wider than `RECOMPUTE_MAX_WIDTH`, only past `limits.gradient_logits_at_once`, because there
+    the second pass's matrix multiply costs more than the memory traffic it saves (GPT-2-124M's step
+    on 4 x 256 tokens: 7.8 s plain, 9.2 s chunked, on a 2-core AVX2 EPYC)."""
+    limits = chunk_limits() if limits is None else limits
     logits = n_tokens * padded_vocab
     if gradient and d_model > RECOMPUTE_MAX_WIDTH:
-        return logits > GRADIENT_LOGITS_AT_ONCE
-    return logits > LOGITS_AT_ONCE
+        return logits > limits.gradient_logits_at_once
+    return logits > limits.logits_at_once
 
 
 def next_token_loss(

@@ -16,7 +16,7 @@ How it runs:
     report      `Report`: log lines, metrics.jsonl, the loss plot, the progress bar, tokens/s
     time_plan   `TimePlan`: the schedule's length fitted to `--max-minutes`
     run_dir     the run's folder: its lock, refusals, and metrics.jsonl
-    parallel    the device mesh, data parallelism and FSDP, multi-host start, deterministic GPU ops
+    parallel    the device mesh, data parallelism and FSDP, multi-host start
 What it tells:
     records     `StepRecord`, `EvaluationRecord`, `FinalRecord`: metrics.jsonl's lines, typed;
                 `TrainResult`, its `history` the run's records

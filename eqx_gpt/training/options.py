@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
 from eqx_gpt.checkpoint import find_checkpoint, holds_run, is_own_model, read_metadata
 from eqx_gpt.errors import ConfigError, TrainingError
@@ -182,10 +184,16 @@ PATH_SETTINGS = ("init_from", "data", "lora_adapters")
 LORA_FROM_ADAPTERS = ("lora_rank", "lora_alpha", "lora_targets")  # what a PEFT folder's config sets
 
 
-def preset_values(name: str | None) -> dict:
+def preset_values(name: str | None, *, gpu: bool = False) -> dict:
     """Every `GPTConfig` (but `vocab_size`) and `TrainConfig` field's value under preset `name`
-    (None: no preset): the dataclass default, overridden by the preset."""
-    return {**DEFAULTS, **(PRESETS[name].values() if name is not None else {})}
+    (None: no preset): the dataclass default, overridden by the preset (with its GPU values if `gpu`)."""
+    return {**DEFAULTS, **(PRESETS[name].values(gpu=gpu) if name is not None else {})}
+
+
+def on_gpu() -> bool:
+    """Whether this run's device is a GPU (JAX's default backend), for a preset's GPU values. It
+    starts JAX's backends: the commands call it after their set-up (deterministic ops, multi-host)."""
+    return jax.default_backend() == "gpu"
 
 
 def _fresh(settings: dict, preset: str | None) -> RunOptions:
@@ -196,8 +204,11 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
             f"{settings['init_from']}; leave it out (only "
             f"{', '.join('--' + k.replace('_', '-') for k in INIT_FROM_OPTIONS)} apply)"
         )
-    from_preset = {k: v for k, v in (PRESETS[preset].values() if preset else {}).items() if k not in settings}
-    values = {**preset_values(preset), **settings}
+    gpu = on_gpu()
+    from_preset = {
+        k: v for k, v in (PRESETS[preset].values(gpu=gpu) if preset else {}).items() if k not in settings
+    }
+    values = {**preset_values(preset, gpu=gpu), **settings}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(resolved_path("init_from", values["init_from"]))
         own_run = _own_run(values["init_from"], settings)
@@ -328,7 +339,7 @@ def _check_checkpoint(checkpoint: dict) -> None:
 
 def _resumed(settings: dict, preset: str | None, checkpoint: dict) -> RunOptions:
     _check_checkpoint(checkpoint)
-    preset_given = PRESETS[preset].values() if preset else {}
+    preset_given = PRESETS[preset].values(gpu=on_gpu()) if preset else {}
     given = {**preset_given, **settings}
     saved_model = {k: v for k, v in checkpoint["model_config"].items() if k != "vocab_size"}
     saved_train = checkpoint["train_config"]

@@ -15,10 +15,11 @@ class Preset:
     description: str
     model: dict = field(default_factory=dict)  # GPTConfig fields except vocab_size
     train: dict = field(default_factory=dict)  # TrainConfig fields
+    gpu: dict = field(default_factory=dict)  # fields that differ when the run's device is a GPU
 
-    def values(self) -> dict:
-        """The preset's own values, model and training fields together."""
-        return {**self.model, **self.train}
+    def values(self, *, gpu: bool = False) -> dict:
+        """The preset's own values, model and training fields together; `gpu`: with its GPU ones."""
+        return {**self.model, **self.train, **(self.gpu if gpu else {})}
 
 
 _CPU_MODEL = dict(context_length=64, d_model=128, n_heads=4, n_layers=4, dropout=0.0, scan_unroll=4)
@@ -113,6 +114,10 @@ PRESETS = {
         # on a 2-core AVX2 EPYC a run peaked at 11.4 GB RSS and took 42.6 s a step (docs/PERFORMANCE.md).
         # --grad-accum restores the GPU batch where there is time for it.
         model=_GPT2_124M_MODEL,
+        # On a GPU the 12 layers run as straight-line code: a rolled scan slices each layer's
+        # weights out of the stack and writes its gradients back into zero-filled stacks, 13% of
+        # the step on an H100 (docs/PERFORMANCE.md); on a CPU, unrolling costs compile time instead.
+        gpu=dict(scan_unroll=12),
         train=dict(
             tokenizer="gpt2",
             optimizer="adamw",

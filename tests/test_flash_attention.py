@@ -1,0 +1,256 @@
+"""The fused attention kernels (`eqx_gpt.model.flash_attention`): outputs and gradients equal to the
+XLA path given the same dropout mask, the mask's statistics, and `MultiHeadAttention` taking them.
+
+On a CPU the kernels run in Pallas's interpret mode (exact, slow: the shapes here are small); on a
+GPU the same tests compile them with Triton. Each distinct shape compiles the kernels afresh, so
+the cases are few and each covers several things.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_gpt.model import attention as attention_module
+from eqx_gpt.model import flash_attention as flash_module
+from eqx_gpt.model.attention import MultiHeadAttention, causal_mask, multi_head_attention
+from eqx_gpt.model.dropout import keep_probability
+from eqx_gpt.model.flash_attention import (
+    BlockSizes,
+    dropout_keep,
+    flash_attention,
+    flash_attention_available,
+    reference_attention,
+    sequence_seeds,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _qkv(key, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
+    kq, kk, kv, kg = jax.random.split(key, 4)
+    q = jax.random.normal(kq, (batch, seq, heads, d_head), dtype)
+    k = jax.random.normal(kk, (batch, kv_seq, heads, d_head), dtype)
+    v = jax.random.normal(kv, (batch, kv_seq, heads, d_head), dtype)
+    return q, k, v, jax.random.normal(kg, (batch, seq, heads, d_head), jnp.float32)
+
+
+def _padded_causal(seq: int, lengths) -> jax.Array:
+    """Causal self-attention over sequences padded at the end to `seq`: `(batch, seq, seq)`."""
+    keys = jnp.arange(seq)[None, :] < jnp.asarray(lengths)[:, None]
+    return causal_mask(seq)[None] & keys[:, None, :]
+
+
+def _value_and_grads(attend, q, k, v, cotangent):
+    """`attend`'s output and the gradients of `sum(out * cotangent)` for q, k and v, jitted."""
+
+    def loss(q, k, v):
+        out = attend(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def _assert_matches(q, k, v, cotangent, mask, rate, seeds, tolerance, **blocks):
+    flash = lambda q, k, v: flash_attention(q, k, v, mask, rate=rate, seeds=seeds, **blocks)
+    reference = lambda q, k, v: reference_attention(q, k, v, mask, rate=rate, seeds=seeds)
+    out, grads = _value_and_grads(flash, q, k, v, cotangent)
+    want_out, want_grads = _value_and_grads(reference, q, k, v, cotangent)
+    names = ("out", "dq", "dk", "dv")
+    for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * scale, err_msg=name)
+    return out
+
+
+CASES = {
+    # (seq, kv lengths or None for causal alone, rate, blocks): blocks of 16 at T 64 make a 4 x 4
+    # grid, so blocks above the diagonal and past a sequence's end are skipped.
+    "T64 causal padded dropout": (64, [64, 37], 0.2, 16),
+    "T64 causal": (64, None, 0.0, 16),
+    "T256 causal padded dropout": (256, [256, 130], 0.2, 64),
+    "T256 causal padded": (256, [200, 256], 0.0, 64),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_outputs_and_gradients_equal_the_xla_path_given_the_same_mask(case):
+    seq, lengths, rate, block = CASES[case]
+    q, k, v, cotangent = _qkv(jax.random.key(1), 2, seq, seq, 2, 16)
+    mask = causal_mask(seq) if lengths is None else _padded_causal(seq, lengths)
+    seeds = sequence_seeds(jax.random.key(2), (2,))
+    out = _assert_matches(
+        q, k, v, cotangent, mask, rate, seeds, 1e-5, blocks=BlockSizes.uniform(block, block)
+    )
+    if rate:  # the mask made a difference: without dropout the output is another
+        assert not np.allclose(out, reference_attention(q, k, v, mask), atol=1e-3)
+
+
+def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
+    # 50 queries over 40 keys, d_head 8: padded to whole blocks (of 32, the largest of the kernels')
+    # and to 16 features within. The second sequence has no key at all (length 0): its rows
+    # attend uniformly, as the XLA path's do.
+    q, k, v, cotangent = _qkv(jax.random.key(3), 2, 50, 40, 2, 8)
+    mask = jnp.broadcast_to((jnp.arange(40)[None, :] < jnp.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
+    seeds = sequence_seeds(jax.random.key(4), (2,))
+    blocks = BlockSizes(forward=(32, 16), dq=(16, 32), dkv=(16, 16))  # each kernel its own grid
+    _assert_matches(q, k, v, cotangent, mask, 0.3, seeds, 1e-5, blocks=blocks)
+
+
+def test_bfloat16_inputs_match_within_bfloat16_rounding():
+    q, k, v, cotangent = _qkv(jax.random.key(5), 2, 64, 64, 2, 16, jnp.bfloat16)
+    seeds = sequence_seeds(jax.random.key(6), (2,))
+    blocks = BlockSizes.uniform(32, 32)
+    out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, blocks=blocks)
+    assert out.dtype == jnp.bfloat16
+
+
+def _kernel_mask(seeds, seq: int, heads: int, rate: float) -> np.ndarray:
+    """The kernel's own dropout mask `(batch, heads, seq, seq)`, read out through its output: with
+    all-zero queries every weight is `1 / seq`, and with `v` the identity each output row is the
+    row of kept weights, scaled by `1 / (seq * keep_probability)`."""
+    batch = seeds.shape[0]
+    q = jnp.zeros((batch, seq, heads, seq))
+    eye = jnp.broadcast_to(jnp.eye(seq)[None, :, None, :], (batch, seq, heads, seq))
+    out = flash_attention(q, q, eye, rate=rate, seeds=seeds, blocks=BlockSizes.uniform(16, 16))
+    return np.moveaxis(np.asarray(out) * seq * keep_probability(rate), 2, 1)
+
+
+def test_the_kernel_draws_dropout_keep_s_mask_per_sequence_and_head():
+    seeds = sequence_seeds(jax.random.key(7), (2,))
+    drawn = _kernel_mask(seeds, 32, 2, 0.25)
+    np.testing.assert_allclose(drawn, np.round(drawn), atol=1e-4)  # each weight kept whole or dropped
+    idx = jnp.arange(32)
+    per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], 0.25)
+    expected = jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None))(seeds, jnp.arange(2))
+    np.testing.assert_array_equal(np.round(drawn).astype(bool), np.asarray(expected))
+    assert (drawn[0] != drawn[1]).any() and (drawn[:, 0] != drawn[:, 1]).any()  # sequences, heads differ
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+def test_the_mask_keeps_one_minus_rate_independently_of_its_neighbours(rate):
+    seeds = sequence_seeds(jax.random.key(8), (3,))
+    idx = jnp.arange(128)
+    per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], rate)
+    heads = jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None))
+    keep = np.asarray(heads(seeds, jnp.arange(4)))  # (sequence, head, query, key)
+    p = keep_probability(rate)
+    assert abs(keep.mean() - p) < 0.01 * p, keep.mean()
+    # Pairs of neighbours (the next key, query, head, sequence) are both kept as often as chance says.
+    for axis in range(4):
+        n = keep.shape[axis]
+        both = keep.take(range(1, n), axis) & keep.take(range(n - 1), axis)
+        assert abs(both.mean() - p * p) < 0.01, (axis, both.mean())
+
+
+def test_another_key_draws_another_mask_and_the_same_key_the_same():
+    idx = jnp.arange(64)
+    draw = lambda key: dropout_keep(sequence_seeds(key, ())[None][0], 0, idx[:, None], idx[None, :], 0.2)
+    a, b = draw(jax.random.key(9)), draw(jax.random.key(10))
+    p = keep_probability(0.2)
+    assert abs(float((a != b).mean()) - 2 * p * (1 - p)) < 0.03
+    np.testing.assert_array_equal(a, draw(jax.random.key(9)))
+
+
+def test_sequence_seeds_of_one_key_are_those_of_its_split_keys():
+    key = jax.random.key(11)
+    split = jax.random.split(key, 6).reshape(2, 3)
+    np.testing.assert_array_equal(sequence_seeds(key, (2, 3)), sequence_seeds(split, (2, 3)))
+    assert sequence_seeds(key, (2, 3)).shape == (2, 3, 2)
+
+
+def test_the_reference_is_the_per_head_xla_path_of_attention():
+    q, k, v, _ = _qkv(jax.random.key(12), 2, 24, 24, 3, 8)
+    mask = _padded_causal(24, [24, 10])
+    got = reference_attention(q, k, v, mask).reshape(2, 24, 24)
+    np.testing.assert_allclose(got, multi_head_attention(q, k, v, mask)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_bad_calls_are_refused_in_one_line():
+    q, k, v, _ = _qkv(jax.random.key(13), 2, 16, 16, 1, 16)
+    with pytest.raises(ValueError, match="needs seeds="):
+        flash_attention(q, k, v, rate=0.1)
+    with pytest.raises(ValueError, match="power of two"):
+        flash_attention(q, k, v, blocks=BlockSizes.uniform(48, 64))
+    with pytest.raises(ValueError, match="rate must be in"):
+        flash_attention(q, k, v, rate=1.0, seeds=jnp.zeros((2, 2), jnp.uint32))
+
+
+def _attention_with_kernel(monkeypatch):
+    """`MultiHeadAttention` taking the kernels (as on a GPU; here in interpret mode)."""
+    if not ON_GPU:
+        monkeypatch.setattr(attention_module, "flash_attention_available", lambda dtype, d_head: True)
+    return MultiHeadAttention(32, 2, dropout=0.2, key=jax.random.key(14))
+
+
+def _expected(mha, x, mask, key):
+    """What attention computes with the kernel's mask, on the XLA path."""
+    batch = x.shape[:-2]
+    q, k, v = mha.project_qkv(x)
+    flat = lambda a: a.reshape(-1, *a.shape[-3:])
+    seeds = sequence_seeds(key, batch).reshape(-1, 2)
+    out = reference_attention(flat(q), flat(k), flat(v), mask, rate=0.2, seeds=seeds)
+    return mha.out(out.reshape(*batch, x.shape[-2], 32))
+
+
+@jax.default_matmul_precision("highest")  # on a GPU the projections would otherwise use TF32
+def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monkeypatch):
+    mha = _attention_with_kernel(monkeypatch)
+    x = jax.random.normal(jax.random.key(15), (2, 32, 32))
+    key = jax.random.key(16)
+    mask = causal_mask(32)
+    got = eqx.filter_jit(lambda m, x: m(x, mask=mask, key=key))(mha, x)
+    np.testing.assert_allclose(got, _expected(mha, x, mask, key), rtol=1e-5, atol=1e-5)
+    # One sequence at a time under jax.vmap (one key each): the same as the batch given those keys.
+    keys = jax.random.split(key, 2)
+    one = lambda x, k: mha(x, mask=mask, key=k)
+    np.testing.assert_allclose(
+        eqx.filter_jit(jax.vmap(one))(x, keys), _expected(mha, x, mask, keys), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_kernels_lower_to_triton_without_a_gpu():
+    # Lowering for CUDA on any machine runs Pallas's Triton lowering, which refuses a primitive it
+    # has no rule for: what interpret mode cannot tell. (Triton's own compiler runs on a GPU only.)
+    q = jnp.ones((2, 100, 2, 8), jnp.bfloat16)
+    mask = _padded_causal(100, [100, 41])
+    seeds = jnp.ones((2, 2), jnp.uint32)
+    attend = lambda q, k, v: flash_attention(q, k, v, mask, rate=0.2, seeds=seeds, interpret=False)
+    grads = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    lowered = jax.jit(grads).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert lowered.count("xla.gpu.triton") == 3  # forward, dq, dk and dv
+
+
+def test_the_cpu_keeps_the_per_head_path():
+    assert ON_GPU or not flash_attention_available(jnp.float32, 64)
+
+
+def test_the_gpu_s_trial_of_the_kernels_runs_while_a_model_is_traced_and_a_failure_falls_back(monkeypatch):
+    # Attention asks `flash_attention_available` while JAX traces the model (under jit, in a scan):
+    # the trial must still run for real, not be traced into the model.
+    trial = flash_module._kernel_works.__wrapped__  # the uncached function; interpret mode here
+    passed = []
+
+    def layer(carry, x):
+        passed.append(trial("float32", 16, True))
+        return carry, x
+
+    jax.jit(lambda xs: jax.lax.scan(layer, 0.0, xs))(jnp.ones(2))
+    assert passed == [True]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton could not lower this\n(the rest of a long message)")
+
+    monkeypatch.setattr(flash_module, "flash_attention", broken)
+    with pytest.warns(
+        UserWarning, match="failed on this GPU .*: Triton could not lower this; attention with"
+    ):
+        assert trial("float32", 16, True) is False
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the kernels compile for a GPU only there")
+def test_on_a_gpu_the_kernel_compiles_and_attention_takes_it():
+    assert flash_attention_available(jnp.bfloat16, 64) and flash_attention_available(jnp.float32, 64)
