@@ -477,7 +477,12 @@ def load_model(
     if lora not in ("merged", "separate"):
         raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
     path = as_path(path, "a checkpoint's path")
-    if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
+    if (
+        path.is_dir()
+        and not holds_run(path)
+        and is_gpt2_directory(path)
+        and kind in (None, "GPT", "LanguageModel")
+    ):
         model = load_gpt2(path)
         tokenizer = gpt2_tokenizer(model.config)
         meta = {"path": str(path), "format": "huggingface-gpt2", "model_config": model.config.to_dict()}
