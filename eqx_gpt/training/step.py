@@ -288,7 +288,7 @@ def make_train_step(
     *,
     dropout: bool,
     loss: Callable[[Model, Array, Array | None], Array] = loss_fn,
-) -> Callable[[Model, PyTree, Array, Array, Array], tuple[Model, PyTree, Array]]:
+) -> Callable[..., tuple[Model, PyTree, Array]]:
     """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted: `loss`
     is the batch's mean next-token loss before the update (a 0-d array). The trainer's own steps
     (`make_train_steps`) return every figure of `step_figures` by name, the gradient norm too.
@@ -322,7 +322,7 @@ def make_train_steps(
     *,
     dropout: bool,
     loss: Callable[[Model, Array, Array | None], Array] = loss_fn,
-) -> Callable[[Model, PyTree, Array, Array, Array, Array], tuple[Model, PyTree, dict[str, Array]]]:
+) -> Callable[..., tuple[Model, PyTree, dict[str, Array]]]:
     """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, figures)`: the
     first `n` of a stack of `make_train_step` steps in one dispatch; `figures[name]` is `(k,)`,
     step `i`'s figure at `i`: the figures of `step_figures`, `loss` first and the others by name.
