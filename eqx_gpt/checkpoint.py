@@ -10,7 +10,8 @@ A checkpoint named `latest` (or `best`) in a run directory is a pair of files:
 
 A LoRA run's checkpoint (format version 3, `"weights_hold": "adapters"`) holds its adapters alone
 (`lora_a`, `lora_b`) and their optimiser state: its frozen base is the GPT-2 folder the metadata
-identifies (`lora_base`: path, and each file's size and sha256), read back from there and checked
+identifies (`lora_base`: path, the path from the run folder, and each file's size and sha256),
+read back from there (or from the same place relative to a moved run folder) and checked
 unchanged, so a GPT-2-124M run writes megabytes per checkpoint rather than the whole model again.
 
 The model's `inference` flags (see `eqx.nn.inference_mode`) are a mode, not weights: they are not
@@ -26,9 +27,12 @@ after the JSON is replaced. Nothing is pickled: the weights are `.npy` arrays re
 loading a checkpoint cannot run code.
 """
 
+import contextlib
+import errno
 import hashlib
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar, overload
 
@@ -38,7 +42,7 @@ from jax.experimental import multihost_utils
 
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError
-from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.files import atomic_write_bytes, resolve
 from eqx_gpt.gpt2 import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -160,6 +164,12 @@ def save_checkpoint(
         model_config, lora = ModelShape.of(model).to_dict(), lora_record(model)
     out_dir = as_path(out_dir, "out_dir")
     adapters_only = has_lora(model) and metadata.get("lora_base") is not None
+    if adapters_only and isinstance(metadata["lora_base"].get("path"), str):
+        # Where the base is from the run folder too, so that the two moved together load anywhere.
+        base, here = resolve(metadata["lora_base"]["path"]), resolve(out_dir)
+        with contextlib.suppress(ValueError):  # no relative path (another drive): the absolute one alone
+            relative = Path(os.path.relpath(base, here)).as_posix()
+            metadata = {**metadata, "lora_base": {**metadata["lora_base"], "relative_path": relative}}
     stored = eqx.filter(model, lora_trainable(model)) if adapters_only else model
     weights = _serialise(stored, opt_state)
     digest = hashlib.sha256(weights).hexdigest()
@@ -221,6 +231,15 @@ def find_checkpoint(path: str | Path) -> Path:
     `.eqx` file.
     """
     path = as_path(path, "a checkpoint's path")
+    try:
+        resolve(path)
+    except OSError as e:  # a loop of links, named as train.py names it, not as a missing run
+        why = (
+            "is a loop of symbolic links" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or e})"
+        )
+        raise CheckpointError(
+            f"checkpoint path {path} {why}; pass a run folder or a checkpoint's .json"
+        ) from None
     if path.is_dir():
         for name in NAMES:
             if checkpoint_file(path, name).is_file():
@@ -367,12 +386,7 @@ def _frozen_base(meta: dict, config: GPTConfig | TransformerConfig) -> Any:
         raise CheckpointError(
             f"checkpoint {meta['path']} holds LoRA adapters alone but does not name their base; it is corrupt"
         )
-    changed = gpt2_changed(recorded)
-    if changed is not None:
-        raise CheckpointError(
-            f"checkpoint {meta['path']} holds LoRA adapters for the GPT-2 in {recorded.get('path')}/, which "
-            f"{changed}; restore that folder (the adapters alone are beside the checkpoint, in PEFT's format)"
-        )
+    recorded = _found_base(meta, recorded)
     options = {k: getattr(config, k) for k in ("context_length", "dropout", "compute_dtype", "scan_unroll")}
     base = load_gpt2(recorded["path"], **options)
     if base.config != config:
@@ -382,6 +396,24 @@ def _frozen_base(meta: dict, config: GPTConfig | TransformerConfig) -> Any:
         )
     adapted = apply_lora(base, **lora, key=jax.random.key(0))
     return eqx.filter(adapted, lora_trainable(adapted), inverse=True)
+
+
+def _found_base(meta: dict, recorded: dict) -> dict:
+    """The identity of an adapters-only checkpoint's base where its files are now, the same bytes
+    (sha256) as when the run started: at the path the run recorded, or, moved with the run folder,
+    at the same place relative to it (`relative_path`)."""
+    changed = gpt2_changed(recorded)
+    relative = recorded.get("relative_path")
+    if changed is not None and isinstance(relative, str):
+        moved = {**recorded, "path": str(Path(meta["path"]).parent / relative)}
+        if gpt2_changed(moved) is None:
+            return moved
+    if changed is not None:
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds LoRA adapters for the GPT-2 in {recorded.get('path')}/, which "
+            f"{changed}; restore that folder (the adapters alone are beside the checkpoint, in PEFT's format)"
+        )
+    return recorded
 
 
 def is_own_model(meta: dict) -> bool:
@@ -474,6 +506,11 @@ def load_model(
     A LoRA run's model is given merged (`lora="merged"`: plain `Linear`s, the base's structure), or
     with its adapters kept apart (`lora="separate"`: `LoRALinear`s; see `eqx_gpt.merge_lora`).
     """
+    if kind is not None and (not isinstance(kind, str) or kind not in (*MODELS, "LanguageModel")):
+        raise ValueError(
+            f"kind must be {' or '.join(map(repr, MODELS))} (a model's class name), 'LanguageModel' (a GPT "
+            f"or a model of one's own) or None, got {kind!r}"
+        )
     if lora not in ("merged", "separate"):
         raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
     path = as_path(path, "a checkpoint's path")

@@ -294,6 +294,8 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
         ids = np.asarray(tokens)
     except (TypeError, ValueError):
         raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}") from None
+    if ids.ndim == 0:  # None, a lone id, a string: not a sequence of ids
+        raise TypeError(f"tokens must be a sequence of integer ids, got {type(tokens).__name__}")
     flat = ids.reshape(-1)
     if ids.dtype == object and all(isinstance(t, int) and not isinstance(t, bool) for t in flat):
         flat = [t for t in flat if not 0 <= t < vocab_size]  # ints numpy cannot hold: out of range
@@ -301,7 +303,8 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
     if ids.size == 0:
         return np.zeros(0, np.int32)
     if ids.dtype.kind not in "iu":
-        raise TypeError(f"tokens must be integer ids, got {ids.dtype} values such as {flat[0].item()!r}")
+        example = flat[0].item() if isinstance(flat[0], np.generic) else flat[0]
+        raise TypeError(f"tokens must be integer ids, got {ids.dtype} values such as {example!r}")
     outside = flat[(flat < 0) | (flat >= vocab_size)]
     if outside.size:
         raise ValueError(f"token id {outside[0]} is outside the model's vocabulary [0, {vocab_size})")
@@ -328,6 +331,10 @@ def evaluate(
         raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
     if batch is not None and not is_whole(batch, 1):
         raise ValueError(f"batch must be an integer in [1, {INT32_MAX}], got {batch!r}")
+    if shown is not None and not isinstance(shown, Shown):
+        raise TypeError(
+            f"shown must be a Shown (a progress bar and a label) or None, got {type(shown).__name__}"
+        )
     if not isinstance(tokens, TokenSpan):
         tokens = TokenSpan([check_tokens(tokens, model.vocab_size)])
     result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch, shown=shown)
@@ -344,6 +351,12 @@ def evaluate_text(
     shown: Shown | None = None,
 ) -> Evaluation:
     """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
+    check_language_model(model)
+    if not callable(getattr(tokenizer, "encode", None)):
+        raise TypeError(
+            f"tokenizer must be a tokenizer (the one load_model returns, a CharTokenizer, a GPT2Tokenizer), "
+            f"got {type(tokenizer).__name__}"
+        )
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return evaluate(model, tokenizer.encode(text), stride=stride, shown=shown)

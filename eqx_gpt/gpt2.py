@@ -15,6 +15,7 @@ code), sharded checkpoints (`model.safetensors.index.json`) included. The sizes 
 
 import hashlib
 import json
+import re
 from operator import attrgetter
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import GPT2FormatError
-from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.files import write_files
 from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
@@ -196,7 +197,34 @@ def _tensor(tensors: dict, name: str, shape: tuple, directory: Path) -> np.ndarr
             f"{directory}/: {name} has shape {array.shape} but {CONFIG_NAME} implies {shape}; the files "
             f"are from different models"
         )
-    return np.asarray(array, np.float32)
+    if array.dtype.kind != "f":  # never cast to float without a word
+        raise GPT2FormatError(
+            f"{directory}/: {name} holds {array.dtype}, not floating-point weights; download them again"
+        )
+    array = np.asarray(array, np.float32)
+    if not np.isfinite(array).all():
+        raise GPT2FormatError(
+            f"{directory}/: {name} holds NaN or infinite values (a diverged or damaged model); download the "
+            f"weights again or save them from an earlier checkpoint"
+        )
+    return array
+
+
+# What a GPT-2 folder may hold beside the weights read: the attention's causal-mask buffers (older
+# transformers saved them) and a tied head's copy of the token table.
+BUFFERS = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)|lm_head\.weight")
+
+
+def _check_all_read(tensors: dict, read: set[str], directory: Path) -> None:
+    """Refuse a tensor the model would leave unread (a layer `config.json` does not have, a
+    module GPT-2 lacks): the files are not the model the config describes."""
+    unread = sorted(name for name in tensors if name not in read and not BUFFERS.fullmatch(name))
+    if unread:
+        more = f" and {len(unread) - 1} more" if len(unread) > 1 else ""
+        raise GPT2FormatError(
+            f"{directory}/ holds the tensor {unread[0]!r}{more}, which a GPT-2 of its {CONFIG_NAME} does not "
+            f"have; the files are from different models"
+        )
 
 
 def load_gpt2(directory: str | Path, **options) -> GPT:
@@ -222,6 +250,8 @@ def load_gpt2(directory: str | Path, **options) -> GPT:
             [_tensor(tensors, name.replace("*", str(i)), like.shape[1:], directory) for i in range(n)]
         )
 
+    names = {name.replace("*", str(i)) for name in TENSORS for i in range(n)} | {"wte.weight"}
+    _check_all_read(tensors, names | ({"lm_head.weight"} if not config.tie_embeddings else set()), directory)
     getters = list(TENSORS.values())
     arrays = [read(name, get(template)) for name, get in TENSORS.items()]
     wte = _tensor(tensors, "wte.weight", (config.vocab_size, config.d_model), directory)
@@ -265,12 +295,15 @@ def gpt2_config_dict(config: GPTConfig) -> dict:
 
 def save_gpt2(model: GPT, directory: str | Path) -> Path:
     """Write a GPT-2-shaped `model` as a Hugging Face directory (`config.json`, `model.safetensors`)
-    that `transformers.GPT2LMHeadModel.from_pretrained` loads. Each file is replaced atomically."""
+    that `transformers.GPT2LMHeadModel.from_pretrained` loads. Everything is checked before anything
+    is written; a new folder (or one of these two files alone) is put in place at once, otherwise each
+    file is replaced atomically, the config last (`files.write_files`)."""
     from safetensors.numpy import save
 
     config_dict = gpt2_config_dict(model.config)
     directory = as_path(directory, "directory")
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise GPT2FormatError(f"save_gpt2: {directory} is a file; pass a folder (nothing was written)")
     v = model.config.vocab_size
     tensors = {"wte.weight": np.asarray(model.embed)[:v]}
     for name, get in TENSORS.items():
@@ -281,10 +314,17 @@ def save_gpt2(model: GPT, directory: str | Path) -> Path:
             tensors[name] = array
     if model.head is not None:
         tensors["lm_head.weight"] = np.asarray(model.head.weight)[:, :v].T
+    diverged = next((k for k, a in tensors.items() if not np.isfinite(a).all()), None)
+    if diverged is not None:
+        raise GPT2FormatError(
+            f"save_gpt2: the model's {diverged} holds NaN or infinite values (the training diverged); "
+            f"save an earlier checkpoint (nothing was written)"
+        )
     data = save({("" if k == "lm_head.weight" else "transformer.") + k: np.ascontiguousarray(a, np.float32)
                  for k, a in tensors.items()}, metadata={"format": "pt"})  # fmt: skip
-    atomic_write_bytes(directory / WEIGHTS_NAME, data)
-    atomic_write_bytes(directory / CONFIG_NAME, (json.dumps(config_dict, indent=2) + "\n").encode())
+    write_files(
+        directory, {WEIGHTS_NAME: data, CONFIG_NAME: (json.dumps(config_dict, indent=2) + "\n").encode()}
+    )
     return directory
 
 

@@ -20,6 +20,7 @@ either format.
 """
 
 import json
+import os
 import re
 from operator import attrgetter
 from pathlib import Path
@@ -31,8 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError, TrainingError
-from eqx_gpt.files import atomic_write_bytes
+from eqx_gpt.files import resolve, write_files
 from eqx_gpt.gpt2 import CONFIG_NAME, gpt2_changed
 from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.gpt import GPT
@@ -51,17 +53,45 @@ def is_adapter_directory(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def _adapted(model: GPT) -> dict[str, LoRALinear]:
-    """The model's `LoRALinear`s (stacked over its layers) by GPT-2 module name."""
+def _stacked_layers(model: GPT, what: str):
+    """The model's stacked layers; a one-line `TrainingError` for anything else."""
+    if not isinstance(model, GPT):
+        raise TrainingError(f"{what} takes a GPT (eqx_gpt.GPT), got {type(model).__name__}")
     layers = model.blocks.layers
     if isinstance(layers, tuple):
         raise TrainingError("PEFT adapters are read and written for a GPT with stacked layers")
+    return layers
+
+
+def _adapted(model: GPT, what: str = "save_adapters") -> dict[str, LoRALinear]:
+    """The model's `LoRALinear`s (stacked over its layers) by GPT-2 module name: at least one, all
+    of one rank, alpha and dropout (one `adapter_config.json`), their arrays finite."""
+    layers = _stacked_layers(model, what)
     found = {name: attrgetter(path)(layers) for name, path in GPT2_PROJECTIONS.items()}
-    return {name: module for name, module in found.items() if isinstance(module, LoRALinear)}
+    adapted = {name: module for name, module in found.items() if isinstance(module, LoRALinear)}
+    if not adapted:
+        raise TrainingError(
+            f"{what}: the model has no LoRA adapters (LoRALinear); adapt it first with apply_lora or "
+            f"load_adapters (nothing was written)"
+        )
+    kinds = {(m.rank, m.scale, m.dropout) for m in adapted.values()}
+    if len(kinds) > 1:
+        raise TrainingError(
+            f"{what}: the model's adapters differ in (rank, scale, dropout): {sorted(kinds)}; PEFT's folder "
+            f"holds one of each: apply_lora with one setting (nothing was written)"
+        )
+    for name, m in adapted.items():
+        if not (np.isfinite(np.asarray(m.lora_a)).all() and np.isfinite(np.asarray(m.lora_b)).all()):
+            raise TrainingError(
+                f"{what}: the adapters of {name} hold NaN or infinite values (the training diverged); "
+                f"save adapters from an earlier checkpoint (nothing was written)"
+            )
+    return adapted
 
 
 def adapter_config(model: GPT, base: str) -> dict:
-    """The `adapter_config.json` PEFT writes for `model`'s adapters on the GPT-2 in folder `base`."""
+    """The `adapter_config.json` PEFT writes for `model`'s adapters on the GPT-2 named `base` (as
+    the folder records it: a path relative to the adapter folder, or a Hub name)."""
     adapted = _adapted(model)
     first = next(iter(adapted.values()))
     return {
@@ -73,26 +103,51 @@ def adapter_config(model: GPT, base: str) -> dict:
     }  # fmt: skip
 
 
-def save_adapters(model: PyTree, directory: str | Path, *, base: str) -> Path:
+def portable_base(base: str | Path, directory: str | Path) -> str:
+    """How an adapter folder at `directory` names its base: a local GPT-2 folder by its path
+    relative to `directory` (the two travel together, as `../gpt2` in a copy of both), anything
+    else (a Hub name) as given. `read_adapter_config` reads it back relative to the folder."""
+    local = Path(base).expanduser()
+    if not (local / CONFIG_NAME).is_file():
+        return str(base)
+    try:
+        return Path(os.path.relpath(resolve(local), resolve(directory))).as_posix()
+    except ValueError:  # another drive (Windows): no relative path
+        return resolve(local).as_posix()
+
+
+def save_adapters(model: PyTree, directory: str | Path, *, base: str | Path) -> Path:
     """Write `model`'s adapters as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)
-    for the GPT-2 in folder `base`; a model of one's own's in eqx_gpt's format (see the module's
-    docstring), `base` naming what builds its base. Each file is replaced atomically, the config last."""
+    for the GPT-2 in folder `base` (recorded relative to `directory`: `portable_base`).
+
+    Everything is checked before anything is written. A new folder, or one holding these two files
+    alone, is written whole and put in place at once (`atomic_folder`); in a folder holding other
+    files too (a run's) each file is replaced atomically, the config last. A model of one's own (not
+    a `GPT`) has its adapters written in eqx_gpt's format (see the module's docstring), `base` naming
+    what builds its base."""
     from safetensors.numpy import save
 
-    if not isinstance(model, GPT):
-        return _save_own(model, Path(directory), base)
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    if not isinstance(model, GPT):  # a model of one's own: eqx_gpt's format
+        return _save_own(model, as_path(directory, "directory"), str(base))
+    directory = as_path(directory, "directory")
+    if not isinstance(base, str | os.PathLike) or not str(base):
+        raise TypeError(f"base must name the GPT-2 the adapters are for (a path or a name), got {base!r}")
+    adapted = _adapted(model)
+    if directory.exists() and not directory.is_dir():
+        raise TrainingError(f"save_adapters: {directory} is a file; pass a folder (nothing was written)")
     tensors = {}
-    for name, module in _adapted(model).items():
+    for name, module in adapted.items():
         a, b = np.asarray(module.lora_a, np.float32), np.asarray(module.lora_b, np.float32)
         for i in range(a.shape[0]):
             tensors[f"{PREFIX}{i}.{name}.lora_A.weight"] = np.ascontiguousarray(a[i].T)
             tensors[f"{PREFIX}{i}.{name}.lora_B.weight"] = np.ascontiguousarray(b[i].T)
-    atomic_write_bytes(directory / ADAPTER_WEIGHTS, save(tensors, metadata={"format": "pt"}))
-    config = adapter_config(model, base)
-    atomic_write_bytes(directory / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    files = {
+        ADAPTER_WEIGHTS: save(tensors, metadata={"format": "pt"}),
+        ADAPTER_CONFIG: (
+            json.dumps(adapter_config(model, portable_base(base, directory)), indent=2) + "\n"
+        ).encode(),
+    }
+    write_files(directory, files)  # the weights, then the config that names them
     return directory
 
 
@@ -102,6 +157,26 @@ def save_run_adapters(out_dir: str | Path, name: str, model: PyTree, *, base: st
     checkpoint `name` ("best", "latest") of `model` is saved."""
     if name == "best" or not (Path(out_dir) / "best.json").is_file():
         save_adapters(model, out_dir, base=base)
+
+
+# PEFT's LoRA settings that eqx_gpt reads (checked below) or that do not change what a saved
+# adapter computes (metadata, and how the adapters were first drawn); every other setting must be
+# unset (null, false, empty), whatever its name: a newer PEFT's may change the computation.
+READ_SETTINGS = {
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "lora_dropout",
+    "bias",
+    "fan_in_fan_out",
+    "init_lora_weights",
+}
+INERT_SETTINGS = {
+    "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
+    "target_modules", "exclude_modules", "layers_pattern", "loftq_config", "eva_config", "corda_config",
+    "lora_ga_config", "megatron_core", "qalora_group_size", "runtime_config",
+}  # fmt: skip
+INIT_LORA_WEIGHTS = (True, False, "gaussian")  # draws of A that leave the base as it is
 
 
 def read_adapter_config(directory: str | Path) -> dict:
@@ -115,8 +190,13 @@ def read_adapter_config(directory: str | Path) -> dict:
     if not isinstance(config, dict) or config.get("peft_type") != "LORA":
         kind = config.get("peft_type") if isinstance(config, dict) else None
         raise CheckpointError(f"{path}: peft_type is {kind!r}; eqx_gpt reads LoRA adapters ('LORA') only")
-    unsupported = [k for k in ("use_dora", "use_rslora", "rank_pattern", "alpha_pattern", "modules_to_save",
-                               "layers_to_transform") if config.get(k)]  # fmt: skip
+    unsupported = [
+        k
+        for k, v in config.items()
+        if k not in READ_SETTINGS | INERT_SETTINGS and v not in (None, False, {}, [], "")
+    ]
+    if config.get("init_lora_weights", True) not in INIT_LORA_WEIGHTS:
+        unsupported.append(f"init_lora_weights {config['init_lora_weights']!r}")
     if unsupported or config.get("bias", "none") != "none" or not config.get("fan_in_fan_out", True):
         raise CheckpointError(
             f"{path}: eqx_gpt reads plain LoRA on GPT-2 (bias 'none', fan_in_fan_out true, no "
@@ -191,6 +271,8 @@ def load_adapters(model: Model, directory: str | Path, *, dropout: float | None 
         raise CheckpointError(
             f"{path} cannot be read ({str(e).splitlines()[0] if str(e) else e}); save it again"
         ) from None
+    _stacked_layers(model, "load_adapters")
+    n = model.config.n_layers
     found: dict[str, dict[tuple[int, str], np.ndarray]] = {}
     for name, array in tensors.items():
         match = _NAME.fullmatch(name.replace(".default.", "."))
@@ -198,32 +280,59 @@ def load_adapters(model: Model, directory: str | Path, *, dropout: float | None 
             raise CheckpointError(
                 f"{path}: tensor {name!r} is not LoRA on a GPT-2 block; eqx_gpt cannot apply it"
             )
-        found.setdefault(match[2], {})[(int(match[1]), match[3])] = array
+        _check_tensor(path, name, array)
+        layer, key = int(match[1]), (int(match[1]), match[3])
+        if layer >= n:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is for layer {layer}, but the base has {n} layers (h.0 to "
+                f"h.{n - 1}); the adapter is for another model"
+            )
+        if key in found.setdefault(match[2], {}):
+            raise CheckpointError(f"{path}: {match[2]}'s lora_{match[3]} of layer {layer} is there twice")
+        found[match[2]][key] = array
     if not found:
         raise CheckpointError(f"{path} holds no LoRA tensors")
-    rank, alpha, n = int(config["r"]), float(config["lora_alpha"]), model.config.n_layers
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
     dropout = float(config.get("lora_dropout", 0.0)) if dropout is None else dropout
     targets = sorted(found)
     adapted = apply_lora(model, rank, alpha=alpha, targets=targets, dropout=dropout, key=jax.random.key(0))
     getters, arrays = [], []
     for module, per_layer in found.items():
         for which, field in (("A", "lora_a"), ("B", "lora_b")):
-            try:
-                stacked = np.stack([per_layer[(i, which)].T for i in range(n)])
-            except KeyError:
-                raise CheckpointError(
-                    f"{path}: {module}'s lora_{which} is missing for some of the {n} layers"
-                ) from None
             get = attrgetter(f"blocks.layers.{GPT2_PROJECTIONS[module]}.{field}")
             like = get(adapted)
-            if stacked.shape != like.shape:
+            missing = [i for i in range(n) if (i, which) not in per_layer]
+            if missing:
                 raise CheckpointError(
-                    f"{path}: {module}.lora_{which} has shape {stacked.shape[1:][::-1]} per layer but the "
-                    f"base and r={rank} imply {like.shape[1:][::-1]}; the adapter is for another model"
+                    f"{path}: {module}'s lora_{which} is missing for layer {missing[0]} of the base's {n}"
                 )
+            shape = like.shape[1:][::-1]  # PEFT's layout, the transpose of eqx_gpt's
+            wrong = next(
+                (a.shape for (_, w), a in per_layer.items() if w == which and a.shape != shape), None
+            )
+            if wrong is not None:
+                raise CheckpointError(
+                    f"{path}: {module}.lora_{which} has shape {wrong} per layer but the base and r={rank} "
+                    f"imply {shape}; the adapter is for another model"
+                )
+            stacked = np.stack([per_layer[(i, which)].T for i in range(n)])
             getters.append(get)
             arrays.append(jnp.asarray(stacked, jnp.float32))
     return eqx.tree_at(lambda m: [get(m) for get in getters], adapted, arrays)
+
+
+def _check_tensor(path: Path, name: str, array: np.ndarray) -> None:
+    """Refuse a tensor that is not of floats, or holds NaN or an infinity: never cast or used."""
+    if array.dtype.kind != "f":
+        raise CheckpointError(
+            f"{path}: tensor {name!r} holds {array.dtype}, not floating-point numbers; LoRA's A and B are "
+            f"floats: the file is damaged or not an adapter"
+        )
+    if not np.isfinite(array).all():
+        raise CheckpointError(
+            f"{path}: tensor {name!r} holds NaN or infinite values (its training diverged, or the file is "
+            f"damaged); save the adapters of an earlier checkpoint"
+        )
 
 
 def check_base(recorded: dict) -> None:
@@ -281,9 +390,10 @@ def _save_own(model: PyTree, directory: Path, base: str) -> Path:
         "r": record["rank"], "lora_alpha": record["alpha"], "lora_dropout": record["dropout"],
         "target_modules": record["targets"],
     }  # fmt: skip
-    directory.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(directory / ADAPTER_WEIGHTS, save(tensors, metadata={"format": OWN_FORMAT}))
-    atomic_write_bytes(directory / ADAPTER_CONFIG, (json.dumps(config, indent=2) + "\n").encode())
+    write_files(directory, {
+        ADAPTER_WEIGHTS: save(tensors, metadata={"format": OWN_FORMAT}),
+        ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode(),
+    })  # fmt: skip
     return directory
 
 

@@ -1,7 +1,8 @@
 """Tokenizers: text <-> integer ids. A character vocabulary (the default) or GPT-2's BPE.
 
 Both kinds share one small interface: `encode(text) -> list[int]`, `decode(ids) -> str`,
-`vocab_size`, `name`, and `to_dict()`, whose JSON-ready output `tokenizer_from_dict` turns back
+`token_bytes(id) -> bytes` (a token's own bytes, for the server's log-probabilities), `vocab_size`,
+`name`, and `to_dict()`, whose JSON-ready output `tokenizer_from_dict` turns back
 into the same tokenizer (checkpoints store it beside the weights).
 """
 
@@ -115,6 +116,10 @@ class CharTokenizer:
         chars = self.chars
         return "".join(chars[i] for i in checked_ids(ids, len(chars), "character vocabulary"))
 
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes of one token's character."""
+        return self.decode([token]).encode("utf-8")
+
     def to_dict(self) -> dict:
         return {"kind": self.name, "chars": self.chars}
 
@@ -178,6 +183,11 @@ class GPT2Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`, each an integer in `[0, vocab_size)` (else a `TokenizerError`)."""
         return self._encoding.decode(checked_ids(ids, self.vocab_size, "GPT-2 vocabulary"))
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token, which may be part of a UTF-8 character (so not text alone)."""
+        (token,) = checked_ids([token], self.vocab_size, "GPT-2 vocabulary")
+        return self._encoding.decode_single_token_bytes(token)
 
     def to_dict(self) -> dict:
         full = self.vocab_size == GPT2_VOCAB_SIZE

@@ -278,7 +278,7 @@ def train(model, pairs, vocabs, args, log=print, now=time.monotonic):
 
 
 def translate_all(model, sources, vocabs, max_len: int, batch: int = 500) -> list[str]:
-    """Greedy translations of `sources` (KV-cached, batched)."""
+    """Greedy translations of `sources` (`translate`: generate's KV-cached loop, the model bound to them)."""
     src_vocab, tgt_vocab = vocabs
     out = []
     for i in range(0, len(sources), batch):
@@ -434,7 +434,9 @@ def holds_run(folder: Path) -> bool:
 def check_out_dir(out_dir: Path) -> None:
     """Refuse an `--out-dir` that cannot become a writable folder, before any work (nothing is
     created: the folder is made when the model is saved)."""
-    try:
+    try:  # strict: a loop raises on every Python (3.13's lenient resolve() returns it as it is)
+        path = out_dir.expanduser().resolve(strict=True)
+    except (FileNotFoundError, NotADirectoryError):  # a folder to be made, or a file (said below)
         path = out_dir.expanduser().resolve()
     except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
         raise ValueError(f"--out-dir {out_dir} is a loop of symbolic links; pass a folder") from None

@@ -48,14 +48,17 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1 at a free port, in a thread, for the `with` block."""
+    """uvicorn serving `app` on 127.0.0.1 at a free port, in a thread, for the `with` block, with
+    the settings `eqx-gpt serve` gives it (`limits`: an `eqx_gpt.serve.http_server.Limits`)."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits=None):
         import uvicorn
+
+        from eqx_gpt.serve.http_server import Limits, uvicorn_config
 
         self.app = app
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = uvicorn_config(app, host="127.0.0.1", port=self.port, limits=limits or Limits())
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -118,7 +118,7 @@ def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_
         ([1, 2**32 + 1], ValueError, r"token id 4294967297 is outside"),
         ([1, 2**70], ValueError, r"token id 1180591620717411303424 is outside"),
         ([1.0, 2.5], TypeError, r"integer ids, got float64 values such as 1\.0"),
-        ("abc", TypeError, r"integer ids, got <U3"),
+        ("abc", TypeError, r"a sequence of integer ids, got str"),
         ([True, False], TypeError, r"integer ids, got bool"),
     ],
 )

@@ -65,11 +65,11 @@ def test_the_fine_tuned_model_exports_to_a_gpt2_directory(fine_tuned, tmp_path, 
         (["--init-from", str(TINY_GPT2), "--d-model", "64"], "--d-model sets the model's shape"),
         (["--init-from", str(TINY_GPT2), "--tokenizer", "char"], "whose tokenizer is gpt2"),
         (["--init-from", str(TINY_GPT2), "--context-length", "128"], "at most 64"),
-        (["--init-from", str(TINY_GPT2)], "64 (context_length=256 from the finetune-shakespeare preset)"),
         (["--init-from", "no/such/dir"], "no folder"),
         (["--preset", "finetune-shakespeare"], "pass --init-from DIR"),
     ],
-    ids=["shape-flag", "char-tokenizer", "context-too-long", "preset-context", "missing-dir", "preset-alone"],
+    # The preset's context past the base's positions is cropped, not refused: test_argument_refusals.py.
+    ids=["shape-flag", "char-tokenizer", "context-too-long", "missing-dir", "preset-alone"],
 )
 def test_bad_fine_tuning_input_is_one_line_and_exit_2(argv, words, gpt2_corpus, tmp_path, capsys):
     code = train_cli.main([*argv, "--data", str(gpt2_corpus), "--out-dir", str(tmp_path / "run")])

@@ -4,6 +4,7 @@ from collections import Counter
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracles import naive_generate
@@ -245,3 +246,96 @@ def test_sampling_settings_work_as_keywords_beside_options():
         generate(model, prompt, 12, key=key, temprature=0.5)
     with pytest.raises(ValueError, match="top_k must be an integer in \\[1, "):
         generate(model, prompt, 12, key=key, top_k=0)
+
+
+class _Scaled(eqx.Module):
+    """A GPT whose `decode` answer is changed by `change` (logits, cache) -> answer: a broken decoder."""
+
+    gpt: GPT
+    change: object = eqx.field(static=True)
+    vocab_size: int = eqx.field(static=True, default=CFG.vocab_size)
+    context_length: object = eqx.field(static=True, default=CFG.context_length)
+
+    def init_cache(self, *, batch):
+        return self.gpt.unstack().init_cache(batch=batch)
+
+    def decode(self, tokens, cache, start):
+        return self.change(*self.gpt.unstack().decode(tokens, cache, start))
+
+
+def _broken(change, **sizes):
+    return _Scaled(make_model(0), change, **sizes)
+
+
+@pytest.mark.parametrize(
+    "logits, word",
+    [
+        (lambda lg: lg.at[..., 3].set(np.nan), "NaN"),
+        (lambda lg: lg.at[..., 3].set(np.inf), "NaN or"),
+        (lambda lg: lg * 0 - np.inf, "all -inf"),
+    ],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_with_no_distribution_are_refused_not_sampled_as_token_0(logits, word, temperature):
+    model = _broken(lambda lg, cache: (logits(lg), cache))
+    for n in (1, 20):  # the prefill's token, and the decode loop's
+        with pytest.raises(ValueError, match=f"_Scaled's logits for new token 0 of row 0 .*{word}"):
+            generate(model, [1, 2], n, key=jax.random.key(0), temperature=temperature, top_k=5)
+
+
+def test_logits_going_bad_mid_stream_are_refused_at_the_token_they_reach():
+    # The id drawn as token i poisons the model (a NaN embedding row): token i is handed over,
+    # token i + 1, the first drawn from NaN logits, is refused, not sampled as id 0.
+    model = make_model(0)
+    out = generate(model, [1, 2], 30, key=jax.random.key(0), temperature=0)
+    poison = int(out[5])
+    first = list(out).index(poison)
+    assert poison not in (1, 2)
+    bad = eqx.tree_at(lambda m: m.embed, model, model.embed.at[poison].set(np.nan))
+    handed = []
+    with pytest.raises(ValueError, match=f"new token {first + 1} of row 0"):
+        for chunk in stream_batch(bad, np.asarray([[1, 2]]), 30, key=jax.random.key(0), temperature=0):
+            handed.extend(chunk[0].tolist())
+    assert handed == out[: len(handed)].tolist() and len(handed) <= first + 1
+
+
+@pytest.mark.parametrize(
+    "model, match",
+    [
+        (
+            lambda: _broken(lambda lg, c: (jnp.pad(lg, [(0, 0)] * (lg.ndim - 1) + [(0, 3)]), c)),
+            r"\(1, 16, 68\).*vocab_size=65",
+        ),
+        (lambda: _broken(lambda lg, c: (lg[..., :60], c)), r"\(1, 16, 60\).*vocab_size=65"),
+        (
+            lambda: _broken(lambda lg, c: (lg, c, 0)),
+            r"_Scaled.decode must return \(logits, cache\), got a tuple of 3",
+        ),
+        (
+            lambda: _broken(lambda lg, c: (lg, c), context_length=0),
+            r"_Scaled.context_length must be a whole number >= 1.*got 0",
+        ),
+        (
+            lambda: _broken(lambda lg, c: (lg, c), vocab_size="11"),
+            r"_Scaled.vocab_size must be a whole number >= 1.*got '11'",
+        ),
+    ],
+)
+def test_a_broken_decoder_is_named_in_one_line(model, match):
+    with pytest.raises(TypeError, match=match) as caught:
+        generate(model(), [1, 2], 3, key=jax.random.key(0))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: generate(m, [1, 2], 3, key=5), "key must be one JAX PRNG key.*got int"),
+        (lambda m: generate(m, [1, 2], 3, key=jax.random.split(jax.random.key(0))), "got shape \\(2,\\)"),
+        (lambda m: generate(m, "ROMEO:", 3, key=jax.random.key(0)), "token ids .*got text; encode it"),
+        (lambda m: generate_batch(m, ["ab", "cd"], 3, key=jax.random.key(0)), "got text"),
+    ],
+)
+def test_a_bad_key_or_a_text_prompt_is_named_in_one_line(model, call, match):
+    with pytest.raises(TypeError, match=match):
+        call(model)

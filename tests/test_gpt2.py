@@ -167,3 +167,56 @@ def test_the_four_openai_sizes_build_from_their_configs(tmp_path, name, n_embd, 
     ours = sum(leaf.size for leaf in jax.tree.leaves(template) if not isinstance(leaf, bool))  # not the flags
     assert ours - (config.padded_vocab_size - 50257) * n_embd == parameters
     assert (config.d_head, config.context_length, config.tie_embeddings) == (64, 1024, True)
+
+
+def _edited_copy(tmp_path, edit) -> Path:
+    from safetensors.numpy import load_file, save_file
+
+    folder = tmp_path / "edited"
+    shutil.copytree(TINY, folder)
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+QKV = "transformer.h.0.attn.c_attn.weight"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.update({QKV.replace("h.0", "h.7"): t[QKV]}),
+            "holds the tensor 'h.7.attn.c_attn.weight'",
+        ),
+        (
+            lambda t: t.update({"transformer.h.0.mlp.gate.weight": t[QKV]}),
+            "'h.0.mlp.gate.weight', which a GPT-2",
+        ),
+        (lambda t: t.update({QKV: np.full_like(t[QKV], np.nan)}), "holds NaN or infinite values"),
+        (lambda t: t.update({QKV: t[QKV].astype(np.int32)}), "holds int32, not floating-point weights"),
+        (lambda t: t.update({QKV: t[QKV] > 0}), "holds bool, not floating-point weights"),
+    ],
+)
+def test_weights_a_gpt2_would_leave_unread_cast_or_compute_as_nan_are_refused(tmp_path, edit, message):
+    with pytest.raises(GPT2FormatError, match=message):
+        load_gpt2(_edited_copy(tmp_path, edit))
+
+
+def test_the_causal_mask_buffers_older_transformers_saved_are_not_weights(tmp_path):
+    mask = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    folder = _edited_copy(tmp_path, lambda t: t.update({"transformer.h.1.attn.bias": mask}))
+    np.testing.assert_array_equal(load_gpt2(folder).embed, load_gpt2(TINY).embed)
+
+
+def test_a_diverged_model_is_not_saved_and_nothing_is_written(tmp_path):
+    import equinox as eqx
+
+    model = load_gpt2(TINY)
+    save_gpt2(model, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    nan = eqx.tree_at(lambda m: m.final_norm.scale, model, model.final_norm.scale * np.nan)
+    with pytest.raises(GPT2FormatError, match="ln_f.weight holds NaN or infinite values"):
+        save_gpt2(nan, tmp_path / "out")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before

@@ -131,14 +131,15 @@ def test_the_chunked_gradient_holds_no_tokens_by_vocabulary_buffer():
 
 
 def test_blocks_cover_a_few_mib_of_logits():
-    assert default_block(48 * 64, 50_304) == 341  # the default body's batch: 340 after evening out
-    assert default_block(1, 50_304) == 50_304  # one token: the whole head in one block
-    assert default_block(1 << 20, 50_304) == 128  # a million tokens: never narrower than 128
+    cpu = CPU_LIMITS  # (on a GPU the suite runs too: gpu_check.sh)
+    assert default_block(48 * 64, 50_304, cpu) == 341  # the default body's batch: 340 after evening out
+    assert default_block(1, 50_304, cpu) == 50_304  # one token: the whole head in one block
+    assert default_block(1 << 20, 50_304, cpu) == 128  # a million tokens: never narrower than 128
 
 
 def test_a_gpu_keeps_gpt2_steps_plain_and_chunks_in_wide_blocks():
     # On a GPU the CPU's bounds made GPT-2's loss over 8 x 1,024 tokens 393 narrow blocks.
-    assert chunk_limits() is CPU_LIMITS  # this suite runs on a CPU
+    assert chunk_limits() is (GPU_LIMITS if jax.default_backend() == "gpu" else CPU_LIMITS)
     assert chunks_pay(8 * 1024, 50_304, 768, gradient=True, limits=CPU_LIMITS)
     assert not chunks_pay(8 * 1024, 50_304, 768, gradient=True, limits=GPU_LIMITS)
     assert not chunks_pay(16 * 1024, 50_304, 768, gradient=True, limits=GPU_LIMITS)
@@ -160,15 +161,18 @@ def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
 
 
 def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
-    assert chunks_pay(48 * 64, 50_304, 128, gradient=True)  # the default body's training step
+    cpu = CPU_LIMITS  # a CPU's bounds (on a GPU the suite runs too: gpu_check.sh)
+    assert chunks_pay(48 * 64, 50_304, 128, gradient=True, limits=cpu)  # the default body's training step
     # GPT-2-124M's width: its evaluations are chunked, a fine-tuning step on 4 x 256 tokens is not
     # (the second pass would cost more than it saves), the gpt2-124m preset's 4 x 1,024 is.
-    assert chunks_pay(4 * 256, 50_304, 768) and not chunks_pay(4 * 256, 50_304, 768, gradient=True)
-    assert chunks_pay(4 * 1024, 50_304, 768, gradient=True)
+    assert chunks_pay(4 * 256, 50_304, 768, limits=cpu) and not chunks_pay(
+        4 * 256, 50_304, 768, gradient=True, limits=cpu
+    )
+    assert chunks_pay(4 * 1024, 50_304, 768, gradient=True, limits=cpu)
     config = dataclasses.replace(BASE, vocab_size=20_000)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE
-    assert chunks_pay(256, config.padded_vocab_size)
+    assert chunks_pay(256, config.padded_vocab_size, limits=cpu)
     loss = jax.jit(lambda b: next_token_loss(model, b[:, :-1], b[:, 1:]))(batch)
     assert abs(float(loss) - float(jax.jit(lambda b: _plain(model, b))(batch))) < 1e-5 * float(loss)
 

@@ -18,6 +18,7 @@ from eqx_gpt import (
     generate,
     generate_batch,
     sample_next_token,
+    translate,
 )
 
 GUIDE = DOCS[1]
@@ -108,3 +109,28 @@ def test_gpt_follows_the_protocol_and_a_model_without_it_is_named():
     transformer = Transformer(config, key=jax.random.key(0))
     with pytest.raises(TypeError, match="Transformer lacks context_length, vocab_size"):
         generate(transformer, [1, 2], 3, key=jax.random.key(0))  # type: ignore[arg-type]
+
+
+def test_the_transformers_decoder_bound_to_sources_is_a_decoder_translate_samples_through():
+    config = TransformerConfig(
+        src_vocab_size=12, tgt_vocab_size=9, d_model=16, n_heads=2, d_hidden=32, max_len=10
+    )
+    transformer = Transformer(config, key=jax.random.key(4))
+    src = np.asarray([[5, 6, 7, 0], [4, 9, 11, 3]], np.int32)
+    bound: Decoder = transformer.bind(jnp.asarray(src))  # pyright checks the protocol
+    assert (bound.context_length, bound.vocab_size) == (10, 9)
+    key, options = jax.random.key(2), SamplingOptions(temperature=1.5, top_k=6)
+    drawn = generate_batch(bound, np.ones((2, 1), np.int32), 9, key=key, options=options)
+    translated = translate(transformer, src, 9, bos_id=1, eos_id=2, key=key, options=options)
+    for row, out in zip(drawn, translated, strict=True):  # the same tokens, padded after eos
+        end = list(row).index(2) + 1 if 2 in row else len(row)
+        np.testing.assert_array_equal(out[:end], row[:end])
+        assert np.all(out[end:] == config.pad_id)
+    one = generate(
+        transformer.bind(jnp.asarray(src[1:])), [1], 9, key=jax.random.fold_in(key, 0), temperature=0
+    )
+    alone = translate(transformer, src[1:], 9, bos_id=1, eos_id=2, temperature=0)[0]
+    end = list(one).index(2) + 1 if 2 in one else len(one)
+    np.testing.assert_array_equal(alone[:end], one[:end])
+    with pytest.raises(ValueError, match="bound to 2 source"):
+        generate_batch(bound, np.ones((3, 1), np.int32), 2, key=key)

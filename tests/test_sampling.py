@@ -221,3 +221,51 @@ def test_a_large_vocabulary_draws_from_the_softmax_in_two_stages():
         sigma = np.sqrt(expected * (1 - expected) / n)
         observed = counts[ids].sum() / n
         assert abs(observed - expected) < 5 * sigma + 1e-9, (ids[:3], observed, expected)
+
+
+@pytest.mark.parametrize(
+    "logits, kind",
+    [
+        (jnp.asarray([0.5, jnp.nan, 1.0]), "NaN"),
+        (jnp.asarray([0.5, jnp.inf, 1.0]), r"\+inf"),
+        (jnp.full((3,), -jnp.inf), "only -inf"),
+    ],
+)
+def test_logits_with_no_distribution_are_refused_where_concrete_and_unusable_under_jit(logits, kind):
+    from eqx_gpt.generation.sampling import UNUSABLE
+
+    key = jax.random.key(0)
+    for temperature in (0.0, 1.0):
+        with pytest.raises(ValueError, match=f"sample_next_token got logits holding {kind}"):
+            sample_next_token(logits, key, temperature=temperature)
+        drawn = jax.jit(lambda lg, t: sample_next_token(lg, key, temperature=t, top_k=2))(logits, temperature)
+        assert int(drawn) == UNUSABLE  # never id 0 or any real id
+
+
+def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
+    logits = jnp.asarray([2.0, -1.0, jnp.nan, 0.5]).at[2].set(-jnp.nan)  # a NaN a filter could drop
+    for name, f in (
+        ("top_k_filter", lambda lg: top_k_filter(lg, 2)),
+        ("top_p_filter", lambda lg: top_p_filter(lg, 0.5)),
+    ):
+        with pytest.raises(ValueError, match=f"{name} got logits holding NaN"):
+            f(logits)
+        assert bool(jnp.all(jnp.isnan(jax.jit(f)(logits))))
+    assert not bool(
+        jnp.any(jnp.isnan(jax.jit(lambda lg: top_k_filter(lg, 2))(jnp.asarray([2.0, -1.0, 0.5]))))
+    )
+
+
+def test_the_page_shows_the_distribution_tokens_are_drawn_from():
+    from eqx_gpt.generation.sampling import filtered_logits, next_token_distribution
+
+    logits = jax.random.normal(jax.random.key(1), (50,)) * 2
+    shown = next_token_distribution(logits, 0.7, 5, 0.8)
+    assert int(jnp.sum(shown > 0)) <= 5
+    np.testing.assert_allclose(shown, jax.nn.softmax(filtered_logits(logits, 0.7, 5, 0.8)), rtol=1e-6)
+    draw = jax.vmap(lambda k: sample_next_token(logits, k, temperature=0.7, top_k=5, top_p=0.8))
+    counts = np.bincount(np.asarray(draw(jax.random.split(jax.random.key(0), 400))), minlength=50)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(np.asarray(shown)))
+    np.testing.assert_allclose(counts / 400, shown, atol=0.08)
+    greedy = next_token_distribution(logits, 0.0)
+    assert float(greedy[int(jnp.argmax(logits))]) == 1.0 and float(greedy.sum()) == 1.0

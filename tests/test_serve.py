@@ -18,6 +18,7 @@ from eqx_gpt.commands import serve as serve_command  # noqa: E402
 from eqx_gpt.serve.batcher import Finished, Sequence, sample_key_data  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")
+LOCAL = "http://localhost"  # a name of this machine: the app answers no other Host by default
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(run):
-    with TestClient(app_for(run, slots=4, queue_size=16)) as c:
+    with TestClient(app_for(run, slots=4, queue_size=16), base_url=LOCAL) as c:
         yield c
 
 
@@ -72,9 +73,9 @@ def test_seeded_text_is_the_same_served_alone_or_in_company(run):
     """Each slot draws with its own key and reads only its own cache, so company changes nothing
     here; the docs say why that is not guaranteed bit for bit (a batch's float sums)."""
     body = {"model": "tiny", "prompt": "First:", "max_tokens": 40, "temperature": 1.0, "seed": 3}
-    with TestClient(app_for(run, slots=4)) as alone:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as alone:
         text = alone.post("/v1/completions", json=body).json()["choices"][0]["text"]
-    with TestClient(app_for(run, slots=4)) as busy:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as busy:
         server = busy.app.state.server  # type: ignore[attr-defined]
         done = threading.Event()
         others = [
@@ -177,7 +178,7 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens(client):
 
 
 def test_a_full_queue_answers_429_with_retry_after_then_serves_again(run):
-    with TestClient(app_for(run, slots=1, queue_size=1)) as c:
+    with TestClient(app_for(run, slots=1, queue_size=1), base_url=LOCAL) as c:
         batcher = c.app.state.server.batcher  # type: ignore[attr-defined]
         hog = lambda i: Sequence([1, 2], 10**6, SamplingOptions(), sample_key_data(0, i), lambda e: None)
         first, second = hog(0), hog(1)

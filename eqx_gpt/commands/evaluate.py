@@ -20,7 +20,8 @@ The corpus is prepared by the code and with the report `train.py` has (`training
 its lines (a damaged cache entry prepared again, a corpus prepared and cached) go to stdout before
 the figure.
 
-Progress (with an ETA) shows on stderr once the work takes more than a moment. Bad input (a
+Progress (with an ETA) shows on stderr once the work takes more than a moment, on a terminal only:
+off one, stdout holds the lines above and the figure, stderr nothing but errors. Bad input (a
 missing checkpoint or corpus, unreadable text, characters the tokenizer does not know, flags that
 do not go together) prints one line to stderr and exits with code 2; Ctrl-C exits with code 130.
 """
@@ -92,7 +93,6 @@ def _evaluate(args) -> int:
     from eqx_gpt.model.language_model import ModelShape
     from eqx_gpt.tokenizer import UnknownCharacters
     from eqx_gpt.training.data import load_text
-    from eqx_gpt.training.report import Progress
 
     model, tokenizer, meta = load_model(args.checkpoint, kind="LanguageModel")
     model_config = model.config if isinstance(model, GPT) else ModelShape.of(model)
@@ -102,7 +102,7 @@ def _evaluate(args) -> int:
             f"--stride {args.stride} is over the model's context_length {context}; pass at most that"
         )
     if args.text is not None:
-        shown = Shown(Progress(), f"evaluating {args.text}")
+        shown = Shown(_progress(), f"evaluating {args.text}")
         try:
             result = evaluate_text(model, tokenizer, load_text(args.text), stride=args.stride, shown=shown)
         except UnknownCharacters as e:
@@ -116,7 +116,7 @@ def _evaluate(args) -> int:
     try:
         plan, covers = _plan(meta, len(corpus.val), model_config, args)
         label = "evaluating the whole split" if args.whole_split else "evaluating"
-        result = _evaluate_plan(model, corpus.val, plan, Shown(Progress(), label))
+        result = _evaluate_plan(model, corpus.val, plan, Shown(_progress(), label))
     finally:
         corpus.close()
     step = f"; the checkpoint of step {meta['step']}" if "step" in meta else ""
@@ -160,6 +160,14 @@ def _plan(meta: dict, n_tokens: int, model_config, args):
     )
 
 
+def _progress():
+    """Progress on stderr on a terminal; none off one (a pipe or a file), where stdout holds the
+    figures alone and stderr errors alone."""
+    from eqx_gpt.training.report import Progress
+
+    return Progress(enabled=sys.stderr.isatty(), stream=sys.stderr)
+
+
 def _windows(plan) -> str:
     if plan.whole:
         return f"(windows of {plan.context}, every {plan.stride})"
@@ -178,24 +186,27 @@ def _evaluate_split(model, tokenizer, meta: dict, args) -> int:
     tokenized by the checkpoint's tokenizer."""
     from eqx_gpt.evaluation import Shown, plan_whole
     from eqx_gpt.training.data import load_corpus
-    from eqx_gpt.training.report import Progress
 
     train_config = meta.get("train_config") or {}
     folder = args.data if args.data is not None else train_config.get("data")
     if folder is None:
+        what = (
+            "was trained on the bundled Tiny Shakespeare, one corpus with no splits"
+            if "data_sha256" in meta
+            else "records no training corpus"  # a format-1 checkpoint, or a Hugging Face GPT-2
+        )
         raise DataError(
-            f"{meta['path']} was trained on the bundled Tiny Shakespeare, one corpus with no splits; pass "
-            f"--data PATH to a folder of splits, or --text PATH to score a text"
+            f"{meta['path']} {what}; pass --data PATH to a folder of splits, or --text PATH to score a text"
         )
     corpus = load_corpus(
         folder, tokenizer.to_dict(), text_field=train_config.get("text_field", "text"), split=args.split,
-        check_identity=lambda sha: None, log=print, progress=Progress(),
+        check_identity=lambda sha: None, log=print, progress=_progress(),
     )  # fmt: skip
     try:
         context = model.context_length
         plan = plan_whole(len(corpus.tokens), context, args.stride or max(1, context // 2))
         result = _evaluate_plan(
-            model, corpus.tokens, plan, Shown(Progress(), f"evaluating split {args.split}")
+            model, corpus.tokens, plan, Shown(_progress(), f"evaluating split {args.split}")
         )
     finally:
         corpus.close()
@@ -211,7 +222,6 @@ def _run_corpus(meta: dict, tokenizer, data: str | None):
     path the run recorded, or at `data`, which must hold the same bytes (its sha256, checked before
     anything is tokenized), with the run's text field and split."""
     from eqx_gpt.training.data import BUNDLED, load_corpus
-    from eqx_gpt.training.report import Progress
 
     if "data_sha256" not in meta:  # a Hugging Face GPT-2, or a checkpoint of no recorded corpus
         raise DataError(f"{meta['path']} records no training corpus; pass --text PATH to score a text")
@@ -237,7 +247,7 @@ def _run_corpus(meta: dict, tokenizer, data: str | None):
     corpus = load_corpus(
         recorded if data is None else data, wanted, text_field=train_config.get("text_field", "text"),
         split=train_config.get("split"), resumes=meta, check_identity=None if data is None else check,
-        log=print, progress=Progress(),
+        log=print, progress=_progress(),
     )  # fmt: skip
     if corpus.tokenizer != tokenizer:  # the same bytes: only a damaged cache entry tokenizes them otherwise
         corpus.close()

@@ -92,7 +92,9 @@ def _export_adapters(model, meta: dict, out_dir: Path) -> dict:
     if not has_lora(model):
         raise ConfigError(f"{meta['path']} is not a LoRA run (train.py --lora-rank); drop --adapters-only")
     try:
-        save_adapters(model, out_dir, base=meta["train_config"]["init_from"])
+        # The base load_model found and checked (sha256), named relative to the folder written.
+        base = (meta.get("lora_base") or {}).get("path") or meta["train_config"]["init_from"]
+        save_adapters(model, out_dir, base=base)
     except OSError as e:
         raise ConfigError(f"cannot write {out_dir}/: {e.strerror or e}") from None
     return meta

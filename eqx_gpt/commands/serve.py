@@ -2,21 +2,44 @@
 
     eqx-gpt serve --checkpoint out/                    (or: python -m eqx_gpt serve --checkpoint out/)
     eqx-gpt serve --checkpoint gpt2/ --port 8080 --slots 8
+    EQX_GPT_API_KEY=... eqx-gpt serve --checkpoint out/ --host 0.0.0.0
 
 Loads a run folder (its best checkpoint, else its latest), a checkpoint file, or a Hugging Face
-GPT-2 folder, and serves it with uvicorn on 127.0.0.1 (loopback: only this machine can reach it)
-unless `--host` says otherwise. The page is at `/`, the API at `/v1` (see the GUIDE). Needs the
-`serve` extra (Starlette, uvicorn); without it, one line says how to install it, exit code 2.
+GPT-2 folder, and serves it with uvicorn on 127.0.0.1 (loopback: only this machine can reach it,
+and only under this machine's names: a DNS-rebinding page is refused) unless `--host` says
+otherwise; another address without an API key is warned about. The page is at `/`, the API at
+`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn, prometheus_client);
+without it, one line says how to install it, exit code 2.
 """
 
 import argparse
 import importlib.util
+import ipaddress
+import os
 import sys
 
 from eqx_gpt.commands.cli import OneLineParser, add_checkpoint_argument, run_command, whole_number
 from eqx_gpt.errors import ConfigError
 
 INSTALL = "pip install 'eqx_gpt[serve]' (in a clone: uv sync --extra serve)"
+API_KEY_VARIABLE = "EQX_GPT_API_KEY"  # read when --api-key is not given (a flag shows in `ps`)
+
+
+def seconds(low: float, high: float):
+    """argparse type: a number of seconds in `[low, high]`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails this too
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds in [{low:g}, {high:g}], got {text}"
+            )
+        return value
+
+    return parse
 
 
 def parse_args(argv=None, prog: str = "eqx-gpt serve") -> argparse.Namespace:
@@ -36,34 +59,94 @@ def parse_args(argv=None, prog: str = "eqx-gpt serve") -> argparse.Namespace:
     )
     p.add_argument(
         "--queue", type=whole_number(1, 100_000), default=64,
-        help="samples that may wait for a slot; beyond, 429 with Retry-After (default 64)",
+        help="samples that may wait for a slot, and the most one request may ask for; beyond, 429 "
+        "with Retry-After (default 64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_VARIABLE) or None,
+        help=f"require 'Authorization: Bearer KEY' on the API (default: ${API_KEY_VARIABLE}, else none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-body-bytes", type=whole_number(1024), default=1 << 20,
+        help="the largest request body; larger ones get 413 (default 1048576)",
+    )  # fmt: skip
+    p.add_argument(
+        "--request-timeout", type=seconds(0.1, 3600), default=10.0,
+        help="seconds a client has to send a whole request, headers and body (default 10)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shutdown-timeout", type=seconds(0, 3600), default=5.0,
+        help="seconds completions may run after SIGTERM before they end with an error event (default 5)",
     )  # fmt: skip
     return p.parse_args(argv)
 
 
 def check_extra() -> None:
     """Refuse, in one line naming the install, when the `serve` extra is missing."""
-    missing = [name for name in ("starlette", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [
+        name
+        for name in ("starlette", "uvicorn", "prometheus_client")
+        if importlib.util.find_spec(name) is None
+    ]
     if missing:
         raise ConfigError(f"serving needs {' and '.join(missing)}, from the serve extra: {INSTALL}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is an address (or name) of this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str) -> list[str]:
+    """The `Host` names answered: on loopback, this machine's own (so a DNS-rebinding page is
+    refused); on another address, any (the API key is the guard there)."""
+    from eqx_gpt.serve.api import LOOPBACK_HOSTS
+
+    if not is_loopback(host):
+        return ["*"]
+    named = f"[{host.strip('[]')}]" if ":" in host else host.lower()
+    return sorted({*LOOPBACK_HOSTS, named})
 
 
 def main(argv=None, prog: str = "eqx-gpt serve") -> int:
     """Serve with the flags `argv` until interrupted; the exit code: 0, or 2 for bad input."""
     args = parse_args(argv, prog)
-    return run_command(prog, lambda: _serve(args))
+    return run_command(prog, lambda: _serve(args, prog))
 
 
-def _serve(args) -> int:
+def _serve(args, prog: str) -> int:
     check_extra()
-    import uvicorn
-
+    if args.api_key is not None and not (args.api_key.strip() and args.api_key.isprintable()):
+        raise ConfigError(f"--api-key (or ${API_KEY_VARIABLE}) must be printable characters, not blank")
     from eqx_gpt.checkpoint import load_model
     from eqx_gpt.serve.api import create_app
+    from eqx_gpt.serve.http_server import Limits, serve
 
-    model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")
+    from eqx_gpt.generation.decoder import check_decoder
+
+    # A GPT, or a run of a model of one's own (rebuilt by the function its run records) that decodes.
+    model, tokenizer, meta = load_model(args.checkpoint, kind="LanguageModel")
+    try:
+        check_decoder(model)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
     name = args.name or args.checkpoint.resolve().name
-    app = create_app(model, tokenizer, meta=meta, name=name, slots=args.slots, queue_size=args.queue)
+    app = create_app(
+        model, tokenizer, meta=meta, name=name, slots=args.slots, queue_size=args.queue,
+        max_body_bytes=args.max_body_bytes, api_key=args.api_key, allowed_hosts=allowed_hosts(args.host),
+    )  # fmt: skip
+    if not is_loopback(args.host) and args.api_key is None:
+        print(
+            f"{prog}: warning: listening on {args.host} without an API key: anyone who can reach this "
+            f"port can run the model; pass --api-key (or set ${API_KEY_VARIABLE})",
+            file=sys.stderr,
+        )  # fmt: skip
     print(f"serving {name!r} at http://{args.host}:{args.port}/ (API at /v1)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    limits = Limits(request_timeout_s=args.request_timeout, shutdown_timeout_s=args.shutdown_timeout)
+    serve(app, host=args.host, port=args.port, limits=limits)
     return 0

@@ -24,6 +24,7 @@ start that finds the entry's lock free, so nothing is left for good. It never le
 without its manifest.
 """
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from eqx_gpt.errors import DataError
+from eqx_gpt.files import resolve
 
 CACHE_ENV = "EQX_GPT_DATA_CACHE"
 
@@ -48,11 +50,12 @@ def cache_root() -> Path:
 def resolve_cache(root: str | Path) -> Path:
     """`root` made absolute, its links followed (`DataError` for a loop of links)."""
     try:
-        return Path(root).expanduser().resolve()
-    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
-        raise DataError(
-            f"the token cache {root} is a loop of symbolic links; set {CACHE_ENV} to a real folder"
-        ) from None
+        return resolve(Path(root).expanduser())
+    except OSError as e:
+        cause = (
+            "is a loop of symbolic links" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror or e})"
+        )
+        raise DataError(f"the token cache {root} {cause}; set {CACHE_ENV} to a real folder") from None
 
 
 def entry_name(data: Path, tokenizer: dict, text_field: str = "text", split: str | None = None) -> str:

@@ -27,7 +27,9 @@ TABLES = {".parquet": "parquet", ".arrow": "arrow"}
 EXTRAS = {"zstandard": "zstd", "pyarrow": "parquet"}  # module: the extra of pyproject.toml that has it
 BLOCK = 1 << 20  # compressed bytes read at a time
 ZSTD_BLOCK = 1 << 16  # zstd's decompressor has no output limit: small inputs keep its output small
-ROWS = 256  # table rows read at a time
+ROWS = 256  # table rows decoded at a time, at most (fewer where a Parquet file's rows are large)
+SLICE_BYTES = 1 << 20  # text handed on at a time: rows of about this many bytes (one row may be more)
+MAX_RECORD = 1 << 28  # the longest record read (a .jsonl line, a table's value: 256 MiB)
 
 
 def compression(path: Path) -> str | None:
@@ -145,11 +147,50 @@ def _is_text(pa, found) -> bool:
 
 
 def column_batches(path: Path, how: str, field: str) -> Iterator[tuple[list, int]]:
-    """`(values, file bytes read so far, about)` of the column `field` of a table, a batch of rows
-    at a time; `values` are strings, or None for a missing value."""
-    with _table_errors(path, how), _reader(path, how, field) as (_, batches):
+    """`(values, file bytes read so far, about)` of the column `field` of a table, rows of about
+    `SLICE_BYTES` of text at a time, whatever a row's size; `values` are strings, or None for a
+    missing value. Memory is bounded by bytes, not rows: a dictionary-encoded column stays
+    encoded until a slice is taken (a few bytes of file can repeat one long value a million times),
+    and a value over `MAX_RECORD` is refused, as a .jsonl line is."""
+    with _table_errors(path, how) as pa, _reader(path, how, field) as (_, batches):
+        row = 0
         for batch, at in batches:
-            yield batch.column(0).to_pylist(), at
+            column = batch.column(0)
+            for start, stop in _byte_slices(pa, column, path, field, row):
+                yield column.slice(start, stop - start).to_pylist(), at
+            row += len(column)
+
+
+def _byte_slices(pa, column, path: Path, field: str, row: int) -> Iterator[tuple[int, int]]:
+    """`(start, stop)` rows of `column` holding about `SLICE_BYTES` of text each (at least one row);
+    `DataError` for a value over `MAX_RECORD` (`row`: the rows of the file before `column`'s)."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    if pa.types.is_dictionary(column.type):
+        lengths = (
+            pc.call_function("binary_length", [column.dictionary]).fill_null(0).to_numpy(zero_copy_only=False)
+        )
+        indices = column.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        valid = column.is_valid().to_numpy(zero_copy_only=False)
+        sizes = np.where(valid, lengths[indices] if len(lengths) else 0, 0)
+    else:
+        sizes = pc.call_function("binary_length", [column]).fill_null(0).to_numpy(zero_copy_only=False)
+    sizes = np.asarray(sizes, np.int64)
+    over = np.flatnonzero(sizes > MAX_RECORD)
+    if over.size:
+        raise DataError(
+            f"data file {path}: row {row + int(over[0]) + 1:,} of its column {field!r} holds "
+            f"{int(sizes[over[0]]) / (1 << 20):,.0f} MiB of text, over {MAX_RECORD >> 20} MiB; split it into "
+            f"rows of documents"
+        )
+    ends = np.cumsum(sizes)
+    start = 0
+    while start < len(sizes):
+        before = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, before + SLICE_BYTES, side="right")))
+        yield start, stop
+        start = stop
 
 
 @contextlib.contextmanager
@@ -160,9 +201,15 @@ def _reader(path: Path, how: str, field: str | None = None):
     pa = optional("pyarrow", path)
     if how == "parquet":
         parquet = importlib.import_module("pyarrow.parquet")
-        with parquet.ParquetFile(path) as table:
-            rows, size = max(table.metadata.num_rows, 1), path.stat().st_size
-            batches = table.iter_batches(batch_size=ROWS, columns=[field]) if field else iter(())
+        # A dictionary-encoded column is read as Arrow's dictionary: each row an index, not a copy.
+        with parquet.ParquetFile(path, read_dictionary=[field] if field else None) as table:
+            meta, size = table.metadata, path.stat().st_size
+            rows = max(meta.num_rows, 1)
+            # Rows per batch so that a batch's decoded pages hold about SLICE_BYTES (all columns'
+            # uncompressed bytes: an overestimate of the one read).
+            decoded = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+            batch_size = int(min(ROWS, max(1, SLICE_BYTES * rows // max(decoded, 1))))
+            batches = table.iter_batches(batch_size=batch_size, columns=[field]) if field else iter(())
             yield table.schema_arrow, _rows_read(batches, rows, size)
         return
     with pa.OSFile(str(path)) as raw:

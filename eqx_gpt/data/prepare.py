@@ -341,7 +341,7 @@ def _prepare_entry(
     except OSError as e:
         raise _cache_error(e, entry, data) from None
     try:
-        manifest = _tokenize_into(folder, data, listing, records, tokenizer, work)
+        manifest, text_bytes = _tokenize_into(folder, data, listing, records, tokenizer, work)
         check_unchanged(sources)  # and the bytes tokenized
         publish(folder, entry)
     except OSError as e:
@@ -351,9 +351,11 @@ def _prepare_entry(
         shutil.rmtree(folder, ignore_errors=True)
         raise
     size, seconds = sum(s.size for s in sources), time.monotonic() - t0
+    # The text's bytes, what tokenizing costs: a compressed file's or a table's differ from its size.
+    stored = f"{_amount(size)}, {_amount(text_bytes)} of text" if text_bytes != size else _amount(size)
     work.log(
-        f"prepared {data} ({listing.summary}; {size / 1e6:,.1f} MB) into {manifest.n_tokens:,} tokens "
-        f"in {seconds:.1f} s ({size / 1e6 / max(seconds, 1e-9):.1f} MB/s); cached in {entry}/"
+        f"prepared {data} ({listing.summary}; {stored}) into {manifest.n_tokens:,} tokens in {seconds:.1f} s "
+        f"({_amount(text_bytes / max(seconds, 1e-9))} of text/s); cached in {entry}/"
     )
     snapshot = Snapshot.open(entry)  # the version just published: the lock keeps any other out
     if snapshot is None:
@@ -401,18 +403,31 @@ def _touched(entry: Path, records, tokenizer: dict, work: "_Work", damaged: int 
     return _open(snapshot, manifest, prepared=False)
 
 
-def _tokenize_into(folder: Path, data, listing: Listing, records, tokenizer: dict, work: _Work) -> Manifest:
-    """Tokenize the corpus into shards in `folder`, fsynced, then its manifest (last)."""
+def _amount(n: float) -> str:
+    """A count of bytes in the unit that shows it: "877 bytes", "12.3 KB", "1,024.0 MB"."""
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} KB" if n >= 1e3 else f"{n:,.0f} bytes"
+
+
+def _tokenize_into(
+    folder: Path, data, listing: Listing, records, tokenizer: dict, work: _Work
+) -> tuple[Manifest, int]:
+    """Tokenize the corpus into shards in `folder`, fsynced, then its manifest (last); the
+    manifest and the bytes of text tokenized."""
     sources, field = listing.sources, work.text_field
     total = sum(s.size for s in sources)
     tok = _tokenizer(tokenizer, lambda: plan_chunks(sources, None, field), total, work, data)
     dtype = token_dtype(tok.vocab_size)
+
+    def shard(job: tuple[int, Chunk]) -> tuple[int, int, int]:
+        i, chunk = job
+        return (*write_shard(chunk, tok, dtype, folder / f"shard-{i:05d}.bin"), chunk_bytes(chunk))
+
     written = work.map(
-        lambda job: write_shard(job[1], tok, dtype, folder / f"shard-{job[0]:05d}.bin"),
+        shard,
         enumerate(plan_chunks(sources, None, field)), f"tokenizing ({tok.name})", total,
         lambda job: chunk_weight(job[1]),
     )  # fmt: skip
-    shards = tuple(Shard(f"shard-{i:05d}.bin", n, crc) for i, (n, crc) in enumerate(written) if n)
+    shards = tuple(Shard(f"shard-{i:05d}.bin", n, crc) for i, (n, crc, _) in enumerate(written) if n)
     manifest = Manifest(
         str(data), records, listing.skipped_binary, tok.to_dict(), dtype, shards, text_field=field
     )
@@ -421,7 +436,7 @@ def _tokenize_into(folder: Path, data, listing: Listing, records, tokenizer: dic
         f.flush()
         os.fsync(f.fileno())
     fsync(folder)
-    return manifest
+    return manifest, sum(text for _, _, text in written)
 
 
 def _tokenizer(

@@ -12,10 +12,14 @@ A folder of splits is not one corpus: one split is read, `train` unless `split` 
 (`"all"`: every file, as if it had none). Such a folder is a `datasets` `DatasetDict`
 (`dataset_dict.json` names its splits, a folder each), or any folder whose folders and data files
 (`SPLIT_DATA`: not `train.py` beside `test.py`) name two splits or more the way Hugging Face does
-(`train/`, `test.jsonl`, `validation-00000-of-00001.parquet`, `wiki.valid.raw`: the keywords of
-`SPLIT_KEYWORDS` between `-._ ` or digits); there the other splits are left out, and files of no
-split are skipped and counted. A folder without the split asked for is refused, naming its
-splits. The summary says which split of which folder was read, and from how many folders.
+(`train/`, `test.jsonl`, `validation-00000-of-00001.parquet`, `wiki.valid.raw`: a keyword of
+`SPLIT_KEYWORDS` as a word of the name, in any case: `Test.txt`, `TRAIN`, `testSet.txt`); there the
+other splits are left out, and files of no split are skipped and counted. A folder without the
+split asked for is refused, naming its splits. The summary says which split of which folder was
+read, and from how many folders. Anywhere else, at any depth, a file or folder named for a held-out
+split (validation or test: `test.txt` beside `corpus.txt`, `heldout/`, `devSet.jsonl`) is never
+read unless that split is asked for (then, in its folder, it alone) or `all`: it is skipped, and
+the summary names it.
 
 A file's format is told by its name (`formats.py`): a `*.jsonl` holds one JSON object per line
 whose text field (`"text"`, or another named) is a document (a UTF-8 byte-order mark before the
@@ -41,25 +45,31 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eqx_gpt import files
 from eqx_gpt.data import formats
 from eqx_gpt.errors import DataError
 
 SEPARATOR = "\n\n"  # between two documents (files, or the records of a .jsonl)
 BINARY_PROBE = 8192  # bytes looked at for a NUL byte (git's test for a binary file)
 SCAN = 1 << 20  # bytes read at a time when looking for the newline that ends a range
-MAX_RECORD = 1 << 28  # the longest .jsonl line read (256 MiB: a few GB of memory while tokenized)
+MAX_RECORD = formats.MAX_RECORD  # the longest .jsonl line read (256 MiB: a few GB of memory while tokenized)
 BOM = "\ufeff"
 ALL_SPLITS = "all"  # the `split` that reads every file of a folder of splits
 DEFAULT_SPLIT = "train"
 # Hugging Face's split keywords (`datasets.data_files`), by the split they name.
+# Hugging Face's split keywords (`datasets.data_files`), by the split they name, and "held out".
 SPLIT_KEYWORDS = {
     "train": ("train", "training"),
     "validation": ("validation", "valid", "val", "dev"),
-    "test": ("test", "testing", "eval", "evaluation"),
+    "test": ("test", "testing", "eval", "evaluation", "heldout", "holdout"),
 }
-SPLIT_DATA = {"txt", "text", "raw", "tokens", "jsonl", "json", "parquet", "arrow", "csv", "tsv"}
+HELD_OUT_SPLITS = ("validation", "test")  # never training text unless asked for
+HELD_OUT = "held out"  # the `Skipped.why` of a file or folder named for one
+SPLIT_DATA = {"txt", "text", "raw", "tokens", "jsonl", "json", "parquet", "arrow", "csv", "tsv", "no suffix"}
 _KEYWORD = {k: split for split, keywords in SPLIT_KEYWORDS.items() for k in keywords}
-_SPLIT_NAME = re.compile(r"(?:^|[-._ 0-9])(" + "|".join(_KEYWORD) + r")(?=[-._ 0-9]|$)")
+# The words of a name, in any case: "testSet" is test and set, "XMLTest" XML and test, "TRAIN"
+# train, "wiki.valid.raw" wiki, valid and raw; "latest" and "LATEST" are one word, not "test".
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+")
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,10 @@ class Listing:
             text += f" from {len(folders):,} folders ({shown}{', ...' if len(folders) > 3 else ''})"
         if self.skipped:
             text += f"; skipped {len(self.skipped):,} ({_counts(s.why for s in self.skipped)})"
+        held = [s.name for s in self.skipped if s.why == HELD_OUT]
+        if held:
+            shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+            text += f"; held out, named for a split: {shown} (--split NAME reads one, --split all every file)"
         return text
 
     @property
@@ -214,8 +228,10 @@ def _skip_reason(source: Source) -> str | None:
 def resolve(path: str | Path) -> Path:
     """`path` made absolute, its links followed (`DataError` for a loop of links)."""
     try:
-        return Path(path).resolve()
-    except (OSError, RuntimeError):  # Python 3.11 raises RuntimeError("Symlink loop ...")
+        return files.resolve(path)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise DataError(f"data path {path} cannot be read ({e.strerror or e})") from None
         raise DataError(
             f"data path {path} is a loop of symbolic links; pass --data PATH to a real file"
         ) from None
@@ -284,12 +300,18 @@ def _folder_sources(folder: Path, split: str | None) -> Listing:
             continue
         sources.append(source)
     walk.check_split_found(folder)
+    skipped += [Skipped(name, 0, HELD_OUT) for name in walk.held_out]
     listing = Listing(
         sorted(sources, key=lambda s: s.name),
         tuple(sorted(skipped, key=lambda s: s.name)),
         walk.chosen,
         tuple(walk.parts),
     )
+    if not sources and {s.why for s in skipped} == {HELD_OUT}:
+        raise DataError(
+            f"data folder {folder} holds only files named for a held-out split ({listing.summary}); pass "
+            f"--split NAME to read one of them"
+        )
     if not sources:
         kinds = {s.why for s in skipped}
         what = f"only {kinds.pop()} files ({len(skipped)})" if len(kinds) == 1 else "no files"
@@ -338,18 +360,27 @@ def _hf_dataset(names: list[str]) -> bool:
 
 def split_of(name: str) -> str | None:
     """The split a file or folder `name` belongs to by Hugging Face's keywords ("train",
-    "validation" or "test"), or None: `wiki.valid.raw` is "validation", `latest.txt` None."""
-    found = _SPLIT_NAME.search(name)
-    return _KEYWORD[found.group(1)] if found else None
+    "validation" or "test") among its words, in any case, or None: `wiki.valid.raw` and `devSet`
+    are "validation", `Test.txt`, `held-out` and `heldout` "test", `latest.txt` None. A name of a
+    held-out split and of train (`train_test.txt`) is held out."""
+    words = [w.lower() for w in _WORD.findall(name)]
+    pairs = [a + b for a, b in zip(words, words[1:], strict=False)]  # "held", "out": heldout
+    found = {_KEYWORD[w] for w in (*words, *pairs) if w in _KEYWORD}
+    return next((s for s in (*HELD_OUT_SPLITS, "train") if s in found), None)
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _split_data(entry: os.DirEntry) -> bool:
     """Whether a folder entry may be a split's data by its name: a folder, or a file of data (not
-    `train.py` and `test.py` in a folder of code)."""
-    try:
-        return entry.is_dir() or formats.label(Path(entry.name)).split(".")[1] in SPLIT_DATA
-    except (OSError, IndexError):
-        return False
+    `train.py` and `test.py` in a folder of code; `TEST`, with no suffix, is)."""
+    label = formats.label(Path(entry.name))
+    return _is_dir(entry) or (label.split(".")[1] if label.startswith(".") else label) in SPLIT_DATA
 
 
 def _dataset_dict_splits(folder: Path) -> list[str]:
@@ -387,6 +418,19 @@ class _Walk:
         self.split = DEFAULT_SPLIT if split is None else split
         self.chosen: str | None = None  # the split read, once a folder of splits is found
         self.parts: list[str] = []
+        self.held_out: list[str] = []  # files and folders (ending "/") named for a held-out split
+
+    def _wanted(self, splits) -> str:
+        """The split asked for, by the name it has among `splits` (or its keyword's split)."""
+        return self.split if self.split in splits else _KEYWORD.get(self.split.lower(), self.split)
+
+    def _held_out(self, entry: os.DirEntry) -> bool:
+        """Whether an entry of a folder that is not a folder of splits is named for a held-out split
+        other than the one asked for: then it is skipped, said, and never read (`--split all` reads it)."""
+        if self.split == ALL_SPLITS or not _split_data(entry):
+            return False
+        split = split_of(entry.name)
+        return split in HELD_OUT_SPLITS and split != self._wanted([split])
 
     def files(self, folder: Path, prefix: str, above: set[tuple[int, int]]):
         """`(path, relative name, why it is skipped or None)` of the files below `folder`, but
@@ -415,6 +459,9 @@ class _Walk:
             why = keep.get(entry.name, "metadata" if hf and not entry.name.endswith(".arrow") else None)
             if why is False:  # another split's
                 continue
+            if why is None and not keep and self._held_out(entry):
+                self.held_out.append(name + ("/" if _is_dir(entry) else ""))
+                continue
             try:
                 is_dir, is_file = entry.is_dir(), entry.is_file()
             except OSError:  # a dangling link or a loop of links: no file there
@@ -442,14 +489,18 @@ class _Walk:
             split_of_entry = {e.name: split_of(e.name) if _split_data(e) else None for e in entries}
             splits = sorted({x for x in split_of_entry.values() if x is not None})
             other = "outside the splits"
-            if len(splits) < 2:
+            # One split's name beside others of none is a folder of splits only for that split asked.
+            asked_alone = self.asked not in (None, ALL_SPLITS) and splits == [self._wanted(splits)]
+            if len(splits) < 2 and not asked_alone:
                 return {}
         shown = ", ".join(sorted(splits))
         where = f" of {prefix}" if prefix else ""
-        if self.split == ALL_SPLITS:  # every file, as if it had no splits
+        if self.split == ALL_SPLITS:  # every file, as if it had no splits (a DatasetDict: its splits')
             self.parts.append(f"all splits{where} ({shown})")
-            return {}
-        wanted = self.split if self.split in splits else _KEYWORD.get(self.split, self.split)
+            if other != "metadata":
+                return {}
+            return {n: None if s is not None else other for n, s in split_of_entry.items()}
+        wanted = self._wanted(splits)
         if wanted not in splits:
             default = " (the split read by default)" if self.asked is None else ""
             raise DataError(

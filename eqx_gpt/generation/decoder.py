@@ -4,16 +4,20 @@ from typing import Protocol
 
 from jaxtyping import Array, Float, Int, PyTree
 
+from eqx_gpt._checks import is_whole
+
 # What a decoder must have, by name: `check_decoder` names the first one missing.
 MEMBERS = ("context_length", "vocab_size", "init_cache", "decode")
 
 
 class Decoder(Protocol):
     """A causal language model that `generate`, `generate_batch`, `stream_batch` and
-    `stream_text` sample from, KV-cached: prefill a cache with the prompt, then decode one
-    position at a time. `GPT` follows it; so does any model of your own with these four members
-    (a `typing.Protocol`: no base class to inherit, pyright checks a model against it by its
-    members). Make it an `eqx.Module` (any PyTree works), so that `jit` sees its arrays.
+    `stream_text` sample from, and `eqx-gpt serve` (`create_app`) serves, KV-cached: prefill a
+    cache with the prompt, then decode one position at a time. `GPT` follows it, and so does a
+    `Transformer` bound to its sources (`Transformer.bind`); so does any model of your own with
+    these four members (a `typing.Protocol`: no base class to inherit, pyright checks a model
+    against it by its members). Make it an `eqx.Module` (any PyTree works), so that `jit` sees its
+    arrays.
 
     - `context_length`: the most positions a window, and a cache, holds.
     - `vocab_size`: the number of logits per position, all of them ids the model may produce.
@@ -27,6 +31,11 @@ class Decoder(Protocol):
       with the cache of one row (each array indexed `[0]`) gives `(new, vocab_size)`, as every
       eqx_gpt module does; the decode loop runs a single sequence that way, because XLA:CPU then
       updates the cache in place.
+
+    `decode` hands back the cache it was given, updated: the same structure, shapes and dtypes
+    (a loop carries it), and its logits are exactly `vocab_size` wide; a decoder that breaks either
+    is refused in one line when first traced. The server runs the same calls, one sequence per
+    slot under `jax.vmap`, on a cache of `init_cache(batch=slots)`.
 
     `generate` calls `decode` twice over: once on the whole prompt at `start = 0` (padded at its
     end to a power-of-two length; the padding's logits and cache slots are ignored and later
@@ -54,8 +63,15 @@ def check_decoder(model: object) -> None:
     """Refuse, in one line, a model that lacks a member of `Decoder` (the runtime half of what
     pyright checks statically; the members' signatures are its part)."""
     missing = [name for name in MEMBERS if not hasattr(model, name)]
+    name = type(model).__name__
     if missing:
         raise TypeError(
             f"generation takes a decoder (eqx_gpt.Decoder: {', '.join(MEMBERS)}, as GPT has); "
-            f"{type(model).__name__} lacks {', '.join(missing)}"
+            f"{name} lacks {', '.join(missing)}"
         )
+    for member in ("context_length", "vocab_size"):
+        value = getattr(model, member)
+        if not is_whole(value, 1):
+            raise TypeError(
+                f"{name}.{member} must be a whole number >= 1 (a Decoder's {member}), got {value!r}"
+            )

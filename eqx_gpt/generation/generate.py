@@ -18,7 +18,8 @@ How the cached loop works (`GPT`'s, and the same calls on any decoder):
    (`GPT.unstack`: a Python loop over separate per-layer weights and caches, updated in place),
    because one token's work is a chain of matrix-vector products bound by memory traffic, and a
    `scan` over the stacked layers would copy every layer's weights and cache once more per token.
-   Another decoder runs as it is.
+   Another decoder runs as it is. The steps themselves (`eqx_gpt.generation.decoding`) are the
+   ones the server's batcher runs too.
 3. **Sliding past the context.** GPT has absolute (sinusoidal) positions, so cached keys
    belong to the positions they were computed at and a ring buffer would not be exact. Instead,
    when the window already holds `context_length` tokens and one more arrives, the window is cut
@@ -36,6 +37,10 @@ same key gives the same tokens whatever the chunk size, and sample 0 of a batch 
 
 Generation is inference: the model is put in inference mode (`eqx.nn.inference_mode`) first, so
 a model with dropout, still in training mode, generates without dropout and needs no key for it.
+
+Logits with no distribution (NaN, `+inf`, or all `-inf`) are never sampled from: the token drawn
+from them is `UNUSABLE` (see `eqx_gpt.generation.sampling`), and the host refuses it in one line
+before handing it over.
 """
 
 from collections.abc import Iterable, Iterator
@@ -48,14 +53,23 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.generation.decoder import Decoder, check_decoder
+from eqx_gpt.generation.decoding import (
+    batch_of_one,
+    decode_rows,
+    decode_slot,
+    loop_model,
+    one_row,
+    prefill,
+    prompt_bucket,
+)
 from eqx_gpt.generation.sampling import (
     DEFAULT_SAMPLING,
+    UNUSABLE,
     SamplingOptions,
     sample_rows,
     sampling_arrays,
     with_settings,
 )
-from eqx_gpt.model.gpt import GPT
 
 
 class GenerationState(eqx.Module):
@@ -76,25 +90,6 @@ class GenerationState(eqx.Module):
     produced: Int[Array, ""]
 
 
-def prompt_bucket(length: int, context_length: int) -> int:
-    """The padded size a prompt of `length` tokens is run at: a power of two in [16, context]."""
-    return min(context_length, max(16, 1 << max(0, length - 1).bit_length()))
-
-
-def _loop_model(model: Decoder) -> Decoder:
-    """The model the decode loop runs: a GPT's layers unstacked (see the module docstring),
-    any other decoder as it is."""
-    return model.unstack() if isinstance(model, GPT) else model
-
-
-def _loop_cache(model: Decoder, cache: PyTree) -> PyTree:
-    """The prefill's cache in the form `_loop_model(model)` reads: a stacked GPT's split into one
-    buffer per layer."""
-    if isinstance(model, GPT) and not isinstance(cache, tuple):
-        return model.blocks.split(cache)
-    return cache
-
-
 @eqx.filter_jit
 def _prefill(
     model: Decoder,
@@ -106,15 +101,14 @@ def _prefill(
     top_k: Int[Array, ""] | None,
     top_p: Float[Array, ""] | None,
 ) -> GenerationState:
-    """Run the first `length` tokens of `padded` at position 0 into a fresh cache and sample
-    token number `produced` from the last one's logits. A GPT is stacked here (a `scan` over
-    layers compiles fast, and the first token waits for this compile).
+    """Run the first `length` tokens of `padded` at position 0 into a fresh cache (`prefill`; a GPT
+    stacked, whose `scan` over layers compiles fast, and the first token waits for this compile)
+    and sample token number `produced` from the last one's logits.
 
     Sampling here lets the first token be shown before the decode loop is even compiled.
     """
     batch, bucket = padded.shape
-    logits, cache = model.decode(padded, model.init_cache(batch=batch), jnp.zeros((), jnp.int32))
-    cache = _loop_cache(model, cache)
+    logits, cache = prefill(model, padded)
     token = sample_rows(logits[:, length - 1], key, produced, temperature, top_k, top_p)
     window = jnp.zeros((batch, model.context_length), jnp.int32).at[:, :bucket].set(padded)
     return GenerationState(cache, window, length, token, produced + 1)
@@ -132,32 +126,34 @@ def _decode_steps(
     n_steps: int,
 ) -> tuple[GenerationState, Int[Array, "batch n_steps"]]:
     """`n_valid <= n_steps` steps per row: feed `next_token` in, sample the one after it.
-    `model` is in the loop's form (`_loop_model`: a GPT unstacked).
+    `model` is in the loop's form (`loop_model`: a GPT unstacked).
 
     Returns the newly sampled tokens; columns past `n_valid` are padding. The caller keeps
     `state.length + n_valid <= context_length`. `n_valid` is traced, so one program serves
     every chunk, however the window boundary cuts it.
     """
-    # A single sequence runs without its batch axis: XLA:CPU then updates the cache in place,
-    # whereas with a size-1 batch axis it copies every layer's cache for every token.
+    # A single sequence runs without its batch axis (`decode_slot`): XLA:CPU then updates the
+    # cache in place, whereas with a size-1 batch axis it copies every layer's cache per token.
     squeeze = state.window.shape[0] == 1
-    cache = jax.tree.map(lambda a: a[0], state.cache) if squeeze else state.cache
+    cache = one_row(state.cache) if squeeze else state.cache
     state = eqx.tree_at(lambda s: s.cache, state, ())  # the loop carries `cache` instead
 
     def step(i, carry):
         state, cache, tokens = carry
-        fed = state.next_token[:, None]
-        logits, cache = model.decode(fed[0] if squeeze else fed, cache, state.length)
-        logits = logits[None] if squeeze else logits
-        window = jax.lax.dynamic_update_slice(state.window, fed, (0, state.length))
-        token = sample_rows(logits[:, 0], key, state.produced, temperature, top_k, top_p)
+        if squeeze:
+            logits, cache = decode_slot(model, state.next_token[0], cache, state.length)
+            logits = logits[None]
+        else:
+            logits, cache = decode_rows(model, state.next_token, cache, state.length)
+        window = jax.lax.dynamic_update_slice(state.window, state.next_token[:, None], (0, state.length))
+        token = sample_rows(logits, key, state.produced, temperature, top_k, top_p)
         tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (0, i))
         state = GenerationState(state.cache, window, state.length + 1, token, state.produced + 1)
         return state, cache, tokens
 
     tokens = jnp.zeros((state.window.shape[0], n_steps), jnp.int32)
     state, cache, tokens = jax.lax.fori_loop(0, n_valid, step, (state, cache, tokens))
-    cache = jax.tree.map(lambda a: a[None], cache) if squeeze else cache
+    cache = batch_of_one(cache) if squeeze else cache
     return eqx.tree_at(lambda s: s.cache, state, cache), tokens
 
 
@@ -167,6 +163,19 @@ def _cut_window(state: GenerationState, keep: int, bucket: int) -> Int[Array, "b
     context = state.window.shape[1]
     kept = jnp.concatenate([state.window[:, context - keep + 1 :], state.next_token[:, None]], axis=1)
     return jnp.zeros((kept.shape[0], bucket), jnp.int32).at[:, :keep].set(kept)
+
+
+def refuse_text(prompts) -> None:
+    """Refuse, in one line, text where token ids were expected."""
+    rows = prompts if isinstance(prompts, list | tuple) else [prompts]
+    if any(isinstance(p, str | bytes) for p in [prompts, *rows]) or (
+        isinstance(prompts, np.ndarray) and prompts.dtype.kind in "USO" and prompts.size
+        and isinstance(prompts.flat[0], str | bytes)
+    ):  # fmt: skip
+        raise TypeError(
+            "prompt tokens must be token ids (a list or array of ints), got text; encode it with the "
+            "model's tokenizer first (tokenizer.encode(text))"
+        )
 
 
 def check_generation_args(
@@ -181,6 +190,7 @@ def check_generation_args(
     keep = options.window_keep(context)
     if not is_whole(max_new_tokens, 0):
         raise ValueError(f"max_new_tokens must be an integer in [0, {INT32_MAX}], got {max_new_tokens!r}")
+    refuse_text(prompts)
     prompts = np.asarray(prompts)
     if prompts.ndim != 2:
         raise ValueError(
@@ -199,6 +209,35 @@ def check_generation_args(
             f"got ids from {prompts.min()} to {prompts.max()}"
         )
     return prompts[:, -context:].astype(np.int32), keep
+
+
+def check_key(key) -> None:
+    """Refuse, in one line, a `key` that is not one JAX PRNG key (`jax.random.key(seed)`)."""
+    typed = isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    legacy = isinstance(key, jax.Array | np.ndarray) and key.shape == (2,) and key.dtype == np.uint32
+    if not ((typed and key.shape == ()) or legacy):
+        got = f"shape {key.shape} dtype {key.dtype}" if hasattr(key, "shape") else type(key).__name__
+        raise TypeError(f"key must be one JAX PRNG key, e.g. key=jax.random.key(0), got {got}")
+
+
+def _handed_over(pending: list, batch: int, model: Decoder) -> np.ndarray:
+    """The oldest pending chunk `(batch, n)` on the host, its tokens checked (`_drawn`)."""
+    tokens, n, first = pending.pop(0)
+    return _drawn(np.asarray(tokens).reshape(batch, -1)[:, :n], first, model)
+
+
+def _drawn(tokens: np.ndarray, first: int, model: Decoder) -> np.ndarray:
+    """`tokens` (new ids `first, first + 1, ...` of each row), or a one-line `ValueError` where one
+    was drawn from logits with no distribution (`UNUSABLE`)."""
+    bad = np.argwhere(tokens == UNUSABLE)
+    if bad.size:
+        row, column = (int(i) for i in bad[0])
+        raise ValueError(
+            f"{type(model).__name__}'s logits for new token {first + column} of row {row} hold NaN or "
+            f"+inf, or are all -inf: no distribution to sample from (a diverged run, a NaN adapter, a "
+            f"broken decoder); check the model's weights"
+        )
+    return tokens
 
 
 def stream_batch(
@@ -223,6 +262,7 @@ def stream_batch(
     """
     options = with_settings(options, settings)
     prompts, keep = check_generation_args(model, prompts, max_new_tokens, options)
+    check_key(key)
     chunk_size = options.chunk_size
     if max_new_tokens == 0:
         return
@@ -233,27 +273,26 @@ def stream_batch(
     padded[:, :length] = prompts
     sampling = sampling_arrays(options)
     state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
-    yield np.asarray(state.next_token)[:, None]  # at once: the decode loop compiles after this
-    loop_model = _loop_model(model) if max_new_tokens > 1 else model
+    yield _drawn(np.asarray(state.next_token)[:, None], 0, model)  # at once: the loop compiles after
+    looped = loop_model(model) if max_new_tokens > 1 else model
     produced, pending = 1, []
     while produced < max_new_tokens:
         if length == context:  # full: cut to the last `keep` tokens (the pending one included)
             padded = _cut_window(state, keep=keep, bucket=prompt_bucket(keep, context))
             state = _prefill(model, padded, jnp.int32(keep), jnp.int32(produced), key, **sampling)
-            pending.append((state.next_token, 1))
+            pending.append((state.next_token, 1, produced))
             length, produced = keep, produced + 1
         else:
             n = min(chunk_size, context - length, max_new_tokens - produced)
             state, tokens = _decode_steps(
-                loop_model, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
+                looped, state, key, n_valid=jnp.int32(n), n_steps=chunk_size, **sampling
             )
-            pending.append((tokens, n))
+            pending.append((tokens, n, produced))
             length, produced = length + n, produced + n
         if len(pending) == 2:  # slicing on the host: no device program per chunk length
-            tokens, n = pending.pop(0)
-            yield np.asarray(tokens).reshape(batch, -1)[:, :n]
-    for tokens, n in pending:
-        yield np.asarray(tokens).reshape(batch, -1)[:, :n]
+            yield _handed_over(pending, batch, model)
+    while pending:
+        yield _handed_over(pending, batch, model)
 
 
 def generate_batch(
@@ -302,6 +341,7 @@ def generate(
     `temperature=0` (or `options=SamplingOptions(temperature=0)`) is greedy; `top_k=`, `top_p=`
     as keywords or in `options`.
     """
+    refuse_text(prompt_tokens)
     prompts = np.asarray(prompt_tokens)[None]
     return generate_batch(
         model,
@@ -328,6 +368,7 @@ def stream_text(
     A byte-level tokenizer (GPT-2 BPE) can split one UTF-8 character across tokens, so text is
     released only when it ends on a complete character (see `decode_incrementally`).
     """
+    refuse_text(prompt_tokens)
     chunks = stream_batch(
         model,
         np.asarray(prompt_tokens)[None],

@@ -3,6 +3,15 @@
 Every function here acts on the logits of ONE position, shape `(vocab,)`, and works under `jit`
 with traced `temperature`, `top_k` and `top_p` values (only whether a filter is used at all is a
 Python-level choice), so changing a setting does not recompile.
+
+One distribution for every path: `filtered_logits` (temperature, then top-k, then top-p) is what a
+token is drawn from (`sample_next_token`, and through it `generate`, `translate` and the server)
+and what the server's page shows (`next_token_distribution`).
+
+Logits with no distribution (a NaN or `+inf` among them, or every one `-inf`: a diverged run, a NaN
+adapter, a broken decoder) are never sampled from: where they are concrete the functions here
+raise a one-line `ValueError`; under `jit`, where nothing can be raised, the drawn id is
+`UNUSABLE` (-1), which `generate`, `translate` and the server check on the host and refuse.
 """
 
 import dataclasses
@@ -11,7 +20,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from eqx_gpt._checks import INT32_MAX, is_real, is_traced, is_whole, typechecked
 
@@ -120,16 +130,50 @@ def _check_logits(logits, what: str) -> None:
         )
 
 
+UNUSABLE = -1  # the id drawn under `jit` from logits with no distribution (see the module docstring)
+
+
+def usable(logits: Float[Array, "*rows vocab"]) -> Bool[Array, "*rows"]:
+    """Whether each row of logits is a distribution: no NaN, no `+inf`, and some value above `-inf`."""
+    broken = jnp.isnan(logits) | (logits == jnp.inf)
+    return ~jnp.any(broken, axis=-1) & jnp.any(logits > -jnp.inf, axis=-1)
+
+
+def _refuse_unusable(logits, what: str) -> None:
+    """Raise, in one line naming `what`, on concrete logits with no distribution (not under `jit`)."""
+    if is_traced(logits):
+        return
+    values = np.asarray(logits)
+    if np.isnan(values).any() or np.isposinf(values).any() or not (values > -np.inf).any():
+        kind = "NaN" if np.isnan(values).any() else "+inf" if np.isposinf(values).any() else "only -inf"
+        raise ValueError(
+            f"{what} got logits holding {kind}: no distribution to sample from (a diverged model, a NaN "
+            f"adapter or a broken decoder); check the model's weights and its logits"
+        )
+
+
 def _check_known(temperature=None, top_k=None, top_p=None) -> None:
     """`check_sampling_args` on the settings that are known (not traced under `jit`)."""
     t, k, p = _concrete(temperature), _concrete(top_k), _concrete(top_p)
     check_sampling_args(0.0 if t is None else t, k, p)
 
 
+def _refuse_nan(logits, what: str) -> None:
+    """A filter's check: concrete logits holding a NaN are refused in one line naming `what`."""
+    if not is_traced(logits) and np.isnan(np.asarray(logits)).any():
+        raise ValueError(f"{what} got logits holding NaN: nothing to filter; check the model's weights")
+
+
+def _nan_stays(logits, filtered):
+    """`filtered`, or all NaN where `logits` hold a NaN: a filter never hides one (under `jit`)."""
+    return jnp.where(jnp.any(jnp.isnan(logits)), jnp.nan, filtered)
+
+
 def top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Float[Array, " vocab"]:
     """`logits` with every token outside the `k` highest set to `-inf` (ties broken by lower id).
     `k` is an integer >= 1 (checked where it is known, i.e. not traced under `jit`)."""
     _check_logits(logits, "top_k_filter")
+    _refuse_nan(logits, "top_k_filter")
     _check_known(top_k=k)
     return _top_k_filter(logits, k)
 
@@ -144,7 +188,7 @@ def _top_k_filter(logits: Float[Array, " vocab"], k: Int[Array, ""] | int) -> Fl
     above, tied = keys > kth, keys == kth
     # Of the tokens tied at the k-th value, the lowest ids fill the places left (argmax's order).
     keep = above | (tied & (jnp.cumsum(tied) <= k - jnp.sum(above)))
-    return jnp.where(keep, logits, -jnp.inf)
+    return _nan_stays(logits, jnp.where(keep, logits, -jnp.inf))
 
 
 def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) -> Float[Array, " vocab"]:
@@ -153,6 +197,7 @@ def top_p_filter(logits: Float[Array, " vocab"], p: Float[Array, ""] | float) ->
     all. `p` is in `(0, 1]` (checked where it is known, i.e. not traced under `jit`).
     """
     _check_logits(logits, "top_p_filter")
+    _refuse_nan(logits, "top_p_filter")
     _check_known(top_p=p)
     return _top_p_filter(logits, p)
 
@@ -171,7 +216,7 @@ def _top_p_filter(
     # Tokens tied at `last` are ranked by id: each stays while the mass above it is below p.
     tied = jnp.where(keys == last, probs, 0.0)
     keep = (keys > last) | ((keys == last) & (mass_above(last) + jnp.cumsum(tied) - tied < p)) | (p >= 1)
-    return jnp.where(keep, logits, -jnp.inf)
+    return _nan_stays(logits, jnp.where(keep, logits, -jnp.inf))
 
 
 def sample_next_token(
@@ -182,18 +227,51 @@ def sample_next_token(
     top_k: Int[Array, ""] | int | None = None,
     top_p: Float[Array, ""] | float | None = None,
 ) -> Int[Array, ""]:
-    """One token id drawn from `softmax(logits / temperature)` restricted by top-k then top-p.
+    """One token id drawn from `softmax(logits / temperature)` restricted by top-k then top-p
+    (`filtered_logits`).
 
     `temperature == 0` means greedy (`argmax`, no randomness). `top_k=None` / `top_p=None` skip
     that filter. The filters are applied in the order temperature, top-k, top-p (top-p measures
     mass on the distribution that top-k left). Only ids `< len(logits)` can come out, so passing
     the model's (padding-free) logits never yields a padded vocabulary id. Settings are checked
     where they are known (not traced under `jit`): `temperature` finite and >= 0, `top_k` >= 1,
-    `top_p` in `(0, 1]`.
+    `top_p` in `(0, 1]`. Logits with no distribution (NaN, `+inf`, or all `-inf`) raise a
+    `ValueError` where concrete; under `jit` the id is `UNUSABLE` (-1).
     """
     _check_logits(logits, "sample_next_token")
+    _refuse_unusable(logits, "sample_next_token")
     _check_known(temperature, top_k, top_p)
     return _sample_next_token(logits, key, temperature, top_k, top_p)
+
+
+def filtered_logits(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""] | float | int,
+    top_k: Int[Array, ""] | int | None,
+    top_p: Float[Array, ""] | float | int | None,
+) -> Float[Array, " vocab"]:
+    """The logits a token is drawn from at `temperature > 0`: divided by the temperature, then
+    top-k, then top-p (each skipped when None). The one definition of the sampling distribution."""
+    # Any positive stand-in avoids 0/0 on the greedy path, which the callers discard.
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    if top_k is not None:
+        scaled = _top_k_filter(scaled, top_k)
+    if top_p is not None:
+        scaled = _top_p_filter(scaled, top_p)
+    return scaled
+
+
+def next_token_distribution(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""] | float,
+    top_k: Int[Array, ""] | int | None = None,
+    top_p: Float[Array, ""] | float | None = None,
+) -> Float[Array, " vocab"]:
+    """The probabilities `sample_next_token` draws from with these settings: the softmax of
+    `filtered_logits`, or at `temperature == 0` all the mass on the argmax (what the page shows)."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits), logits.shape[-1])
+    drawn = jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p))
+    return jnp.where(temperature > 0, drawn, greedy)
 
 
 @typechecked
@@ -205,14 +283,9 @@ def _sample_next_token(
     top_p: Float[Array, ""] | float | int | None,
 ) -> Int[Array, ""]:
     greedy = jnp.argmax(logits)
-    # Any positive stand-in avoids 0/0 on the greedy path; `where` below discards that branch.
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    if top_k is not None:
-        scaled = _top_k_filter(scaled, top_k)
-    if top_p is not None:
-        scaled = _top_p_filter(scaled, top_p)
-    drawn = _draw(key, scaled)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    drawn = _draw(key, filtered_logits(logits, temperature, top_k, top_p))
+    token = jnp.where(temperature > 0, drawn, greedy)
+    return jnp.where(usable(logits), token, UNUSABLE).astype(jnp.int32)
 
 
 DRAW_BLOCK = 256  # ids per block of the two-stage draw
@@ -234,16 +307,24 @@ def _draw(key: PRNGKeyArray, logits: Float[Array, " vocab"]) -> Int[Array, ""]:
     return block * DRAW_BLOCK + jax.random.categorical(key_id, padded[block])
 
 
+def row_key(key: PRNGKeyArray, row, index) -> PRNGKeyArray:
+    """The key of token `index` of sample (row) `row`: `fold_in(fold_in(key, row), index)`, so a
+    key gives the same tokens however the loop is chunked, and row 0 of a batch equals `generate`."""
+    return jax.random.fold_in(jax.random.fold_in(key, row), index)
+
+
 def sample_rows(logits, key, index, temperature, top_k, top_p):
-    """Token `index` of every row: row `r` draws with `fold_in(fold_in(key, r), index)`.
+    """Token `index` of every row of `logits` `(rows, vocab)`: row `r` draws with `row_key(key, r,
+    index)`; `UNUSABLE` for a row with no distribution.
 
     At `temperature == 0` only the argmax runs: the filters and the draw are skipped by a `cond`
     outside the `vmap`, where it stays a branch."""
-    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), index))(
-        jnp.arange(logits.shape[0])
-    )
-    sample = lambda lg, k: sample_next_token(lg, k, temperature=temperature, top_k=top_k, top_p=top_p)
-    greedy = lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys = jax.vmap(lambda r: row_key(key, r, index))(jnp.arange(logits.shape[0]))
+    sample = lambda lg, k: _sample_next_token(lg, k, temperature, top_k, top_p)
+
+    def greedy():
+        return jnp.where(usable(logits), jnp.argmax(logits, axis=-1), UNUSABLE).astype(jnp.int32)
+
     return jax.lax.cond(jnp.asarray(temperature) > 0, lambda: jax.vmap(sample)(logits, keys), greedy)
 
 

@@ -1,11 +1,11 @@
-"""KV-cached decoding for the encoder-decoder `Transformer`: `translate`.
+"""KV-cached decoding for the encoder-decoder `Transformer`: `translate`, through `generate`'s loop.
 
-The source is encoded once; each decoder layer projects the memory's keys and values once (cross-
-attention reads them at every step); then every new target token costs one position of the decoder,
-through each layer's self-attention `KVCache`, inside one jitted `fori_loop`. Sampling and its
-per-row randomness are `generate`'s (`sample_rows`, `sampling_arrays`), so the same key and
-settings mean the same thing in both loops. Like `generate`, it runs the model in inference mode
-(`eqx.nn.inference_mode`): no dropout.
+The sources are encoded once and each decoder layer's cross keys and values projected once
+(`Transformer.bind`: the decoder side bound to the sources, a `Decoder`); then `stream_batch`, the
+loop `generate` runs, decodes every target row from `bos_id`, one position per token through each
+layer's self-attention `KVCache`. So sampling, its per-row randomness and its refusal of logits with
+no distribution are `generate`'s. The loop stops early once every row has drawn `eos_id`. Like
+`generate`, it runs the model in inference mode (`eqx.nn.inference_mode`): no dropout.
 """
 
 import equinox as eqx
@@ -15,36 +15,11 @@ import numpy as np
 from jaxtyping import Array, Int, PRNGKeyArray
 
 from eqx_gpt._checks import is_whole
-from eqx_gpt.generation.sampling import (
-    DEFAULT_SAMPLING,
-    SamplingOptions,
-    sample_rows,
-    sampling_arrays,
-    with_settings,
-)
+from eqx_gpt.generation.generate import stream_batch
+from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, SamplingOptions, with_settings
 from eqx_gpt.model.transformer import Transformer
 
-
-@eqx.filter_jit
-def _translate(model: Transformer, src, bos_id, eos_id, key, temperature, top_k, top_p, n_steps: int):
-    """The cached decoding loop: encode once, project each layer's cross keys/values once, then
-    one position per token. Returns `(batch, n_steps)` ids; after `eos_id` a row emits `pad_id`."""
-    pad_id, batch = model.config.pad_id, src.shape[0]
-    memory_kv = model.memory_kv(model.encode(src))
-
-    def step(i, carry):
-        cache, token, done, out = carry
-        logits, cache = model.decode(token[:, None], cache, i, memory_kv, src)
-        token = jnp.where(done, pad_id, sample_rows(logits[:, 0], key, i, temperature, top_k, top_p))
-        return cache, token, done | (token == eos_id), out.at[:, i].set(token)
-
-    start = (
-        model.init_cache(batch, n_steps),
-        jnp.full((batch,), bos_id, jnp.int32),
-        jnp.zeros((batch,), bool),
-    )
-    out = jnp.full((batch, n_steps), pad_id, jnp.int32)
-    return jax.lax.fori_loop(0, n_steps, step, (*start, out))[3]
+_bind = eqx.filter_jit(lambda model, src: model.bind(src))
 
 
 def translate(
@@ -91,9 +66,16 @@ def translate(
     if key is None and not greedy:
         raise ValueError("translate needs a key= to sample (or SamplingOptions(temperature=0) for greedy)")
     key = jax.random.key(0) if key is None else key
-    out = _translate(
-        eqx.nn.inference_mode(model), jnp.asarray(src, jnp.int32), jnp.int32(bos_id), jnp.int32(eos_id),
-        key, n_steps=max_new_tokens,
-        **sampling_arrays(options),
-    )  # fmt: skip
-    return np.asarray(out)
+    decoder = _bind(model, jnp.asarray(src, jnp.int32))
+    out = np.full((src.shape[0], max_new_tokens), c.pad_id, np.int32)
+    done, at = np.zeros(src.shape[0], bool), 0
+    starts = np.full((src.shape[0], 1), bos_id, np.int32)
+    for chunk in stream_batch(decoder, starts, max_new_tokens, key=key, options=options):
+        # After its `eos_id` a row emits `pad_id`: what it draws there is discarded.
+        for j in range(chunk.shape[1]):
+            out[:, at + j] = np.where(done, c.pad_id, chunk[:, j])
+            done |= chunk[:, j] == eos_id
+        at += chunk.shape[1]
+        if done.all():
+            break
+    return out

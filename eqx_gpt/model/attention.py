@@ -454,6 +454,14 @@ class MultiHeadAttention(eqx.Module):
         matters here: under `jax.vmap` the update would become a scatter, which XLA:CPU turns
         into a copy of the whole cache per token.)
         """
+        q, updated, mask = self._cached(x, cache, start)
+        k_all, v_all = updated.k.astype(q.dtype), updated.v.astype(q.dtype)
+        out = self._attend(q, k_all, v_all, mask, None, 0.0, cached=True)
+        return self.out(out, inference=True), updated
+
+    def _cached(self, x, cache: KVCache, start):
+        """`decode`'s queries `(*batch, new, heads, d_head)`, the cache with the keys and values of
+        `x` written at `start`, and the causal mask `(new, capacity)` over the cache."""
         q, k, v = self._project(x, None, start, inference=True)  # (*batch, new, heads, d_head)
         lead = (0,) * (x.ndim - 2)
         k_t = jnp.moveaxis(k, -3, -1).astype(cache.k.dtype)  # (*batch, heads, d_head, new)
@@ -462,5 +470,17 @@ class MultiHeadAttention(eqx.Module):
         v_all = jax.lax.dynamic_update_slice(cache.v, v_h, (*lead, 0, start, 0))
         q_pos = start + jnp.arange(x.shape[-2])
         mask = jnp.arange(cache.v.shape[-2])[None, :] <= q_pos[:, None]
-        out = self._attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask, None, 0.0, cached=True)
-        return self.out(out, inference=True), KVCache(k=k_all, v=v_all)
+        return q, KVCache(k=k_all, v=v_all), mask
+
+    @typechecked
+    def decode_weights(
+        self,
+        x: Float[Array, "*batch new d_model"],
+        cache: KVCache,
+        start: Int[Array, ""] | int,
+    ) -> Float[Array, "*batch heads new capacity"]:
+        """The attention weights `decode(x, cache, start)` attends with: each new position's over
+        every cache slot (zero past itself), as `weights` is to `__call__`."""
+        q, updated, mask = self._cached(x, cache, start)
+        k_all, v_all = updated.k.astype(q.dtype), updated.v.astype(q.dtype)
+        return multi_head_attention(q, k_all, v_all, mask, cached=True)[1]

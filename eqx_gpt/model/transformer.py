@@ -6,7 +6,9 @@ target ids -> `embed * sqrt(d_model)` + positions -> decoder `Block`s (causal se
 cross-attention to the memory) -> `@ head` -> logits
 
 With the paper's defaults the blocks are post-norm with `LayerNorm` ("Add & Norm"); pre-norm
-stacks get a final norm on each side. Its KV-cached decoding loop is `eqx_gpt.generation.translate`.
+stacks get a final norm on each side. Its decoder side follows `eqx_gpt.Decoder` once bound to
+encoded sources (`Transformer.bind`, a `BoundDecoder`), so `translate` samples through `generate`'s
+own KV-cached loop.
 """
 
 import math
@@ -216,12 +218,12 @@ class Transformer(eqx.Module):
 
     def decode(
         self,
-        tgt: Int[Array, "batch new"],
+        tgt: Int[Array, "*batch new"],
         cache: KVCache | tuple[KVCache, ...],
         start: Int[Array, ""] | int,
         memory_kv,
-        src: Int[Array, "batch src_seq"],
-    ) -> tuple[Float[Array, "batch new tgt_vocab"], KVCache | tuple[KVCache, ...]]:
+        src: Int[Array, "*batch src_seq"],
+    ) -> tuple[Float[Array, "*batch new tgt_vocab"], KVCache | tuple[KVCache, ...]]:
         """Logits for the target tokens `tgt` at positions `start, ..., start + new - 1`, reading
         and updating the decoder's self-attention `cache` (from `init_cache`) and attending to the
         source through `memory_kv` (from `memory_kv(encode(src))`; `src` hides its padding).
@@ -234,14 +236,27 @@ class Transformer(eqx.Module):
         table = sinusoidal_positions(capacity, c.d_model)
         positions = jax.lax.dynamic_slice_in_dim(table, start, tgt.shape[-1])
         x = self._embed(self.tgt_embed, tgt, positions, None, True)
-        context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[:, None, :]
+        context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]
 
         def layer(block, x, per_layer):
             cache_i, kv_i = per_layer
             return block.decode(x, cache_i, start, kv_i, context_mask)
 
-        x, cache = self.decoder.run(layer, x, (cache, memory_kv))
+        stacked = isinstance(cache, KVCache)  # a stacked decoder's cache, else one per layer
+        per_layer = (cache, memory_kv) if stacked else tuple(zip(cache, memory_kv, strict=True))
+        x, cache = self.decoder.run(layer, x, per_layer)
         return self.head(x if self.decoder_norm is None else self.decoder_norm(x)), cache
+
+    @takes_token_ids(src="src_vocab_size")
+    def bind(self, src: Int[Array, "batch src_seq"]) -> "BoundDecoder":
+        """The decoder side bound to the sources `src` `(batch, src_seq)`: a `BoundDecoder`, which
+        follows `eqx_gpt.Decoder` (`generate` samples targets from it, one row per source). The
+        sources are encoded, and each decoder layer's cross keys and values projected, once here."""
+        if src.ndim != 2:
+            raise ValueError(f"bind takes sources of shape (batch, src_seq), got {tuple(src.shape)}")
+        model = eqx.nn.inference_mode(self)
+        model = eqx.tree_at(lambda m: m.decoder, model, model.decoder.unstack())
+        return BoundDecoder(model, model.memory_kv(model.encode(src)), src)
 
     @takes_token_ids(src="src_vocab_size", tgt="tgt_vocab_size")
     @typechecked
@@ -259,3 +274,51 @@ class Transformer(eqx.Module):
 
         _, weights = self.decoder.run(layer, x)
         return self.decoder.as_array(weights)
+
+
+class BoundDecoder(eqx.Module):
+    """A `Transformer`'s decoder side bound to encoded sources (`Transformer.bind`): an
+    `eqx_gpt.Decoder` over target ids, so `generate` and its relatives sample from it.
+
+    Row `r` of a batch decodes against source `r`: `init_cache(batch=...)` takes the number of
+    sources, and a single row (`tokens` `(new,)`, one row's cache) is source 0 of one. The cache is
+    a tuple of per-layer self-attention `KVCache`s (the decoder unstacked: a token's work reads each
+    weight once), of `context_length = max_len` positions.
+    """
+
+    model: Transformer  # in inference mode, its decoder unstacked
+    memory_kv: tuple  # each decoder layer's cross-attention (keys, values) of the sources
+    src: Int[Array, "batch src_seq"]  # the sources, whose padding cross-attention hides
+
+    @property
+    def context_length(self) -> int:
+        """The most target positions: the model's `max_len`."""
+        return self.model.config.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The target vocabulary's size."""
+        return self.model.config.tgt_vocab_size
+
+    def init_cache(self, *, batch: int) -> tuple[KVCache, ...]:
+        """An empty cache for `batch` target rows, one per bound source."""
+        if batch != self.src.shape[0]:
+            raise ValueError(
+                f"this decoder is bound to {self.src.shape[0]} source(s); decode that many target rows, "
+                f"got batch={batch}"
+            )
+        cache = self.model.init_cache(batch, self.model.config.max_len)
+        assert isinstance(cache, tuple)  # the decoder is unstacked
+        return cache
+
+    def decode(
+        self, tokens: Int[Array, "*batch new"], cache: tuple[KVCache, ...], start: Int[Array, ""] | int
+    ) -> tuple[Float[Array, "*batch new tgt_vocab"], tuple[KVCache, ...]]:
+        """Logits of target `tokens` at positions `start, ...` given the bound sources (see
+        `Transformer.decode`), and the cache updated."""
+        memory_kv, src = self.memory_kv, self.src
+        if tokens.ndim == 1:  # one row without its batch axis: source 0's
+            memory_kv, src = jax.tree.map(lambda a: a[0], (memory_kv, src))
+        logits, updated = self.model.decode(tokens, cache, start, memory_kv, src)
+        assert isinstance(updated, tuple)  # the decoder is unstacked
+        return logits, updated

@@ -7,8 +7,11 @@
     inspect     the page's endpoint: attention of one layer and head, next-token top 10 before/after filters
     card        the model card: config, parameter count, the run's losses from metrics.jsonl
     api         the Starlette app (`create_app`) tying them to HTTP; page/ the static page at `/`
+    metrics     the app's Prometheus metrics (`/metrics`)
+    http_server running the app with uvicorn: limits, a request deadline, a drain on SIGTERM
 
-Only `api` needs the optional `serve` extra (Starlette, uvicorn); the rest is plain JAX.
+Only `api`, `metrics` and `http_server` need the optional `serve` extra (Starlette, uvicorn,
+prometheus_client); the rest is plain JAX.
 """
 
 from eqx_gpt.serve.batcher import Batcher

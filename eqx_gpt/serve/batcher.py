@@ -15,7 +15,12 @@ Each request's sample is a `Sequence`. `Batcher.submit` puts sequences in a boun
 So a request joins the batch at the next step and leaves it when done, without waiting for the
 others. Every token is handed to the sequence's `emit` callback (from the loop's thread) as a
 `Token`, then `Finished`; a failure in a step hands `Failed` to the sequences it hit and the loop
-goes on with a fresh cache.
+goes on with a fresh cache. A token drawn from logits with no distribution (NaN, `+inf`, all
+`-inf`) ends its own sequence with `Failed`; the others go on.
+
+It serves any `Decoder` (`GPT`, or a model of your own): the programs are `generate`'s steps
+(`eqx_gpt.serve.steps`), and the batched cache is the decoder's own `init_cache(batch=slots)` in
+the loop's form, every array's leading axis the slot.
 """
 
 import threading
@@ -29,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt.errors import EqxGptError
-from eqx_gpt.generation.generate import prompt_bucket
-from eqx_gpt.generation.sampling import SamplingOptions
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.generation.decoder import Decoder, check_decoder
+from eqx_gpt.generation.decoding import empty_loop_cache, prefill, prompt_bucket
+from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
 from eqx_gpt.serve.steps import Programs
 
 
@@ -79,7 +84,9 @@ class Sequence:
     key_data: np.ndarray
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
+    logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
     cancelled: bool = False
+    failure: str | None = None  # why the sequence ends before its tokens are drawn
     # The loop's own record, while the sequence holds a slot:
     window: list[int] = field(default_factory=list)  # the tokens fed to the cache, in order
     produced: int = 0  # tokens sampled so far
@@ -94,13 +101,15 @@ class Batcher:
     to call from any thread.
     """
 
-    def __init__(self, model: GPT, *, slots: int = 16, queue_size: int = 64, keep: int | None = None):
-        if not isinstance(model, GPT):
-            raise TypeError(f"Batcher serves a GPT, got {type(model).__name__}")
-        self.config = model.config
+    def __init__(self, model: Decoder, *, slots: int = 16, queue_size: int = 64, keep: int | None = None):
+        check_decoder(model)
+        self.context_length, self.vocab_size = model.context_length, model.vocab_size
+        # A decode that breaks the contract is refused here, in one line, not at the first request.
+        one_prompt = jax.ShapeDtypeStruct((1, prompt_bucket(1, self.context_length)), jnp.int32)
+        eqx.filter_eval_shape(prefill, eqx.nn.inference_mode(model), one_prompt)
         self.slots: list[Sequence | None] = [None] * slots
         self.queue_size = queue_size
-        self.keep = SamplingOptions(keep=keep).window_keep(model.config.context_length)
+        self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)
         self.programs = Programs(model)
         self._model = model
         self._cache = self._empty_cache()
@@ -109,12 +118,19 @@ class Batcher:
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="eqx_gpt-batcher", daemon=True)
         self.steps = 0  # decode steps run (each advances every live slot by one token)
+        self.busy_slot_steps = 0  # live slots summed over decode steps (for /metrics: per step, on average)
 
     def _empty_cache(self):
-        """Zeros in the layout of the unstacked model's batched cache (its shapes alone: no copy
-        of the weights is made to learn them)."""
-        shapes = eqx.filter_eval_shape(lambda m: m.unstack().init_cache(batch=len(self.slots)), self._model)
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        """Zeros in the layout of the loop model's batched cache, one row per slot; a cache whose
+        arrays do not all lead with that axis is refused in one line."""
+        cache = empty_loop_cache(self._model, len(self.slots))
+        shapes = {tuple(a.shape) for a in jax.tree.leaves(cache)}
+        if any(not shape or shape[0] != len(self.slots) for shape in shapes):
+            raise TypeError(
+                f"{type(self._model).__name__}.init_cache(batch={len(self.slots)}) gave arrays of shapes "
+                f"{sorted(shapes)}; a Decoder's cache arrays all lead with the batch axis"
+            )
+        return cache
 
     @property
     def waiting(self) -> int:
@@ -137,7 +153,7 @@ class Batcher:
     def submit(self, sequences: list[Sequence]) -> None:
         """Queue `sequences` (all or none): `QueueFull` when the queue cannot take them all. A prompt
         longer than the context is cropped to its last `context_length` tokens, as `generate` does."""
-        context, vocab = self.config.context_length, self.config.vocab_size
+        context, vocab = self.context_length, self.vocab_size
         for s in sequences:
             if not s.prompt or not all(0 <= t < vocab for t in s.prompt):
                 raise ValueError(f"a prompt is one or more token ids in [0, vocab_size={vocab})")
@@ -195,7 +211,7 @@ class Batcher:
             self._prefill(slot, sequence, sequence.prompt, first=True)
         self._release()
         for slot, sequence in enumerate(self.slots):
-            if sequence is not None and len(sequence.window) == self.config.context_length:
+            if sequence is not None and len(sequence.window) == self.context_length:
                 cut = sequence.window[len(sequence.window) - (self.keep - 1) :] if self.keep > 1 else []
                 self._prefill(slot, sequence, [*cut, sequence.next_token], first=False)
         self._release()
@@ -206,7 +222,7 @@ class Batcher:
     def _prefill(self, slot: int, sequence: Sequence, tokens: list[int], *, first: bool) -> None:
         """Run `tokens` into `slot` from position 0 and sample the sequence's next token."""
         o = sequence.options
-        bucket = prompt_bucket(len(tokens), self.config.context_length)
+        bucket = prompt_bucket(len(tokens), self.context_length)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(tokens)] = tokens
         greedy = o.temperature == 0
@@ -216,6 +232,7 @@ class Batcher:
             None if greedy or o.top_k is None else jnp.int32(o.top_k),
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
+            None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -231,7 +248,7 @@ class Batcher:
 
     def _decode(self) -> None:
         """One step: every live slot feeds its latest token and draws the next."""
-        n, vocab = len(self.slots), self.config.vocab_size
+        n, vocab = len(self.slots), self.vocab_size
         tokens, starts, produced = (np.zeros(n, np.int32) for _ in range(3))
         key_data = np.zeros((n, 2), np.uint32)
         temperature, top_p = np.zeros(n, np.float32), np.ones(n, np.float32)
@@ -249,21 +266,32 @@ class Batcher:
             top_k[i] = vocab if s.options.top_k is None else min(s.options.top_k, vocab)
             top_p[i] = 1.0 if s.options.top_p is None else s.options.top_p
         live = [s for s in self.slots if s is not None and s.options.temperature > 0]
+        rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
+        if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
+            bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
         self._cache, chosen, logprobs = self.programs.decode(
             self._cache,
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
+            bias=bias,
         )  # fmt: skip
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)
         self.steps += 1
+        self.busy_slot_steps += sum(s is not None for s in self.slots)
         for i, s in enumerate(self.slots):
             if s is not None:
                 s.window.append(s.next_token)
                 self._advance(s, int(chosen[i]), float(lp[i]), _pairs(top_ids[i], top[i]))
 
     def _advance(self, sequence: Sequence, token: int, logprob: float, top, prompt=None) -> None:
+        if token == UNUSABLE:  # its slot is freed by the next `_release`
+            sequence.failure = (
+                f"the model's logits for token {sequence.produced} hold NaN or +inf, or are all -inf: "
+                f"no distribution to sample from (a diverged or broken model)"
+            )
+            return
         sequence.next_token = token
         sequence.produced += 1
         _deliver(sequence, Token(token, logprob, top, prompt))
@@ -271,7 +299,10 @@ class Batcher:
     def _release(self) -> None:
         """Free the slots of sequences that are done or cancelled, telling them so."""
         for slot, s in enumerate(self.slots):
-            if s is not None and (s.cancelled or s.produced >= s.max_tokens):
+            if s is not None and s.failure is not None:
+                self.slots[slot] = None
+                _deliver(s, Failed(s.failure))
+            elif s is not None and (s.cancelled or s.produced >= s.max_tokens):
                 self.slots[slot] = None
                 _deliver(s, Finished("cancelled" if s.cancelled else "length"))
 

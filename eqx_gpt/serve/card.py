@@ -9,12 +9,13 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.generation.decoder import Decoder
+from eqx_gpt.serve.inspect import AttentionLayout, attention_layout
 
 METRICS_NAME = "metrics.jsonl"
 
 
-def parameter_count(model: GPT) -> int:
+def parameter_count(model: Decoder) -> int:
     """Numbers in the model's arrays (the padded vocabulary rows included)."""
     return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
 
@@ -39,9 +40,26 @@ def loss_records(run_dir: Path) -> list[dict]:
     return records
 
 
-def model_card(model: GPT, meta: dict, name: str) -> dict[str, Any]:
-    """`name`, the config, the parameter count, where the weights came from, and (for a run) the
-    training and validation losses by step with the final validation loss."""
+def model_config(model: Decoder) -> dict[str, Any]:
+    """A model's config as a dict (`config.to_dict()`); for a decoder of your own without one, its
+    class and the sizes the `Decoder` protocol gives."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        return config.to_dict()  # type: ignore[union-attr]
+    return {
+        "class": type(model).__name__,
+        "context_length": model.context_length,
+        "vocab_size": model.vocab_size,
+    }
+
+
+def model_card(
+    model: Decoder, meta: dict, name: str, layout: AttentionLayout | None = None
+) -> dict[str, Any]:
+    """`name`, the config, the parameter count, where the weights came from, the attention layers
+    the page can draw (`layout`, found by type when not given), and (for a run) the training and
+    validation losses by step with the final validation loss."""
+    layout = attention_layout(model) if layout is None else layout
     path = Path(meta.get("path", "."))
     records = loss_records(path if path.is_dir() else path.parent)
     finals = [r for r in records if _finite(r.get("final_val_loss")) is not None]
@@ -50,8 +68,9 @@ def model_card(model: GPT, meta: dict, name: str) -> dict[str, Any]:
         "name": name,
         "source": meta.get("format", "eqx_gpt-checkpoint"),
         "step": meta.get("step"),
-        "config": model.config.to_dict(),
+        "config": model_config(model),
         "parameters": parameter_count(model),
+        "attention": {"layers": layout.n_layers, "heads": layout.n_heads, "absent": layout.absent},
         "final_val_loss": finals[-1]["final_val_loss"] if finals else _finite(meta.get("best_val_loss")),
         "curve": {"train": curve("loss"), "val": curve("val_loss")},
     }

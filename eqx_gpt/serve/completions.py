@@ -1,13 +1,79 @@
 """The text of one choice of a completion, as its tokens arrive: `ChoiceText`.
 
-It decodes incrementally (a byte-level tokenizer can split a character across tokens: text ending
-in an incomplete one, U+FFFD, is held back), cuts the text at the first stop string (which is not
-included, as in OpenAI's API), holds back a tail that could still become a stop string, and keeps
-the log-probabilities in OpenAI's legacy shape (`tokens`, `token_logprobs`, `top_logprobs`,
-`text_offset`). Log-probabilities are the model's own (temperature 1, before top-k and top-p).
+It decodes incrementally (`Detokenizer`: only the newest tokens are decoded, with a few before
+them for context, so a token costs the same at the 10th as at the 10,000th; a byte-level tokenizer
+can split a character across tokens, and text ending in an incomplete one is held back), cuts the
+text at the first stop string (which is not included, as in OpenAI's API), searching only the new
+text and the stop's length before it, holds back a tail that could still become a stop string,
+and keeps the log-probabilities in OpenAI's legacy shape (`tokens`, `token_logprobs`,
+`top_logprobs`, `text_offset`). A token whose bytes are not text on their own (a part of a UTF-8
+character) is named as OpenAI's API names it, `bytes:\\xe2\\x80`, so two such tokens never share a
+`top_logprobs` key. Log-probabilities are the model's own (temperature 1, before top-k and top-p).
 """
 
 from eqx_gpt.serve.batcher import Token
+
+REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
+MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 tokens
+
+
+def token_text(tokenizer, token: int) -> str | bytes:
+    """One token's text, or its bytes where they are not text alone (a tokenizer without
+    `token_bytes` gives its decoded text)."""
+    to_bytes = getattr(tokenizer, "token_bytes", None)
+    if to_bytes is None:
+        return tokenizer.decode([token])
+    raw = to_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw
+
+
+def token_piece(tokenizer, token: int) -> str:
+    """A token as OpenAI's log-probabilities name it: its text, or `bytes:\\xNN...`."""
+    text = token_text(tokenizer, token)
+    return text if isinstance(text, str) else "bytes:" + "".join(f"\\x{b:02x}" for b in text)
+
+
+def token_pieces(tokenizer, ids: list[int]) -> list[dict]:
+    """`/tokenize`'s pieces, as llama.cpp's server gives them: `{"id", "piece"}`, the piece a string
+    where the token's bytes are text, else the list of its byte values."""
+    pieces = [(token, token_text(tokenizer, token)) for token in ids]
+    return [{"id": t, "piece": text if isinstance(text, str) else list(text)} for t, text in pieces]
+
+
+class Detokenizer:
+    """Text from token ids, one id at a time: `add` returns the text the id completes ("" while a
+    character is incomplete). Each call decodes only the ids since the last text it returned and
+    the ids before that (as vLLM does), never the whole sequence."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+        self._prefix = 0  # ids[_prefix:_read]: the context decoded again, already in `text`
+        self._read = 0  # ids[_read:]: not yet in `text`
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is held back, as it decodes (no more ids follow)."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        after = self.tokenizer.decode(self.ids[self._prefix :])
+        held = len(self.ids) - self._read
+        incomplete = after.endswith(REPLACEMENT) and held < MAX_CHAR_TOKENS
+        if len(after) <= len(before) or (incomplete and not final):
+            return ""
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        self.text += new
+        return new
 
 
 class ChoiceText:
@@ -16,9 +82,8 @@ class ChoiceText:
 
     def __init__(self, tokenizer, stops: list[str], echo: str = "", logprobs: int | None = None):
         self.tokenizer, self.stops, self.top_n = tokenizer, stops, logprobs
-        self.ids: list[int] = []
-        self.text = ""  # the choice's text so far (decoded, before any cut)
-        self.released = 0  # characters of `text` handed out
+        self.decoded = Detokenizer(tokenizer)
+        self.released = 0  # characters of the text handed out
         self.stopped = False
         self.echo = echo
         self.logprobs = (
@@ -26,40 +91,46 @@ class ChoiceText:
             if logprobs is None
             else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         )
-        self._offset = len(echo)  # text offset of the next token's text (after the echo)
 
-    def _record(self, token: int, logprob: float | None, top) -> None:
+    @property
+    def text(self) -> str:
+        """The choice's text so far (decoded, before any cut)."""
+        return self.decoded.text
+
+    def _record(self, token: int, logprob: float | None, top, offset: int) -> None:
         if self.logprobs is None:
             return
-        piece = self.tokenizer.decode([token])
-        self.logprobs["tokens"].append(piece)
+        self.logprobs["tokens"].append(token_piece(self.tokenizer, token))
         self.logprobs["token_logprobs"].append(logprob)
-        self.logprobs["top_logprobs"].append(
-            None if top is None else {self.tokenizer.decode([i]): p for i, p in top[: self.top_n]}
-        )
-        self.logprobs["text_offset"].append(self._offset)
-        self._offset += len(piece)
+        alternatives = None
+        if top is not None:
+            alternatives = {}
+            for i, p in top[: self.top_n]:  # most likely first: a shared key keeps the likelier
+                alternatives.setdefault(token_piece(self.tokenizer, i), p)
+        self.logprobs["top_logprobs"].append(alternatives)
+        self.logprobs["text_offset"].append(offset)
 
     def add_prompt(self, prompt_ids: list[int], event: Token) -> None:
-        """Record the prompt's own log-probabilities (for `echo` with `logprobs`): null for the first."""
+        """Record the prompt's own log-probabilities (for `echo` with `logprobs`): null for the first
+        (and for those cropped off a prompt longer than the context)."""
         if self.logprobs is None:
             return
-        self._offset = 0
-        self._record(prompt_ids[0], None, None)
-        for token, logprob, top in event.prompt or []:
-            self._record(token, logprob, top)
-        self._offset = len(self.echo)
+        prompt = Detokenizer(self.tokenizer)
+        scored = event.prompt or []  # past the context, only the prompt's last tokens were scored
+        entries = [*((t, None, None) for t in prompt_ids[: len(prompt_ids) - len(scored)]), *scored]
+        for token, logprob, top in entries:
+            self._record(token, logprob, top, len(prompt.text))
+            prompt.add(token)
 
     def add(self, event: Token) -> str:
         """The text one more token releases ("" while held back or after a stop)."""
         if self.stopped:
             return ""
-        self.ids.append(event.id)
-        self._record(event.id, event.logprob, event.top)
-        self.text = self.tokenizer.decode(self.ids)
-        if self.text.endswith("\ufffd"):
+        start = len(self.text)
+        self._record(event.id, event.logprob, event.top, len(self.echo) + start)
+        if not self.decoded.add(event.id):
             return ""
-        cut = self._first_stop()
+        cut = self._first_stop(start)
         if cut is not None:
             self.stopped = True
             return self._release(cut)
@@ -67,24 +138,36 @@ class ChoiceText:
 
     def finish(self) -> str:
         """The text still held back, once no token follows."""
-        return "" if self.stopped else self._release(len(self.text))
+        if self.stopped:
+            return ""
+        start = len(self.text)
+        self.decoded.flush()
+        cut = self._first_stop(start)
+        self.stopped = cut is not None
+        return self._release(len(self.text) if cut is None else cut)
 
     def _release(self, end: int) -> str:
         piece = self.text[self.released : max(end, self.released)]
         self.released = max(end, self.released)
         return piece
 
-    def _first_stop(self) -> int | None:
-        found = [i for i in (self.text.find(s, max(0, self.released - len(s))) for s in self.stops) if i >= 0]
+    def _first_stop(self, start: int) -> int | None:
+        """Where the first stop string begins, searching only what can end in the text after
+        `start` (an earlier one would have stopped the choice already)."""
+        text = self.text
+        found = [i for s in self.stops if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
         return min(found) if found else None
 
     def _held_tail(self) -> int:
-        """The length of the longest end of the text that begins some stop string."""
-        tail = self.text[self.released :]
-        return max(
-            (n for s in self.stops for n in range(1, min(len(s), len(tail) + 1)) if tail.endswith(s[:n])),
-            default=0,
-        )
+        """The length of the longest end of the unreleased text that begins some stop string."""
+        text, unreleased = self.text, len(self.text) - self.released
+        held = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, unreleased), held, -1):
+                if text.endswith(s[:n]):
+                    held = n
+                    break
+        return held
 
     def last_logprobs(self) -> dict | None:
         """The log-probabilities of the latest token alone (a streamed chunk's)."""

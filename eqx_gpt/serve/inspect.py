@@ -1,43 +1,127 @@
 """The page's own endpoint (eqx_gpt's, not OpenAI's): what the model attends to and predicts.
 
-`inspect_text` runs a text through the model once and returns, for one layer and head, the
-attention weights over the text (`sample.py --attention-png`'s picture, as numbers), and, at one
-position, the 10 most likely next tokens twice: under the model's own distribution (`before`:
-temperature 1, no filters) and under the one a sample is drawn from (`after`: the logits divided
-by the temperature, then top-k, then top-p, as `sample_next_token` does; temperature 0 puts all
-the mass on the argmax). The text is cropped to its last `context_length` tokens and padded to a
-`prompt_bucket` (the causal mask keeps padding out of every real position), so few shapes compile.
+`inspect_text` runs a text through the model once, as `generate`'s prefill does (`prefill`: the
+decoder's own `decode` at position 0, so it works for any `Decoder`), and returns at one position
+the 10 most likely next tokens twice: under the model's own distribution (`before`: temperature 1,
+no filters) and under the one a sample is drawn from (`after`: `next_token_distribution`, the very
+distribution `sample_next_token` draws from; temperature 0 puts all the mass on the argmax).
+
+And for one layer and head, the attention weights over the text (`sample.py --attention-png`'s
+picture, as numbers). The attention layers are found by type: every eqx_gpt `MultiHeadAttention`
+in the model records, during that prefill, the weights its `decode` attends with
+(`MultiHeadAttention.decode_weights`) into the cache it returns (`RecordedCache`), so the layers
+are the recorded caches in the order of the cache the model hands back, whether its layers run in
+a Python loop or a `scan`. A model without one (or whose `decode` does not hand back the cache its
+attention returned) gets `attention: null` and `attention_absent`, the reason, which the page shows
+in place of the heatmap.
+
+The text is cropped to its last `context_length` tokens and padded to a `prompt_bucket` (the
+causal mask keeps padding out of every real position), so few shapes compile.
 """
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
-from eqx_gpt.generation.generate import prompt_bucket
-from eqx_gpt.generation.sampling import top_k_filter, top_p_filter
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.generation.decoder import Decoder
+from eqx_gpt.generation.decoding import prefill, prompt_bucket
+from eqx_gpt.generation.sampling import next_token_distribution, usable
+from eqx_gpt.model.attention import KVCache, MultiHeadAttention
+from eqx_gpt.serve.requests import RequestError
 
 TOP = 10  # bars shown
 
 
-@eqx.filter_jit
-def _attention_and_logits(model: GPT, padded, layer, head):
-    weights = model.attention_weights(padded)
-    return weights[layer, head], model(padded)
+class RecordedCache(KVCache):
+    """A `KVCache` that also carries the attention weights of the `decode` that wrote it:
+    `(*lead, heads, new, capacity)`."""
+
+    weights: Float[Array, "*lead heads new capacity"]
+
+
+class RecordingAttention(MultiHeadAttention):
+    """A `MultiHeadAttention` (the same weights) whose `decode` returns a `RecordedCache`."""
+
+    def __init__(self, attention: MultiHeadAttention):
+        for f in dataclasses.fields(attention):
+            setattr(self, f.name, getattr(attention, f.name))
+
+    def decode(self, x, cache, start):
+        out, updated = super().decode(x, cache, start)
+        return out, RecordedCache(updated.k, updated.v, self.decode_weights(x, cache, start))
+
+
+def _is_attention(node) -> bool:
+    return isinstance(node, MultiHeadAttention)
+
+
+def _attentions(model) -> list[MultiHeadAttention]:
+    return [n for n in jax.tree.leaves(model, is_leaf=_is_attention) if _is_attention(n)]
+
+
+def recording(model: Decoder) -> Decoder:
+    """`model` with every `MultiHeadAttention` recording its decoding weights (found by type)."""
+    found = _attentions(model)
+    if not found:
+        return model
+    return eqx.tree_at(_attentions, model, [RecordingAttention(a) for a in found])
+
+
+def _recorded(cache) -> list:
+    """The weights of every `RecordedCache` in `cache`, in its order, each `(layers, heads, new,
+    capacity)` (a stacked cache's layer axis kept, one row's batch axis dropped)."""
+    leaves = jax.tree.leaves(cache, is_leaf=lambda n: isinstance(n, RecordedCache))
+    found = [leaf.weights for leaf in leaves if isinstance(leaf, RecordedCache)]
+    return [w.reshape(-1, *w.shape[-3:]) for w in found]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """What the page may ask for: the attention layers found (`n_layers`, each with `n_heads`),
+    or why there are none (`absent`; then one layer and head, 0, are accepted and ignored)."""
+
+    n_layers: int
+    n_heads: int
+    absent: str | None = None
+
+
+def attention_layout(model: Decoder) -> AttentionLayout:
+    """The layers and heads the page can show for `model` (from shapes alone: nothing runs)."""
+    name = type(model).__name__
+    if not _attentions(model):
+        return AttentionLayout(
+            1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
+        )
+    padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
+    recorded = lambda m, p: _recorded(prefill(recording(m), p, same_cache=False)[1])
+    shapes = [s.shape for s in eqx.filter_eval_shape(recorded, model, padded)]
+    if not shapes:
+        return AttentionLayout(
+            1, 1, f"{name}.decode does not hand back the caches its MultiHeadAttention layers return"
+        )
+    if len({s[1:] for s in shapes}) > 1:
+        return AttentionLayout(
+            1, 1, f"{name}'s attention layers differ in heads or shape: {sorted(set(shapes))}"
+        )
+    return AttentionLayout(sum(s[0] for s in shapes), shapes[0][1])
 
 
 @eqx.filter_jit
-def _sampled_distribution(logits, temperature, top_k, top_p):
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    if top_k is not None:
-        scaled = top_k_filter(scaled, top_k)
-    if top_p is not None:
-        scaled = top_p_filter(scaled, top_p)
-    greedy = jax.nn.one_hot(jnp.argmax(logits), logits.shape[-1])
-    return jnp.where(temperature > 0, jax.nn.softmax(scaled), greedy)
+def _attention_and_logits(model: Decoder, padded, layer, head, with_attention: bool):
+    model = recording(model) if with_attention else model
+    logits, cache = prefill(model, padded[None], same_cache=not with_attention)
+    if not with_attention:
+        return None, logits[0]
+    return jnp.concatenate(_recorded(cache))[layer, head], logits[0]
+
+
+_distribution = eqx.filter_jit(next_token_distribution)
 
 
 def _top(probs: np.ndarray, tokenizer) -> list[dict]:
@@ -48,22 +132,37 @@ def _top(probs: np.ndarray, tokenizer) -> list[dict]:
 
 
 def inspect_text(
-    model: GPT, tokenizer, tokens: list[int], *, layer: int, head: int, position: int | None,
-    temperature: float, top_k: int | None, top_p: float | None,
+    model: Decoder, tokenizer, tokens: list[int], *, layer: int, head: int, position: int | None,
+    temperature: float, top_k: int | None, top_p: float | None, layout: AttentionLayout | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The attention of `layer`/`head` over `tokens` (cropped to the context) and the next-token top
     10 before and after the filters at `position` (None: the last). Arguments are checked by the
-    caller (`parse_inspect`)."""
-    context = model.config.context_length
+    caller (`parse_inspect` against `layout`, `attention_layout(model)`), save `position`, which
+    must fall in the cropped text (a `RequestError` otherwise)."""
+    layout = attention_layout(model) if layout is None else layout
+    model = eqx.nn.inference_mode(model)
+    context = model.context_length
     cropped = len(tokens) - min(len(tokens), context)
     tokens = tokens[cropped:]
     n = len(tokens)
+    if position is not None and position >= n:
+        raise RequestError(
+            f"position must be in [0, {n - 1}] (the text's {n} tokens), got {position}", "position"
+        )
     padded = np.zeros(prompt_bucket(n, context), np.int32)
     padded[:n] = tokens
-    weights, logits = _attention_and_logits(model, jnp.asarray(padded), jnp.int32(layer), jnp.int32(head))
-    position = n - 1 if position is None else min(position, n - 1)
+    with_attention = layout.absent is None
+    weights, logits = _attention_and_logits(
+        model, jnp.asarray(padded), jnp.int32(layer), jnp.int32(head), with_attention
+    )
+    position = n - 1 if position is None else position
     at = logits[position]
-    after = _sampled_distribution(
+    if not bool(usable(at)):
+        raise ValueError(
+            f"the model's logits at position {position} hold NaN or +inf, or are all -inf: no distribution "
+            f"to show (a diverged or broken model)"
+        )
+    after = _distribution(
         at, jnp.float32(temperature),
         None if top_k is None else jnp.int32(top_k), None if top_p is None else jnp.float32(top_p),
     )  # fmt: skip
@@ -74,7 +173,8 @@ def inspect_text(
         "position": position,
         "layer": layer,
         "head": head,
-        "attention": np.round(np.asarray(weights)[:n, :n], 4).tolist(),
+        "attention": None if weights is None else np.round(np.asarray(weights)[:n, :n], 4).tolist(),
+        "attention_absent": layout.absent,
         "next_token": {
             "before": _top(np.asarray(jax.nn.softmax(at)), tokenizer),
             "after": _top(np.asarray(after), tokenizer),

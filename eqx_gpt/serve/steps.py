@@ -1,19 +1,22 @@
 """The batcher's two jitted programs: prefill one request into a slot, and one decode step of every slot.
 
-The slots share one batched KV cache, a tuple of per-layer `KVCache`s whose leading axis is the
-slot. Each slot holds its own sequence at its own position, so the decode step runs `GPT.decode`
-under `jax.vmap` over slots: every projection is then one matrix multiply for all slots (each
-weight is read once per step, which is what batching buys on a memory-bound CPU), and each slot
-writes its key and value at its own position. The cache is donated to both programs, so XLA
-updates it in place rather than copying it per step.
+Both are built of `generate`'s own steps (`eqx_gpt.generation.decoding` and `sample_rows`), for any
+`Decoder`: `prefill` runs the model at position 0 into a fresh one-row cache, and each slot's
+token is fed by `decode_slot`, the step `generate` runs for a single sequence. The slots share one
+batched cache (every array's leading axis the slot, in the loop's form: `loop_model`), and each
+slot holds its own sequence at its own position, so the decode step runs `decode_slot` under
+`jax.vmap` over slots: every projection is then one matrix multiply for all slots (each weight is
+read once per step, which is what batching buys on a memory-bound CPU), and each slot writes its
+key and value at its own position. The cache is donated to both programs, so XLA updates it in
+place rather than copying it per step.
 
-Randomness follows `generate` exactly: token `i` of a sample whose key is `k` is drawn with
-`fold_in(fold_in(k, 0), i)` (row 0 of `sample_rows`), so a seeded request draws the tokens
-`sample.py --seed` draws. Compiled shapes stay few: one decode program per combination of the two
-filter switches (some slot uses top-k; some slot uses top-p), and one prefill per prompt bucket
-(`prompt_bucket`: powers of two from 16 to the context). A slot without a filter passes the
-setting that keeps every token (`top_k = vocab_size`, `top_p = 1`), which leaves its logits
-bit for bit as they were.
+Randomness is `generate`'s: token `i` of a sample whose key is `k` is row 0 of `sample_rows` (drawn
+with `row_key(k, 0, i)`), so a seeded request draws the tokens `sample.py --seed` draws, and a token
+drawn from logits with no distribution is `UNUSABLE`, which the batcher refuses for that sequence
+alone. Compiled shapes stay few: one decode program per combination of the two filter switches
+(some slot uses top-k; some slot uses top-p), and one prefill per prompt bucket (`prompt_bucket`:
+powers of two from 16 to the context). A slot without a filter passes the setting that keeps every
+token (`top_k = vocab_size`, `top_p = 1`), which leaves its logits bit for bit as they were.
 """
 
 from typing import Any
@@ -23,8 +26,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, UInt
 
-from eqx_gpt.generation.sampling import sample_next_token, sample_rows
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.generation.decoder import Decoder
+from eqx_gpt.generation.decoding import decode_slot, loop_model, prefill
+from eqx_gpt.generation.sampling import sample_rows
 
 LOGPROBS_MAX = 5  # OpenAI's bound on `logprobs`: the most likely alternatives reported per token
 
@@ -61,20 +65,21 @@ def _prefill(
     temperature: Float[Array, ""],
     top_k: Int[Array, ""] | None,
     top_p: Float[Array, ""] | None,
+    bias: Float[Array, " vocab"] | None,
     *,
     prompt_logprobs: bool,
 ):
-    """Run the first `length` tokens of `padded` at position 0 (as `generate`'s prefill does, on the
-    stacked model), write the slot's cache, and sample token number `produced` from the last one.
+    """Run the first `length` tokens of `padded` at position 0 (`prefill`, as `generate` does), write
+    the slot's cache, and sample token number `produced` from the last one.
 
     Returns `(cache, token, its TokenLogprobs, the prompt's TokenLogprobs or None)`; the prompt's are
     for tokens 1 .. bucket - 1 given those before (the caller keeps the first `length - 1`).
     """
-    model: GPT = eqx.combine(params, static)
-    logits, fresh = model.decode(padded, model.init_cache(batch=1), 0)
-    if not isinstance(fresh, tuple):  # stacked: one buffer per layer, like the batched cache
-        fresh = model.blocks.split(fresh)
-    token = sample_rows(logits[:, length - 1], sample_key(key_data), produced, temperature, top_k, top_p)
+    model: Decoder = eqx.combine(params, static)
+    logits, fresh = prefill(model, padded)
+    last = logits[:, length - 1]
+    last = last if bias is None else last + bias  # logit_bias: before the filters
+    token = sample_rows(last, sample_key(key_data), produced, temperature, top_k, top_p)
     write = lambda whole, one: jax.lax.dynamic_update_slice_in_dim(whole, one.astype(whole.dtype), slot, 0)
     cache = jax.tree.map(write, cache, fresh)
     chosen = token_logprobs(logits[0, length - 1], token[0])
@@ -93,27 +98,22 @@ def _decode(
     temperature: Float[Array, " slots"],
     top_k: Int[Array, " slots"],
     top_p: Float[Array, " slots"],
+    bias: Float[Array, "slots vocab"] | None,
     *,
     use_top_k: bool,
     use_top_p: bool,
 ):
-    """Feed each slot's `tokens` at its position `starts` and sample its token number `produced`.
-    `model` is unstacked (`GPT.unstack`): one token's work is bound by reading the weights."""
-    model: GPT = eqx.combine(params, static)
-
-    def one_slot(token, slot_cache, start):
-        logits, slot_cache = model.decode(token[None], slot_cache, start)
-        return logits[0], slot_cache
-
-    logits, cache = jax.vmap(one_slot)(tokens, cache, starts)
+    """Feed each slot's `tokens` at its position `starts` (`decode_slot` under `vmap`) and sample
+    its token number `produced`. `model` is in the loop's form (`loop_model`)."""
+    model: Decoder = eqx.combine(params, static)
+    logits, cache = jax.vmap(lambda t, c, s: decode_slot(model, t, c, s))(tokens, cache, starts)
 
     def sample(lg, kd, index, t, k, p):
-        key = jax.random.fold_in(jax.random.fold_in(sample_key(kd), 0), index)
-        k = k if use_top_k else None
-        p = p if use_top_p else None
-        return sample_next_token(lg, key, temperature=t, top_k=k, top_p=p)
+        k, p = (k if use_top_k else None), (p if use_top_p else None)
+        return sample_rows(lg[None], sample_key(kd), index, t, k, p)[0]
 
-    chosen = jax.vmap(sample)(logits, key_data, produced, temperature, top_k, top_p)
+    biased = logits if bias is None else logits + bias  # logit_bias: before the filters
+    chosen = jax.vmap(sample)(biased, key_data, produced, temperature, top_k, top_p)
     return cache, chosen, token_logprobs(logits, chosen)
 
 
@@ -125,26 +125,28 @@ _decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=2, static_argnam
 
 
 class Programs:
-    """The jitted prefill and decode step for one model: `prefill` runs the stacked model (fast to
-    compile), `decode` the unstacked one (fast to run; see `GPT.unstack`)."""
+    """The jitted prefill and decode step for one model: `prefill` runs the model as it is (a GPT
+    stacked: fast to compile), `decode` its loop form (`loop_model`; a GPT unstacked: fast to run)."""
 
-    def __init__(self, model: GPT):
+    def __init__(self, model: Decoder):
         model = eqx.nn.inference_mode(model)
-        self.stacked, self.stacked_static = eqx.partition(model, eqx.is_array)
-        self.unstacked, self.unstacked_static = eqx.partition(model.unstack(), eqx.is_array)
+        self.params, self.static = eqx.partition(model, eqx.is_array)
+        self.looped_params, self.looped_static = eqx.partition(loop_model(model), eqx.is_array)
 
     def prefill(
-        self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs
-    ):
+        self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs,
+        bias=None,
+    ):  # fmt: skip
         return _prefill_jit(
-            self.stacked_static, self.stacked, cache, slot, padded, length, produced, key_data,
-            temperature, top_k, top_p, prompt_logprobs=prompt_logprobs,
+            self.static, self.params, cache, slot, padded, length, produced, key_data,
+            temperature, top_k, top_p, bias, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def decode(
-        self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p
-    ):
+        self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p,
+        bias=None,
+    ):  # fmt: skip
         return _decode_jit(
-            self.unstacked_static, self.unstacked, cache, tokens, starts, produced, key_data,
-            temperature, top_k, top_p, use_top_k=use_top_k, use_top_p=use_top_p,
+            self.looped_static, self.looped_params, cache, tokens, starts, produced, key_data,
+            temperature, top_k, top_p, bias, use_top_k=use_top_k, use_top_p=use_top_p,
         )  # fmt: skip

@@ -31,7 +31,8 @@ import jax
 
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
 from eqx_gpt.checkpoint import find_checkpoint, holds_run, is_own_model, read_metadata
-from eqx_gpt.errors import ConfigError, TrainingError
+from eqx_gpt.errors import CheckpointError, ConfigError, TrainingError
+from eqx_gpt.files import resolve
 from eqx_gpt.gpt2 import read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.lora import check_lora, lora_modules
@@ -97,7 +98,8 @@ class RunOptions:
     checkpoint's, which `--max-minutes` may have refitted); `checkpoint` is the metadata resumed
     from; `from_preset` holds the values of a fresh run that its preset set and no setting gave
     (`explain` names them); `overrides` the settings given that differ from what they override
-    (the preset's values, or the checkpoint's: `describe` names them)."""
+    (the preset's values, or the checkpoint's: `describe` names them); `cropped` a preset's
+    `context_length` a fine-tune's base has fewer positions for, and what it became (`describe`)."""
 
     model: ModelSettings
     train: TrainConfig
@@ -107,6 +109,7 @@ class RunOptions:
     from_preset: dict = dataclasses.field(default_factory=dict)
     instance: Any = None  # a model of the caller's own, passed to `train(model=...)`
     overrides: dict = dataclasses.field(default_factory=dict)
+    cropped: dict = dataclasses.field(default_factory=dict)
     trackers: tuple[str, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
@@ -130,7 +133,11 @@ class RunOptions:
             else "the dataclass defaults (no preset)"
         )  # fmt: skip
         given = ", ".join(f"{k}={v!r}" for k, v in self.overrides.items())
-        return f"settings: {base}" + (f", with {given} given" if given else "")
+        cropped = "".join(
+            f"; {k} {new}, the base's positions (the preset's {old} is longer)"
+            for k, (old, new) in self.cropped.items()
+        )
+        return f"settings: {base}" + (f", with {given} given" if given else "") + cropped
 
 
 def given_settings(config: TrainConfig | None, model: GPTConfig | None, options: dict) -> dict:
@@ -208,11 +215,14 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     from_preset = {
         k: v for k, v in (PRESETS[preset].values(gpu=gpu) if preset else {}).items() if k not in settings
     }
-    values = {**preset_values(preset, gpu=gpu), **settings}
+    values, cropped = {**preset_values(preset, gpu=gpu), **settings}, {}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(resolved_path("init_from", values["init_from"]))
         own_run = _own_run(values["init_from"], settings)
         values.update(own_run or _from_adapters(values["init_from"], settings))
+        if own_run is None:  # a GPT-2's context
+            cropped = _cropped_context(values, settings)
+            values.update({k: new for k, (_, new) in cropped.items()})
         if own_run is not None:
             from_preset.pop("tokenizer", None)
         elif "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
@@ -251,7 +261,25 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass --init-from DIR")
     before = preset_values(preset)
     overrides = {k: v for k, v in settings.items() if k != "preset" and v != before.get(k)}
-    return RunOptions(model, train, preset, train.max_steps, from_preset=from_preset, overrides=overrides)
+    return RunOptions(
+        model, train, preset, train.max_steps, from_preset=from_preset, overrides=overrides,
+        cropped=cropped,
+    )  # fmt: skip
+
+
+def _cropped_context(values: dict, settings: dict) -> dict:
+    """`{"context_length": (the preset's, the base's positions)}` where a fine-tune's preset asks
+    for more positions than its GPT-2 base has (the base's table is cropped, as nanoGPT's
+    `crop_block_size` does, never extended); {} where it fits, or where the context was given (a
+    longer one given is refused, naming the base's)."""
+    if "context_length" in settings:
+        return {}
+    try:
+        positions = read_gpt2_config(values["init_from"]).context_length
+    except CheckpointError:  # not a GPT-2 folder: refused, in its own words, when it is read
+        return {}
+    wanted = values.get("context_length")
+    return {"context_length": (wanted, positions)} if isinstance(wanted, int) and wanted > positions else {}
 
 
 def _own_run(init_from: str, settings: dict) -> dict | None:
@@ -395,9 +423,9 @@ def resolved_path(name: str, value) -> Path:
     """Setting `name`'s path made absolute, symlinks followed; a loop of symlinks (or a path the
     system refuses) is a one-line `ConfigError`, not Python's traceback."""
     try:
-        return Path(value).expanduser().resolve()
-    except (OSError, RuntimeError) as e:  # RuntimeError: Python 3.11's "Symlink loop from ..."
-        cause = "a loop of symbolic links" if "loop" in str(e).lower() else str(e)
+        return resolve(Path(value).expanduser())
+    except OSError as e:
+        cause = e.strerror or str(e)
         raise ConfigError(f"--{name.replace('_', '-')} {value}: {cause}; pass a path that resolves") from None
 
 

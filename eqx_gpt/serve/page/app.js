@@ -60,6 +60,17 @@ function drawAttention(matrix) {
     }
   }
   canvas.dataset.drawn = String(m);
+  $("attention-absent").hidden = true;
+}
+
+function showAbsent(reason) {
+  // A model without eqx_gpt's MultiHeadAttention: say why there is no heatmap, in its place.
+  const canvas = $("attention"), ctx = canvas.getContext("2d");
+  ctx.fillStyle = "#ffffff";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  canvas.dataset.drawn = "0";
+  $("attention-absent").textContent = `No attention heatmap: ${reason}.`;
+  $("attention-absent").hidden = false;
 }
 
 function drawTokens(tokens, position) {
@@ -83,7 +94,8 @@ async function inspect() {
     if (run !== state.inspectRun) return; // a newer request is on its way
     drawBars($("before"), seen.next_token.before);
     drawBars($("after"), seen.next_token.after);
-    drawAttention(seen.attention);
+    if (seen.attention === null) showAbsent(seen.attention_absent);
+    else drawAttention(seen.attention);
     drawTokens(seen.tokens, seen.position);
     $("position-label").textContent = `after “${visible(seen.tokens[seen.position])}” (position ${seen.position})`;
   } catch (e) {
@@ -168,7 +180,7 @@ async function loadCard() {
     tr.insertCell().textContent = k;
     tr.insertCell().textContent = String(v);
   }
-  for (const [id, count] of [["layer", c.n_layers], ["head", c.n_heads]]) {
+  for (const [id, count] of [["layer", card.attention.layers], ["head", card.attention.heads]]) {
     $(id).replaceChildren(...Array.from({ length: count }, (_, i) => new Option(String(i), String(i))));
   }
   drawCurve(card.curve);
