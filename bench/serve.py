@@ -1,6 +1,7 @@
 """`eqx-gpt serve` under concurrent streaming clients: aggregate tokens/s and time to first token.
 
     uv run python bench/serve.py [--models gpt2-124m,char] [--clients 1,4,16] [--rounds 2]
+                                 [--batches 1,2,4,8,16] [--pp N] [--tg N] [--smoke]
 
 For each model (random weights: GPT-2-124M's shapes with GPT-2's 50,257 ids, and the default `cpu`
 preset's char model), a server with 16 slots runs on 127.0.0.1 (uvicorn in this process); N
@@ -10,6 +11,30 @@ first token p50/p99 (from sending the request to its first text), and the ratio 
 client's. Then one client on a 1-slot server: the same model decoded without batching, the
 reference that shows what the slots cost a lone client. Every server is warmed first (its
 programs compiled) and the CPU model is printed with the figures. Traffic stays on loopback.
+
+Then, per model, llama.cpp's `batched-bench` table (`llama-batched-bench -npp PP -ntg TG
+-npl 1,2,4,8,16`, prompt not shared), so the figures read beside the community's. It is timed at
+the `Batcher`, the decode loop the server runs (the HTTP API streams a request's first token and
+the rest alike, so prefill and generation cannot be told apart through it): B sequences of PP
+random token ids are submitted at once to an idle 16-slot batcher (`eqx-gpt serve`'s default),
+which admits them all in one step, prefills them one after another, then decodes them together.
+
+- `PP`, `TG`, `B`: prompt tokens per sequence, tokens generated per sequence, sequences.
+- `N_KV` = B*(PP+TG): the cache positions the round fills.
+- `T_PP s`: from submitting the B prompts to the last of their first tokens: every prompt's
+  prefill (one jitted call each, padded to its power-of-two bucket: pick PP a power of two) and
+  the sampling of its first token. llama.cpp decodes the B prompts in one batch and samples none.
+- `S_PP t/s` = B*PP / T_PP.
+- `T_TG s`: from there to the last sequence's last token: TG decode steps, each advancing every
+  slot by one token (the 16 - B free slots step too, as in the server). Each sequence asks for
+  TG + 1 tokens, the first drawn by its prefill, so TG tokens come from decode steps, as in
+  llama.cpp's TG loop.
+- `S_TG t/s` = B*TG / T_TG; `T s` = T_PP + T_TG; `S t/s` = N_KV / T.
+
+Sampling is the server's (temperature 1, no filters), the tokens handed back to Python per step as
+the server has them; llama.cpp's tool runs the model alone. A warm-up round compiles the programs.
+
+    uv run python bench/serve.py --clients "" --pp 128 --tg 32   # the table alone
 """
 
 import argparse
@@ -30,9 +55,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description  # noqa: E402
 
 from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, create_app  # noqa: E402
+from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
+from eqx_gpt.serve.batcher import Batcher, Failed, Finished, Sequence, Token, sample_key_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_BPE = ROOT.parent / "shared" / "data" / "tiktoken-cache"
+SLOTS = 16  # `eqx-gpt serve`'s default
+# llama.cpp batched-bench's PP and TG per model, within its context (GPT-2 1,024, the char model 64)
+COLUMNS = ["PP", "TG", "B", "N_KV", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "T s", "S t/s"]
+BATCHED_PP_TG = {"gpt2-124m": (128, 32), "char": (32, 16)}
 
 
 def build(name: str):
@@ -99,16 +130,14 @@ def measure(url: str, clients: int, rounds: int, prompt: str, tokens: int) -> di
             "p99": np.percentile(ttft, 99), "wall": wall}  # fmt: skip
 
 
-def bench_model(name: str, levels: list[int], rounds: int) -> None:
-    model, tokenizer, prompt, tokens = build(name)
-    print(f"\n{name}: {model.config.n_layers} layers, d_model {model.config.d_model}, "
-          f"vocab {model.config.vocab_size}, {tokens} tokens per request, {rounds} per client")  # fmt: skip
+def bench_model(model, tokenizer, prompt: str, tokens: int, levels: list[int], rounds: int) -> None:
+    print(f"{tokens} tokens per request, {rounds} per client")
     rows = []
-    for slots, clients in [(16, n) for n in levels] + [(1, 1)]:
+    for slots, clients in [(SLOTS, n) for n in levels] + [(1, 1)]:
         app = create_app(model, tokenizer, name="bench", slots=slots, queue_size=64)
         with Server(app) as url:
             stream_one(url, prompt, tokens, seed=0)  # compile the prefill and decode programs
-            if slots == 16 and not rows:
+            if slots == SLOTS and not rows:
                 stream_one(url, prompt * 3, 2, seed=0)  # and the next prompt bucket's, if any
             rows.append((slots, clients, measure(url, clients, rounds, prompt, tokens)))
     base = rows[0][2]["tokens_s"]
@@ -118,15 +147,95 @@ def bench_model(name: str, levels: list[int], rounds: int) -> None:
               f"{m['p50'] * 1e3:>7.0f}ms {m['p99'] * 1e3:>7.0f}ms")  # fmt: skip
 
 
+def batched_round(batcher: Batcher, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+    """`(T_PP, T_TG)` in seconds of one llama.cpp batched-bench round: `prompts` submitted at once,
+    each drawing TG + 1 tokens (the first by its prefill)."""
+    firsts, lasts, failures, ended = [], [], [], threading.Semaphore(0)
+
+    def emitter():
+        drawn = [0]
+
+        def emit(event):  # called from the batcher's thread
+            now = time.perf_counter()
+            if isinstance(event, Token):
+                drawn[0] += 1
+                (firsts if drawn[0] == 1 else lasts).append(now)
+                return
+            if isinstance(event, Failed) or (isinstance(event, Finished) and event.reason != "length"):
+                failures.append(str(event))
+            ended.release()
+
+        return emit
+
+    options = SamplingOptions(temperature=1.0)
+    sequences = [
+        Sequence(p, tg + 1, options, sample_key_data(0, i), emitter()) for i, p in enumerate(prompts)
+    ]
+    start = time.perf_counter()
+    batcher.submit(sequences)
+    for _ in sequences:
+        ended.acquire()
+    if failures:
+        raise SystemExit(f"batched-bench round failed: {failures}")
+    prefilled = max(firsts)
+    return prefilled - start, max(lasts) - prefilled
+
+
+def batched_bench(model, pp: int, tg: int, batches: list[int]) -> None:
+    """Print llama.cpp's batched-bench table for `batches` sequences of `pp` prompt tokens, `tg` generated."""
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    batcher = Batcher(model, slots=SLOTS, queue_size=SLOTS).start()
+    try:
+        batched_round(batcher, [rng.integers(0, vocab, pp).tolist()], 2)  # compile prefill and decode
+        print(f"\nbatched-bench: PP {pp}, TG {tg}, prompt not shared, {SLOTS}-slot Batcher, temperature 1")
+        widths = [5, 6, 4, 6, 8, 8, 8, 8, 8, 8]  # llama.cpp's columns, their names and widths
+        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(COLUMNS, widths, strict=True)) + " |")
+        print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        for b in batches:
+            t_pp, t_tg = batched_round(batcher, [rng.integers(0, vocab, pp).tolist() for _ in range(b)], tg)
+            n_kv, total = b * (pp + tg), t_pp + t_tg
+            print(f"| {pp:5d} | {tg:6d} | {b:4d} | {n_kv:6d} | {t_pp:8.3f} | {b * pp / t_pp:8.2f} | "
+                  f"{t_tg:8.3f} | {b * tg / t_tg:8.2f} | {total:8.3f} | {n_kv / total:8.2f} |")  # fmt: skip
+    finally:
+        batcher.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt2-124m,char")
-    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--clients", default="1,4,16", help='streaming clients per row ("": no streaming table)')
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batches", default="1,2,4,8,16", help='batched-bench B ("": no batched-bench table)')
+    p.add_argument("--pp", type=int, help="batched-bench prompt tokens (default: 128 for GPT-2, 32 for char)")
+    p.add_argument(
+        "--tg", type=int, help="batched-bench generated tokens (default: 32 for GPT-2, 16 for char)"
+    )
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny and fast: the char model, 1 client, PP 16, TG 4"
+    )
     args = p.parse_args()
+    if args.smoke:
+        args.models, args.clients, args.rounds, args.pp, args.tg = "char", "1", 1, 16, 4
+    levels = [int(n) for n in args.clients.split(",") if n]
+    batches = [int(n) for n in args.batches.split(",") if n]
     print(f"CPU: {cpu_description()}")
     for name in args.models.split(","):
-        bench_model(name, [int(n) for n in args.clients.split(",")], args.rounds)
+        model, tokenizer, prompt, tokens = build(name)
+        print(f"\n{name}: {model.config.n_layers} layers, d_model {model.config.d_model}, "
+              f"vocab {model.config.vocab_size}, context {model.config.context_length}")  # fmt: skip
+        if levels:
+            bench_model(model, tokenizer, prompt, tokens, levels, args.rounds)
+        if batches:
+            default_pp, default_tg = BATCHED_PP_TG.get(name, BATCHED_PP_TG["char"])
+            pp = default_pp if args.pp is None else args.pp
+            tg, context = default_tg if args.tg is None else args.tg, model.config.context_length
+            if pp < 1 or tg < 1 or pp + tg > context or not 1 <= min(batches) <= max(batches) <= SLOTS:
+                p.error(
+                    f"batched-bench needs PP, TG >= 1 with PP + TG <= context ({context}) and B in "
+                    f"[1, {SLOTS}]; got PP {pp}, TG {tg}, B {batches}: change --pp, --tg or --batches"
+                )
+            batched_bench(model, pp, tg, batches)
 
 
 if __name__ == "__main__":

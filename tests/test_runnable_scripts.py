@@ -37,7 +37,7 @@ SMOKE: dict[str, tuple[list[str], tuple[str, ...]] | None] = {
     "bench/sample.py": (["--smoke"], ()),
     "bench/trackers.py": (["--step-ms", "85", "--calls", "2", "--warmup", "1"], ("tensorboardX", "wandb")),
     "bench/lora_step.py": (["--smoke"], ()),
-    "bench/serve.py": (["--models", "char", "--clients", "1", "--rounds", "1"], ("uvicorn", "httpx")),
+    "bench/serve.py": (["--smoke"], ("uvicorn", "httpx")),
     "bench/train.py": (["--smoke"], ()),
     "bench/train_default.py": (["--smoke", "--out-dir", "{tmp}/default"], ()),
     "bench/vs_pytorch.py": (["--smoke", "--configs", "nanogpt-cpu", "shakespeare-char"], ("torch",)),

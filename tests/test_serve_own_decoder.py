@@ -28,6 +28,7 @@ from eqx_gpt import (  # noqa: E402
 pytestmark = pytest.mark.xdist_group("serve")
 
 TEXT = "the quick brown fox jumps over the lazy dog. THE END!\n"
+LOCAL = "http://localhost"  # a name of this machine: the app answers no other Host by default
 TOKENIZER = CharTokenizer.from_text(TEXT)
 
 
@@ -117,7 +118,7 @@ def decoder() -> OwnDecoder:
 
 @pytest.fixture(scope="module")
 def client(decoder):
-    with TestClient(create_app(decoder, TOKENIZER, name="own", slots=3, queue_size=16)) as c:
+    with TestClient(create_app(decoder, TOKENIZER, name="own", slots=3, queue_size=16), base_url=LOCAL) as c:
         yield c
 
 
@@ -174,7 +175,9 @@ def test_the_page_finds_its_attention_by_type(client, decoder):
 
 
 def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_reason():
-    with TestClient(create_app(Bigram(TOKENIZER.vocab_size, key=jax.random.key(1)), TOKENIZER)) as c:
+    with TestClient(
+        create_app(Bigram(TOKENIZER.vocab_size, key=jax.random.key(1)), TOKENIZER), base_url=LOCAL
+    ) as c:
         assert (
             c.get("/v1/card")
             .json()["attention"]["absent"]
@@ -197,7 +200,7 @@ def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_r
 
 def test_a_request_whose_logits_hold_nan_fails_alone_in_openais_json(decoder):
     broken = eqx.tree_at(lambda m: m.head.weight, decoder, decoder.head.weight.at[0, 0].set(jnp.nan))
-    with TestClient(create_app(broken, TOKENIZER, slots=2)) as c:
+    with TestClient(create_app(broken, TOKENIZER, slots=2), base_url=LOCAL) as c:
         response = c.post(
             "/v1/completions", json={"model": "eqx_gpt", "prompt": "dog", "max_tokens": 5, "temperature": 0}
         )
@@ -220,7 +223,7 @@ def test_the_guides_decoder_is_served_as_the_guide_serves_it():
     for heading in ("### Sample from a decoder of your own", "### Serving your own model"):
         exec(compile(block_under(DOCS[1], heading), str(DOCS[1]), "exec"), namespace)
     decoder, tokenizer = namespace["decoder"], namespace["tokenizer"]
-    with TestClient(namespace["app"]) as c:
+    with TestClient(namespace["app"], base_url=LOCAL) as c:
         assert c.get("/v1/card").json()["attention"] == {"layers": 2, "heads": 4, "absent": None}
         body = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 24, "seed": 3, "temperature": 0.8}
         text = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
