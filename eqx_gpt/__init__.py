@@ -41,6 +41,7 @@ from eqx_gpt.model.block import Block
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel
 from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.lora import LoRALinear, apply_lora, lora_trainable, merge_lora
 from eqx_gpt.model.loss import chunked_cross_entropy
@@ -113,7 +114,8 @@ __all__ = [
     "lora_trainable",
     "load_adapters",
     "save_adapters",
-    # Training: a whole run, and the parts of a loop of your own
+    # Training: a whole run (of a GPT or any LanguageModel), and the parts of a loop of your own
+    "LanguageModel",
     "train",
     "TrainConfig",
     "TrainResult",

@@ -34,7 +34,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -52,8 +52,18 @@ from eqx_gpt.gpt2 import (
     load_gpt2,
 )
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.factory import build_model
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.lora import apply_lora, has_lora, lora_options, lora_template, lora_trainable, merge_lora
+from eqx_gpt.model.language_model import LanguageModel, ModelShape, check_language_model
+from eqx_gpt.model.lora import (
+    apply_lora,
+    has_lora,
+    lora_options,
+    lora_record,
+    lora_template,
+    lora_trainable,
+    merge_lora,
+)
 from eqx_gpt.model.template import model_template
 from eqx_gpt.model.transformer import Transformer, TransformerConfig
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError, tokenizer_from_dict
@@ -66,8 +76,11 @@ READABLE_VERSIONS = (1, 2, 3)
 # A run directory's two checkpoints; `find_checkpoint` prefers them in the order of NAMES.
 BEST, LATEST = "best", "latest"
 NAMES = (BEST, LATEST)
-# The models a checkpoint can hold, by the class name it records, with their config classes.
+# The models a checkpoint can hold, by the class name it records, with their config classes. Any
+# other name is a model of the user's own (a `LanguageModel`), recorded by its sizes (`ModelShape`),
+# rebuilt by the factory its run records (`train_config["model"]`) or read into a model passed.
 MODELS = {"GPT": (GPT, GPTConfig), "Transformer": (Transformer, TransformerConfig)}
+Model = TypeVar("Model")
 WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (examples/translate.py)"}
 
 
@@ -76,7 +89,7 @@ WHAT = {"GPT": "a decoder-only GPT", "Transformer": "an encoder-decoder (example
 METADATA_TYPES = {"step": int, "weights": str, "sha256": str, "model": str, "model_config": dict,
                   "train_config": dict, "tokenizer": dict}  # fmt: skip
 OPTIONAL_TYPES = {"val_loss": float, "best_val_loss": float, "val_loss_step": int, "schedule_steps": int,
-                  "data_sha256": str, "lora_base": dict, "weights_hold": str}  # fmt: skip
+                  "data_sha256": str, "lora_base": dict, "weights_hold": str, "lora": dict}  # fmt: skip
 
 
 def _is_of(value: Any, kind: type) -> bool:
@@ -123,7 +136,7 @@ class Describable(Protocol):
 def save_checkpoint(
     out_dir: str | Path,
     name: str,
-    model: GPT | Transformer,
+    model: GPT | Transformer | LanguageModel,
     opt_state: Any,
     *,
     step: int,
@@ -133,16 +146,22 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint `name` ("latest", "best") of a run into `out_dir`; return its JSON path.
 
-    `model` is a `GPT` or a `Transformer`; its class and config are recorded, its mode
-    (`inference`) is not. `tokenizer` is eqx_gpt's (`CharTokenizer`, `GPT2Tokenizer`) or, for a
-    `Transformer`, any object whose `to_dict()` describes it (`load_model` then returns None for
-    it, and its description as `metadata["tokenizer"]`). `metadata` holds any further JSON-ready
+    `model` is a `GPT` or a `Transformer` (its class and config are recorded), or a model of your
+    own, a `LanguageModel` (its class name and sizes are recorded, and its LoRA adapters' places,
+    `"lora"`, if it holds any: it is read back into a model its factory builds or one passed, see
+    `load_model`); its mode (`inference`) is not recorded. `tokenizer` is eqx_gpt's
+    (`CharTokenizer`, `GPT2Tokenizer`) or, for a `Transformer`, any object whose `to_dict()`
+    describes it (`load_model` then returns None for it, and its description as
+    `metadata["tokenizer"]`). `metadata` holds any further JSON-ready
     values (losses, the schedule length, ...). A LoRA model whose `metadata` names its base GPT-2
     folder (`lora_base=eqx_gpt.gpt2.gpt2_identity(folder)`) is saved as its adapters alone, and
     read back on that base (see the module's docstring).
     """
-    if not isinstance(model, GPT | Transformer):
-        raise TypeError(f"save_checkpoint saves {' or '.join(MODELS)} models, got {type(model).__name__}")
+    if isinstance(model, GPT | Transformer):
+        model_config, lora = model.config.to_dict(), None
+    else:
+        check_language_model(model, "save_checkpoint's model")
+        model_config, lora = ModelShape.of(model).to_dict(), lora_record(model)
     out_dir = as_path(out_dir, "out_dir")
     adapters_only = has_lora(model) and metadata.get("lora_base") is not None
     if adapters_only and isinstance(metadata["lora_base"].get("path"), str):
@@ -163,7 +182,8 @@ def save_checkpoint(
         "weights": weights_name,
         "sha256": digest,
         "model": type(model).__name__,
-        "model_config": model.config.to_dict(),
+        "model_config": model_config,
+        **({"lora": lora} if lora is not None else {}),
         "train_config": train_config,
         "tokenizer": tokenizer.to_dict(),
         **metadata,
@@ -293,7 +313,10 @@ def _model_kind(meta: dict, kind: str | None) -> str:
     """The class name the checkpoint records, checked against the `kind` the caller wants."""
     name = meta["model"]
     if name not in MODELS:
-        raise CheckpointError(f"checkpoint {meta['path']} holds a {name!r}, which eqx_gpt does not know")
+        wanted = WHAT.get(kind or "", "a GPT or a Transformer")
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds a {name} (a model of one's own), not {wanted}"
+        )
     if kind is not None and name != kind:
         raise CheckpointError(
             f"checkpoint {meta['path']} holds {WHAT[name]}, not {WHAT[kind]}; use a checkpoint of the latter"
@@ -346,13 +369,13 @@ def _deserialise(
         ) from None
 
 
-def _read_model(f: io.BytesIO, meta: dict, config: GPTConfig | TransformerConfig) -> Any:
-    """The checkpoint's model from its weights file `f`: whole, or its adapters on its base."""
-    like = run_template(config, meta["train_config"])
+def _read_model(f: io.BytesIO, meta: dict, like: Any) -> Any:
+    """The checkpoint's model from its weights file `f`, read into `like`: whole, or its adapters on
+    its base."""
     if meta.get("weights_hold") != ADAPTERS:
         return _deserialise(f, like, meta, _read_model_leaf)
     adapters = _deserialise(f, eqx.filter(like, lora_trainable(like)), meta)
-    return eqx.combine(adapters, _frozen_base(meta, config))
+    return eqx.combine(adapters, _frozen_base(meta, _model_config(meta, "GPT")))
 
 
 def _frozen_base(meta: dict, config: GPTConfig | TransformerConfig) -> Any:
@@ -393,25 +416,87 @@ def _found_base(meta: dict, recorded: dict) -> dict:
     return recorded
 
 
+def is_own_model(meta: dict) -> bool:
+    """Whether a checkpoint holds a model of the user's own (not a `GPT` or a `Transformer`)."""
+    return meta.get("model", "GPT") not in MODELS
+
+
+def own_template(meta: dict, like: Any = None) -> Any:
+    """The model a checkpoint of a model of one's own is read into: `like` (a model of the class
+    it records, its weights ignored), else the one its run's factory (`train_config["model"]`,
+    `MODULE:FUNCTION`) builds, as shapes; with the LoRA adapters it recorded. One line when neither."""
+    name, sizes = meta["model"], meta["model_config"]
+    if like is None:
+        spec = meta["train_config"].get("model")
+        if not isinstance(spec, str):
+            raise CheckpointError(
+                f"checkpoint {meta['path']} holds a {name} passed to train() from Python, which it cannot "
+                f"rebuild; pass one as the skeleton: load_model(run, like={name}(...))"
+            )
+        like = eqx.filter_eval_shape(build_model, spec, sizes.get("vocab_size"), key=jax.random.key(0))
+    elif type(like).__name__ != name:
+        raise CheckpointError(
+            f"checkpoint {meta['path']} holds a {name}, not a {type(like).__name__}; pass a {name}"
+        )
+    lora = meta.get("lora") or lora_options(meta["train_config"])
+    if lora is not None and not has_lora(like):
+        like = lora_template(like, **lora)
+    return like
+
+
+def _template(meta: dict, config: GPTConfig | TransformerConfig | None, like: Any) -> Any:
+    """What a checkpoint's weights are read into: its model of one's own (`own_template`), or its
+    `GPT` or `Transformer` of `config`, with the adapters its run trained."""
+    if config is None:
+        return own_template(meta, like)
+    return run_template(config, meta["train_config"])
+
+
+def _own_tokenizer(meta: dict) -> Tokenizer:
+    """A checkpoint of a model of one's own: its tokenizer, of the model's vocabulary."""
+    try:
+        tokenizer = tokenizer_from_dict(meta["tokenizer"])
+    except TokenizerError as e:
+        raise CheckpointError(f"checkpoint {meta['path']}: {e}") from None
+    if tokenizer.vocab_size != meta["model_config"].get("vocab_size"):
+        raise CheckpointError(
+            f"checkpoint {meta['path']}: tokenizer has {tokenizer.vocab_size} ids but the model has "
+            f"vocab_size={meta['model_config'].get('vocab_size')!r}"
+        )
+    return tokenizer
+
+
 @overload
 def load_model(
-    path: str | Path, *, kind: Literal["GPT"], lora: str = "merged"
+    path: str | Path, *, kind: Literal["GPT"], lora: str = "merged", like: None = None
 ) -> tuple[GPT, Tokenizer, dict]: ...
 @overload
 def load_model(
-    path: str | Path, *, kind: Literal["Transformer"], lora: str = "merged"
+    path: str | Path, *, kind: Literal["Transformer"], lora: str = "merged", like: None = None
 ) -> tuple[Transformer, Tokenizer | None, dict]: ...
 @overload
 def load_model(
-    path: str | Path, *, kind: None = None, lora: str = "merged"
-) -> tuple[GPT | Transformer, Tokenizer | None, dict]: ...
+    path: str | Path, *, kind: Literal["LanguageModel"], lora: str = "merged", like: Any = None
+) -> tuple[Any, Tokenizer, dict]: ...
+@overload
 def load_model(
-    path: str | Path, *, kind: str | None = None, lora: str = "merged"
-) -> tuple[GPT | Transformer, Tokenizer | None, dict]:
+    path: str | Path, *, kind: None = None, lora: str = "merged", like: Model
+) -> tuple[Model, Tokenizer, dict]: ...
+@overload
+def load_model(
+    path: str | Path, *, kind: None = None, lora: str = "merged", like: None = None
+) -> tuple[Any, Tokenizer | None, dict]: ...
+def load_model(
+    path: str | Path, *, kind: str | None = None, lora: str = "merged", like: Any = None
+) -> tuple[Any, Tokenizer | None, dict]:
     """`(model, tokenizer, metadata)` from a checkpoint, for sampling (the optimiser state is skipped).
 
     The model is the class the checkpoint records (`GPT` or `Transformer`); `kind="GPT"` (or
-    `"Transformer"`) refuses the other with a one-line `CheckpointError`. `path` may also be a
+    `"Transformer"`) refuses the other with a one-line `CheckpointError`, `kind="LanguageModel"` a
+    `Transformer` (it takes a `GPT` or a model of your own). A run of a model of your
+    own is rebuilt by the function its run records (`train.py --model MODULE:FUNCTION`, imported
+    with the current folder first), or read into `like`, a model of its class whose weights are
+    ignored (what a run of a model passed to `train(model=...)` needs). `path` may also be a
     Hugging Face GPT-2 directory (`config.json` saying `"model_type": "gpt2"`, and
     `model.safetensors`; see `eqx_gpt.gpt2`); its metadata is then the model config and the
     directory. A folder is told apart by its marker: a run's own checkpoints come first, so a stray
@@ -421,41 +506,57 @@ def load_model(
     A LoRA run's model is given merged (`lora="merged"`: plain `Linear`s, the base's structure), or
     with its adapters kept apart (`lora="separate"`: `LoRALinear`s; see `eqx_gpt.merge_lora`).
     """
-    if kind is not None and (not isinstance(kind, str) or kind not in MODELS):
+    if kind is not None and (not isinstance(kind, str) or kind not in (*MODELS, "LanguageModel")):
         raise ValueError(
-            f"kind must be {' or '.join(map(repr, MODELS))} (a model's class name) or None, got {kind!r}"
+            f"kind must be {' or '.join(map(repr, MODELS))} (a model's class name), 'LanguageModel' (a GPT "
+            f"or a model of one's own) or None, got {kind!r}"
         )
     if lora not in ("merged", "separate"):
         raise ValueError(f"lora must be 'merged' or 'separate', got {lora!r}")
     path = as_path(path, "a checkpoint's path")
-    if path.is_dir() and not holds_run(path) and is_gpt2_directory(path) and kind in (None, "GPT"):
+    if (
+        path.is_dir()
+        and not holds_run(path)
+        and is_gpt2_directory(path)
+        and kind in (None, "GPT", "LanguageModel")
+    ):
         model = load_gpt2(path)
         tokenizer = gpt2_tokenizer(model.config)
         meta = {"path": str(path), "format": "huggingface-gpt2", "model_config": model.config.to_dict()}
         return model, tokenizer, {**meta, "tokenizer": tokenizer.to_dict()}
     meta = read_metadata(path)
-    config = _model_config(meta, kind)
-    tokenizer = _tokenizer(meta, config)
-    model = _read_model(_read_weights(meta), meta, config)
+    if is_own_model(meta) and kind in (None, "LanguageModel"):
+        config, tokenizer = None, _own_tokenizer(meta)
+    else:
+        config = _model_config(meta, "GPT" if kind == "LanguageModel" else kind)
+        tokenizer = _tokenizer(meta, config)
+    model = _read_model(_read_weights(meta), meta, _template(meta, config, like))
     if lora == "merged":
         model = merge_lora(model)
     return model, tokenizer, meta
 
 
-def load_checkpoint(path: str | Path | dict, opt_state_like: Any) -> tuple[GPT, Any, Tokenizer, dict]:
+def load_checkpoint(
+    path: str | Path | dict, opt_state_like: Any, *, like: Any = None
+) -> tuple[Any, Any, Tokenizer, dict]:
     """`(model, opt_state, tokenizer, metadata)` to resume training.
 
     `path` as in `find_checkpoint`, or the metadata `read_metadata` already returned (it is not
     read again). `opt_state_like` is a template of the optimiser state (e.g. from
-    `eqx.filter_eval_shape`). The model is in training mode, as built.
+    `eqx.filter_eval_shape`); `like` the model's (a model of one's own: see `load_model`; a `GPT`'s
+    is built from its config). The model is in training mode, as built.
     """
     meta = path if isinstance(path, dict) else read_metadata(path)
-    config = _model_config(meta, "GPT")
-    tokenizer = _tokenizer(meta, config)
-    if not isinstance(config, GPTConfig) or tokenizer is None:  # a GPT's tokenizer is checked
-        raise CheckpointError(f"checkpoint {meta['path']} does not hold a GPT with its tokenizer")
+    if is_own_model(meta):
+        config, tokenizer = None, _own_tokenizer(meta)
+    else:
+        config = _model_config(meta, "GPT")
+        tokenizer = _tokenizer(meta, config)
+        if not isinstance(config, GPTConfig) or tokenizer is None:  # a GPT's tokenizer is checked
+            raise CheckpointError(f"checkpoint {meta['path']} does not hold a GPT with its tokenizer")
+        like = None  # a GPT's template is its config's
     f = _read_weights(meta)
-    model = _read_model(f, meta, config)
+    model = _read_model(f, meta, _template(meta, config, like))
     opt_state = _deserialise(f, opt_state_like, meta)
     if f.read(1):
         raise CheckpointError(

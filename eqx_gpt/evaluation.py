@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int
 from eqx_gpt._checks import INT32_MAX, is_whole
 from eqx_gpt.data.shards import TokenSpan
 from eqx_gpt.errors import DataError
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel, check_language_model
 from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.tokenizer import Tokenizer
 
@@ -152,7 +152,7 @@ def final_plan(n_tokens: int, context: int, budget: int) -> EvalPlan:
 
 @eqx.filter_jit
 def _summed_loss(
-    model: GPT, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
+    model: LanguageModel, batch: Int[Array, "batch window"], weight: Float[Array, "batch seq"]
 ) -> Float[Array, ""]:
     """`sum(weight * loss)` of one call's windows: the loss of each of `batch[:, 1:]` given the
     tokens before it."""
@@ -208,7 +208,7 @@ def _clock(seconds: float) -> str:
 
 
 def _summed(
-    model: GPT, n_rows: int, read, *, batch: int, place, stop, shown: Shown | None = None
+    model: LanguageModel, n_rows: int, read, *, batch: int, place, stop, shown: Shown | None = None
 ) -> float | None:
     """`sum(weight * loss)` over `n_rows` windows, `batch` per jitted call; `read(i, j)` gives the
     `(rows, weight)` of windows `i..j`. The last call is padded with zero weight, so every call has
@@ -227,7 +227,7 @@ def _summed(
             padded_weight = np.zeros((batch, weight.shape[1]), np.float32)
             padded_weight[: len(weight)] = weight
             if i == 0:
-                shapes = (model.config, padded_rows.shape, padded_weight.shape)
+                shapes = (getattr(model, "config", type(model)), padded_rows.shape, padded_weight.shape)
                 ticker.start(compiles=shapes not in _COMPILED)
                 _COMPILED.add(shapes)
             result = _summed_loss(model, place(padded_rows), place(padded_weight))
@@ -240,7 +240,7 @@ def _summed(
 
 
 def summed_loss(
-    model: GPT,
+    model: LanguageModel,
     rows: Int[np.ndarray, "n window"],
     weight: Float[np.ndarray, "n seq"],
     *,
@@ -256,7 +256,7 @@ def summed_loss(
 
 
 def evaluate_plan(
-    model: GPT,
+    model: LanguageModel,
     tokens: TokenSpan,
     plan: EvalPlan,
     *,
@@ -280,7 +280,7 @@ def evaluate_plan(
         weight = (j >= plan.first[i:k, None]) & (j < plan.end[i:k, None])
         return rows, weight.astype(np.float32)
 
-    batch = rows_per_call(context, model.config.vocab_size) if batch is None else batch
+    batch = rows_per_call(context, model.vocab_size) if batch is None else batch
     total = _summed(model, len(plan), read, batch=batch, place=place, stop=stop, shown=shown)
     if total is None:
         return None
@@ -312,16 +312,20 @@ def check_tokens(tokens, vocab_size: int) -> np.ndarray:
 
 
 def evaluate(
-    model: GPT, tokens, *, stride: int | None = None, batch: int | None = None, shown: Shown | None = None
+    model: LanguageModel,
+    tokens,
+    *,
+    stride: int | None = None,
+    batch: int | None = None,
+    shown: Shown | None = None,
 ) -> Evaluation:
     """Mean next-token loss of `model` over all of `tokens` `(n,)` (integer ids in `[0, vocab_size)`,
     or a `TokenSpan`; no dropout), in windows of `context_length` started every `stride` tokens
     (default `context_length // 2`; see the module docstring), `batch` windows per jitted call
     (default `rows_per_call`); progress on `shown` if it takes a while. Bad arguments raise a
     one-line `TypeError` or `ValueError`."""
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a GPT, got {type(model).__name__}")
-    context = model.config.context_length
+    check_language_model(model)
+    context = model.context_length
     stride = max(1, context // 2) if stride is None else stride
     if not is_whole(stride, 1, context):
         raise ValueError(f"stride must be an integer in [1, context_length={context}], got {stride!r}")
@@ -332,18 +336,22 @@ def evaluate(
             f"shown must be a Shown (a progress bar and a label) or None, got {type(shown).__name__}"
         )
     if not isinstance(tokens, TokenSpan):
-        tokens = TokenSpan([check_tokens(tokens, model.config.vocab_size)])
+        tokens = TokenSpan([check_tokens(tokens, model.vocab_size)])
     result = evaluate_plan(model, tokens, plan_whole(len(tokens), context, stride), batch=batch, shown=shown)
     assert result is not None  # only a `stop` (none here) ends an evaluation early
     return result
 
 
 def evaluate_text(
-    model: GPT, tokenizer: Tokenizer, text: str, *, stride: int | None = None, shown: Shown | None = None
+    model: LanguageModel,
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    stride: int | None = None,
+    shown: Shown | None = None,
 ) -> Evaluation:
     """`evaluate` on `text` encoded by `tokenizer` (a `TokenizerError` names unknown characters)."""
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a GPT, got {type(model).__name__}")
+    check_language_model(model)
     if not callable(getattr(tokenizer, "encode", None)):
         raise TypeError(
             f"tokenizer must be a tokenizer (the one load_model returns, a CharTokenizer, a GPT2Tokenizer), "

@@ -16,6 +16,7 @@ code), sharded checkpoints (`model.safetensors.index.json`) included. The sizes 
 import hashlib
 import json
 import re
+from operator import attrgetter
 from pathlib import Path
 
 import equinox as eqx
@@ -40,8 +41,8 @@ BLOCK_TENSORS = {
     "ln_1.bias": lambda b: b.attn_norm.bias,
     "ln_2.weight": lambda b: b.mlp_norm.scale,
     "ln_2.bias": lambda b: b.mlp_norm.bias,
-    **{f"{name}.weight": (lambda b, get=get: get(b).weight) for name, get in GPT2_PROJECTIONS.items()},
-    **{f"{name}.bias": (lambda b, get=get: get(b).bias) for name, get in GPT2_PROJECTIONS.items()},
+    **{f"{name}.weight": attrgetter(f"{path}.weight") for name, path in GPT2_PROJECTIONS.items()},
+    **{f"{name}.bias": attrgetter(f"{path}.bias") for name, path in GPT2_PROJECTIONS.items()},
 }
 TENSORS = {
     "wpe.weight": lambda m: m.pos_embed,

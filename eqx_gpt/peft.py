@@ -9,25 +9,38 @@ projections are `Conv1D`s (weight stored `(in, out)`), hence `fan_in_fan_out: tr
 `peft.PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(base), folder)` loads what
 `save_adapters` writes; `load_adapters` reads what PEFT saved (LoRA on GPT-2's blocks; DoRA,
 rsLoRA and per-module ranks are refused).
+
+The adapters of a model of one's own (any other model) are written in eqx_gpt's own format, the
+same two files: `adapter_config.json` says `"format": "eqx_gpt-lora"`, the model's class, its base
+(`base`: the function that builds it, or where it came from), `r`, `lora_alpha`, `lora_dropout` and
+`target_modules`, the adapted modules' paths (`named_linears`); `adapter_model.safetensors` holds
+`{path}.lora_a` `(in, r)` and `{path}.lora_b` `(r, out)` in eqx_gpt's layout, float32, each with the
+leading axes of its module (a stack of layers keeps its `n_layers` axis). `load_adapters` reads
+either format.
 """
 
 import json
 import os
 import re
+from operator import attrgetter
 from pathlib import Path
+from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PyTree
 
 from eqx_gpt._checks import as_path
 from eqx_gpt.errors import CheckpointError, TrainingError
 from eqx_gpt.files import resolve, write_files
 from eqx_gpt.gpt2 import CONFIG_NAME, gpt2_changed
+from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.lora import LORA_MODULES, LoRALinear, apply_lora, check_lora
+from eqx_gpt.model.lora import LoRALinear, apply_lora, check_lora, lora_record, named_linears
 
+Model = TypeVar("Model")
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model.transformer.h."
 _NAME = re.compile(
@@ -54,7 +67,8 @@ def _adapted(model: GPT, what: str = "save_adapters") -> dict[str, LoRALinear]:
     """The model's `LoRALinear`s (stacked over its layers) by GPT-2 module name: at least one, all
     of one rank, alpha and dropout (one `adapter_config.json`), their arrays finite."""
     layers = _stacked_layers(model, what)
-    adapted = {name: get(layers) for name, get in LORA_MODULES.items() if isinstance(get(layers), LoRALinear)}
+    found = {name: attrgetter(path)(layers) for name, path in GPT2_PROJECTIONS.items()}
+    adapted = {name: module for name, module in found.items() if isinstance(module, LoRALinear)}
     if not adapted:
         raise TrainingError(
             f"{what}: the model has no LoRA adapters (LoRALinear); adapt it first with apply_lora or "
@@ -102,15 +116,19 @@ def portable_base(base: str | Path, directory: str | Path) -> str:
         return resolve(local).as_posix()
 
 
-def save_adapters(model: GPT, directory: str | Path, *, base: str | Path) -> Path:
+def save_adapters(model: PyTree, directory: str | Path, *, base: str | Path) -> Path:
     """Write `model`'s adapters as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)
     for the GPT-2 in folder `base` (recorded relative to `directory`: `portable_base`).
 
     Everything is checked before anything is written. A new folder, or one holding these two files
     alone, is written whole and put in place at once (`atomic_folder`); in a folder holding other
-    files too (a run's) each file is replaced atomically, the config last."""
+    files too (a run's) each file is replaced atomically, the config last. A model of one's own (not
+    a `GPT`) has its adapters written in eqx_gpt's format (see the module's docstring), `base` naming
+    what builds its base."""
     from safetensors.numpy import save
 
+    if not isinstance(model, GPT):  # a model of one's own: eqx_gpt's format
+        return _save_own(model, as_path(directory, "directory"), str(base))
     directory = as_path(directory, "directory")
     if not isinstance(base, str | os.PathLike) or not str(base):
         raise TypeError(f"base must name the GPT-2 the adapters are for (a path or a name), got {base!r}")
@@ -133,7 +151,7 @@ def save_adapters(model: GPT, directory: str | Path, *, base: str | Path) -> Pat
     return directory
 
 
-def save_run_adapters(out_dir: str | Path, name: str, model: GPT, *, base: str) -> None:
+def save_run_adapters(out_dir: str | Path, name: str, model: PyTree, *, base: str) -> None:
     """Keep a LoRA run's folder holding, in PEFT's format, the adapters of the model `load_model`
     gives for it: those of its `best` checkpoint, or of `latest` while there is no `best`. Called as
     checkpoint `name` ("best", "latest") of `model` is saved."""
@@ -210,7 +228,7 @@ def base_directory(directory: str | Path) -> Path:
 
 
 def adapter_targets(directory: str | Path) -> list[str]:
-    """The GPT-2 modules (`LORA_MODULES` names) a PEFT folder's tensors adapt."""
+    """The GPT-2 modules (`GPT2_PROJECTIONS`' names) a PEFT folder's tensors adapt."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(directory) / ADAPTER_WEIGHTS
@@ -229,12 +247,21 @@ def adapter_targets(directory: str | Path) -> list[str]:
     return sorted({m[2] for m in matches if m is not None})
 
 
-def load_adapters(model: GPT, directory: str | Path, *, dropout: float | None = None) -> GPT:
+def load_adapters(model: Model, directory: str | Path, *, dropout: float | None = None) -> Model:
     """`model` (the base GPT-2, plain `Linear`s) with the PEFT adapters of `directory` applied:
     `LoRALinear`s holding the saved A and B at the saved rank and alpha, and the saved
-    `lora_dropout` unless `dropout` is given (a run that continues them may choose its own)."""
+    `lora_dropout` unless `dropout` is given (a run that continues them may choose its own). A
+    folder in eqx_gpt's format is applied to any model of its class (see the module's docstring)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
+
+    if _own_config(directory) is not None:
+        return _load_own(model, Path(directory), dropout)
+    if not isinstance(model, GPT):
+        raise CheckpointError(
+            f"{directory}/ holds PEFT adapters of GPT-2, and the model is a {type(model).__name__}; apply "
+            f"them to a GPT (load_gpt2)"
+        )
 
     config = read_adapter_config(directory)
     path = Path(directory) / ADAPTER_WEIGHTS
@@ -272,7 +299,8 @@ def load_adapters(model: GPT, directory: str | Path, *, dropout: float | None = 
     getters, arrays = [], []
     for module, per_layer in found.items():
         for which, field in (("A", "lora_a"), ("B", "lora_b")):
-            like = getattr(LORA_MODULES[module](adapted.blocks.layers), field)
+            get = attrgetter(f"blocks.layers.{GPT2_PROJECTIONS[module]}.{field}")
+            like = get(adapted)
             missing = [i for i in range(n) if (i, which) not in per_layer]
             if missing:
                 raise CheckpointError(
@@ -288,9 +316,7 @@ def load_adapters(model: GPT, directory: str | Path, *, dropout: float | None = 
                     f"imply {shape}; the adapter is for another model"
                 )
             stacked = np.stack([per_layer[(i, which)].T for i in range(n)])
-            getters.append(
-                lambda m, module=module, field=field: getattr(LORA_MODULES[module](m.blocks.layers), field)
-            )
+            getters.append(get)
             arrays.append(jnp.asarray(stacked, jnp.float32))
     return eqx.tree_at(lambda m: [get(m) for get in getters], adapted, arrays)
 
@@ -331,3 +357,91 @@ def describe(model: GPT) -> str:
         f"{', '.join(sorted(adapted))}: {trainable:,} trainable parameters ({share:.2f}% of the frozen "
         f"{(total - trainable) / 1e6:.2f}M)"
     )
+
+
+OWN_FORMAT = "eqx_gpt-lora"
+
+
+def _own_config(directory: str | Path) -> dict | None:
+    """`adapter_config.json` of a folder in eqx_gpt's format, or None for any other (PEFT's)."""
+    path = Path(directory) / ADAPTER_CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # read_adapter_config says what is wrong with it
+    return config if isinstance(config, dict) and config.get("format") == OWN_FORMAT else None
+
+
+def _save_own(model: PyTree, directory: Path, base: str) -> Path:
+    from safetensors.numpy import save
+
+    record = lora_record(model)
+    if record is None:
+        raise CheckpointError(f"the {type(model).__name__} holds no LoRA adapters to save")
+    linears = named_linears(model)
+    tensors = {}
+    for name in record["targets"]:
+        module = linears[name]
+        assert isinstance(module, LoRALinear)
+        tensors[f"{name}.lora_a"] = np.ascontiguousarray(np.asarray(module.lora_a, np.float32))
+        tensors[f"{name}.lora_b"] = np.ascontiguousarray(np.asarray(module.lora_b, np.float32))
+    config = {
+        "format": OWN_FORMAT, "version": 1, "model": type(model).__name__, "base": base,
+        "r": record["rank"], "lora_alpha": record["alpha"], "lora_dropout": record["dropout"],
+        "target_modules": record["targets"],
+    }  # fmt: skip
+    write_files(directory, {
+        ADAPTER_WEIGHTS: save(tensors, metadata={"format": OWN_FORMAT}),
+        ADAPTER_CONFIG: (json.dumps(config, indent=2) + "\n").encode(),
+    })  # fmt: skip
+    return directory
+
+
+def _load_own(model: Model, directory: Path, dropout: float | None) -> Model:
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    config = _own_config(directory) or {}
+    path = directory / ADAPTER_WEIGHTS
+    if config.get("model") != type(model).__name__:
+        raise CheckpointError(
+            f"{directory}/ holds adapters of a {config.get('model')}, not of a {type(model).__name__}"
+        )
+    try:
+        check_lora(config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0))
+        targets = list(config["target_modules"])
+        tensors = load_file(path)
+    except KeyError as e:
+        raise CheckpointError(
+            f"{directory / ADAPTER_CONFIG} lacks {e.args[0]!r}; save the adapters again"
+        ) from None
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(
+            f"{directory}: the adapters cannot be read ({str(e).splitlines()[0]})"
+        ) from None
+    expected = {f"{t}.lora_{w}" for t in targets for w in "ab"}
+    if set(tensors) != expected:
+        odd = sorted(set(tensors) ^ expected)[0]
+        raise CheckpointError(
+            f"{path}: tensor {odd!r} is missing or not of the adapters it names; save them again"
+        )
+    dropout = float(config.get("lora_dropout", 0.0)) if dropout is None else dropout
+    adapted = apply_lora(
+        model, int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets, dropout=dropout,
+        key=jax.random.key(0),
+    )  # fmt: skip
+    linears = named_linears(adapted)
+    arrays = []
+    for name in sorted(expected):
+        path_name, field = name.rsplit(".", 1)
+        like = getattr(linears[path_name], field)
+        if tensors[name].shape != like.shape or not np.isfinite(tensors[name]).all():
+            raise CheckpointError(
+                f"{path}: {name} has shape {tensors[name].shape} where the model's is {like.shape}, or "
+                f"values that are not finite; the adapters are for another model"
+            )
+        arrays.append(jnp.asarray(tensors[name], jnp.float32))
+    where = lambda m: [
+        getattr(named_linears(m)[n.rsplit(".", 1)[0]], n.rsplit(".", 1)[1]) for n in sorted(expected)
+    ]
+    return eqx.tree_at(where, adapted, arrays)

@@ -27,7 +27,7 @@ def v1():
 @pytest.mark.parametrize("kind", ["gpt", "Encoder", ["GPT"], 5])
 def test_a_kind_load_model_does_not_know_is_named(kind):
     with pytest.raises(
-        ValueError, match=r"kind must be 'GPT' or 'Transformer' .*or None, got " + re.escape(repr(kind))
+        ValueError, match=r"kind must be 'GPT' or 'Transformer' .* or None, got " + re.escape(repr(kind))
     ):
         load_model(V1, kind=kind)
 
@@ -40,7 +40,7 @@ def test_a_kind_load_model_does_not_know_is_named(kind):
         (lambda m, t: evaluate(m, [1, None, 2]), "tokens must be integer ids, got object values such as 1"),
         (lambda m, t: evaluate(m, [1, 2, 3], shown=5), "shown must be a Shown"),
         (lambda m, t: evaluate_text(m, None, "First Citizen"), "tokenizer must be a tokenizer"),
-        (lambda m, t: evaluate_text(None, t, "First Citizen"), "model must be a GPT, got NoneType"),
+        (lambda m, t: evaluate_text(None, t, "First Citizen"), "must be a language model"),
         (lambda m, t: evaluate_text(m, t, None), "text must be a str, got NoneType"),
     ],
 )

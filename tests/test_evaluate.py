@@ -135,7 +135,7 @@ def test_evaluate_refuses_a_batch_that_is_not_a_positive_integer(batch):
 
 
 def test_evaluate_refuses_what_is_not_a_model_or_text():
-    with pytest.raises(TypeError, match="model must be a GPT, got dict"):
+    with pytest.raises(TypeError, match="the model must be a language model .* dict lacks"):
         evaluate({}, [1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="text must be a str, got list"):
         evaluate_text(MODEL, CharTokenizer("abcdefg"), ["abc"])  # type: ignore[arg-type]

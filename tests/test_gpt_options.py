@@ -141,6 +141,16 @@ def test_activation_is_the_named_function():
         np.testing.assert_allclose(mlp(x), act(x @ mlp.up.weight) @ mlp.down.weight, atol=1e-6)
 
 
+def test_a_gated_activation_gives_every_block_a_gated_mlp():
+    model = model_with(activation="swiglu")
+    mlp = model.unstack().blocks.layers[0].mlp
+    assert mlp.gated and mlp.up.weight.shape == (CFG.d_model, 2 * CFG.d_hidden)
+    x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
+    gate, value = jnp.split(x @ mlp.up.weight, 2, axis=-1)
+    np.testing.assert_allclose(mlp(x), (jax.nn.silu(gate) * value) @ mlp.down.weight, atol=1e-6)
+    assert model(TOKENS[:-1]).shape == (11, CFG.vocab_size)
+
+
 def test_tied_embeddings_make_the_head_the_embedding():
     model = model_with(tie_embeddings=True, positions="learned")
     assert model.head is None

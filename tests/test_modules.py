@@ -83,6 +83,42 @@ def test_mlp_matches_reference():
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
 
 
+def np_silu(x):
+    return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize(
+    ("make", "act"),
+    [
+        (lambda k: MLP(8, 12, key=k, activation="swiglu"), np_silu),
+        (lambda k: MLP(8, 12, key=k, activation="silu", gated=True), np_silu),
+        (lambda k: MLP(8, 12, key=k, activation="geglu"), np_gelu_tanh),
+        (lambda k: MLP(8, 12, key=k, gated=True), np_gelu_tanh),
+    ],
+)
+def test_gated_mlp_is_llamas_with_gate_and_value_side_by_side_in_up(make, act):
+    mlp = make(jax.random.key(0))
+    assert mlp.gated and mlp.up.weight.shape == (8, 24) and mlp.down.weight.shape == (12, 8)
+    n_params = sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(mlp, eqx.is_inexact_array)))
+    assert n_params == 3 * 8 * 12  # the documented count
+    x = np.random.default_rng(1).normal(size=(2, 6, 8)).astype(np.float32)
+    w_up = np.asarray(mlp.up.weight)
+    gate_proj, up_proj = w_up[:, :12], w_up[:, 12:]  # Llama's two matrices, concatenated in this order
+    ref = (act(x @ gate_proj) * (x @ up_proj)) @ np.asarray(mlp.down.weight)
+    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_swiglu_is_gated_silu_and_an_ungated_mlp_is_not_gated():
+    a = MLP(8, 12, key=jax.random.key(0), activation="swiglu")
+    b = MLP(8, 12, key=jax.random.key(0), activation="silu", gated=True)
+    assert (a.activation, a.gated) == (b.activation, b.gated) == ("silu", True)
+    assert eqx.tree_equal(a, b)
+    plain = MLP(8, 12, key=jax.random.key(0), activation="silu")
+    assert not plain.gated and plain.up.weight.shape == (8, 12)
+    with pytest.raises(ValueError, match="gated must be True or False"):
+        MLP(8, 12, key=jax.random.key(0), gated=1)  # type: ignore[arg-type]
+
+
 def test_causal_mask_is_lower_triangular():
     mask = np.asarray(causal_mask(4))
     assert mask.dtype == bool

@@ -181,6 +181,48 @@ def test_a_wheel_in_a_fresh_environment_trains_and_samples_from_any_folder(insta
     )
 
 
+@pytest.mark.slow
+def test_a_fresh_project_trains_its_own_decoder_from_the_wheel_and_passes_pyright(installed_wheel, tmp_path):
+    """Issue 57's check: a project of one's own holding the GUIDE's `mydec.py` (a RoPE + SwiGLU
+    decoder of public parts) trains it with `python -m eqx_gpt train --model mydec:make_decoder`,
+    samples it, and its code (the model, `apply_lora` on it) passes pyright against the wheel."""
+    _, python = installed_wheel
+    work, env = tmp_path / "project", _user_env()
+    work.mkdir()
+    text = (ROOT / "docs" / "GUIDE.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Your own model, end to end\n") :]
+    (work / "mydec.py").write_text(python_blocks(section)[0], encoding="utf-8")
+    (work / "use.py").write_text(
+        "import jax\nfrom eqx_gpt import LanguageModel, LoRALinear, apply_lora\n"
+        "from mydec import MyDecoder, make_decoder\n\n"
+        "model: LanguageModel = make_decoder(65, key=jax.random.key(0))\n"
+        "adapted: MyDecoder = apply_lora(make_decoder(65, key=jax.random.key(0)), 4, key=jax.random.key(1))\n"
+        "assert isinstance(adapted.blocks[0].attn.qkv, LoRALinear)\n",
+        encoding="utf-8",
+    )
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(python), *args], cwd=work, env=env, capture_output=True, text=True, timeout=600
+        )
+
+    trained = command("-m", "eqx_gpt", "train", "--model", "mydec:make_decoder", "--max-steps", "20",
+                      "--max-minutes", "0", "--batch-size", "8", "--eval-interval", "10",
+                      "--eval-tokens", "2048", "--sample-tokens", "0", "--out-dir", "run")  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "a MyDecoder (--model mydec:make_decoder)" in trained.stdout
+    sampled = command(
+        "-m", "eqx_gpt", "sample", "--checkpoint", "run", "--prompt", "ROMEO:", "--max-new-tokens", "9"
+    )
+    assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr[-3000:]
+    assert command("use.py").returncode == 0
+    (work / "pyrightconfig.json").write_text(json.dumps({"typeCheckingMode": "standard"}), encoding="utf-8")
+    pyright = Path(sys.executable).with_name("pyright")
+    proc = subprocess.run([str(pyright), "--pythonpath", str(python), "mydec.py", "use.py"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "0 errors" in proc.stdout, proc.stdout[-3000:]
+
+
 # What the docs' Python imports beside eqx_gpt and its dependencies: the client of `eqx-gpt serve`.
 DOC_CLIENTS = ("openai",)
 

@@ -90,12 +90,13 @@ def _evaluate(args) -> int:
     from eqx_gpt.checkpoint import load_model
     from eqx_gpt.evaluation import Shown, evaluate_text
     from eqx_gpt.model.gpt import GPT
+    from eqx_gpt.model.language_model import ModelShape
     from eqx_gpt.tokenizer import UnknownCharacters
     from eqx_gpt.training.data import load_text
 
-    model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")
-    assert isinstance(model, GPT) and tokenizer is not None  # kind="GPT" refuses anything else
-    context = model.config.context_length
+    model, tokenizer, meta = load_model(args.checkpoint, kind="LanguageModel")
+    model_config = model.config if isinstance(model, GPT) else ModelShape.of(model)
+    context = model.context_length
     if args.stride is not None and args.stride > context:
         raise ConfigError(
             f"--stride {args.stride} is over the model's context_length {context}; pass at most that"
@@ -113,7 +114,7 @@ def _evaluate(args) -> int:
         return _evaluate_split(model, tokenizer, meta, args)
     corpus = _run_corpus(meta, tokenizer, args.data)
     try:
-        plan, covers = _plan(meta, len(corpus.val), model.config, args)
+        plan, covers = _plan(meta, len(corpus.val), model_config, args)
         label = "evaluating the whole split" if args.whole_split else "evaluating"
         result = _evaluate_plan(model, corpus.val, plan, Shown(_progress(), label))
     finally:
@@ -202,7 +203,7 @@ def _evaluate_split(model, tokenizer, meta: dict, args) -> int:
         check_identity=lambda sha: None, log=print, progress=_progress(),
     )  # fmt: skip
     try:
-        context = model.config.context_length
+        context = model.context_length
         plan = plan_whole(len(corpus.tokens), context, args.stride or max(1, context // 2))
         result = _evaluate_plan(
             model, corpus.tokens, plan, Shown(_progress(), f"evaluating split {args.split}")

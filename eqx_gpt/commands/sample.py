@@ -125,6 +125,7 @@ def _sample(args) -> int:
     import jax
 
     from eqx_gpt.checkpoint import load_model
+    from eqx_gpt.generation.decoder import check_decoder
     from eqx_gpt.generation.generate import stream_text
     from eqx_gpt.model.gpt import GPT
     from eqx_gpt.tokenizer import UnknownCharacters
@@ -132,8 +133,15 @@ def _sample(args) -> int:
     options = _sampling_options(args)
     _check_picture_paths(args)
     prompt = _read_prompt(args)
-    model, tokenizer, _ = load_model(args.checkpoint, kind="GPT")
-    assert isinstance(model, GPT) and tokenizer is not None  # kind="GPT" refuses anything else
+    model, tokenizer, _ = load_model(args.checkpoint, kind="LanguageModel")
+    try:
+        check_decoder(model)  # a model of one's own samples if it has a KV cache (eqx_gpt.Decoder)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+    pictures = [flag for flag, given in (("--attention-png", args.attention_png),
+                                         ("--positions-png", args.positions_png)) if given]  # fmt: skip
+    if pictures and not isinstance(model, GPT):
+        raise ConfigError(f"{pictures[0]} draws a GPT's, and this is a {type(model).__name__}; leave it out")
     if args.positions_png and model.config.positions != "sinusoidal":
         raise ConfigError(
             f"--positions-png draws the sinusoidal table, and this model has {model.config.positions} "

@@ -124,10 +124,16 @@ def _serve(args, prog: str) -> int:
     if args.api_key is not None and not (args.api_key.strip() and args.api_key.isprintable()):
         raise ConfigError(f"--api-key (or ${API_KEY_VARIABLE}) must be printable characters, not blank")
     from eqx_gpt.checkpoint import load_model
+    from eqx_gpt.generation.decoder import check_decoder
     from eqx_gpt.serve.api import create_app
     from eqx_gpt.serve.http_server import Limits, serve
 
-    model, tokenizer, meta = load_model(args.checkpoint, kind="GPT")
+    # A GPT, or a run of a model of one's own (rebuilt by the function its run records) that decodes.
+    model, tokenizer, meta = load_model(args.checkpoint, kind="LanguageModel")
+    try:
+        check_decoder(model)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
     name = args.name or args.checkpoint.resolve().name
     app = create_app(
         model, tokenizer, meta=meta, name=name, slots=args.slots, queue_size=args.queue,

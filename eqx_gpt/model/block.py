@@ -13,13 +13,13 @@ from eqx_gpt.model.mlp import MLP
 from eqx_gpt.model.norm import LayerNorm, RMSNorm, make_norm
 from eqx_gpt.streams import split_key
 
-# A block's projections by the names of Hugging Face GPT-2's modules: GPT-2's tensor names
-# (`eqx_gpt.gpt2`) and LoRA's targets (PEFT's names) both find the `Linear`s through this table.
+# A block's projections: the names of Hugging Face GPT-2's modules, and the `Block`'s paths to the
+# `Linear`s they are. GPT-2's tensor names (`eqx_gpt.gpt2`) and LoRA's PEFT names translate through it.
 GPT2_PROJECTIONS = {
-    "attn.c_attn": lambda b: b.attn.qkv,
-    "attn.c_proj": lambda b: b.attn.out,
-    "mlp.c_fc": lambda b: b.mlp.up,
-    "mlp.c_proj": lambda b: b.mlp.down,
+    "attn.c_attn": "attn.qkv",
+    "attn.c_proj": "attn.out",
+    "mlp.c_fc": "mlp.up",
+    "mlp.c_proj": "mlp.down",
 }
 
 

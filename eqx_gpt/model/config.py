@@ -12,7 +12,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 NORM_KINDS = ("rms", "layer")
 NORM_POSITIONS = ("pre", "post")
 POSITION_KINDS = ("sinusoidal", "learned", "rope")
-ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu", "relu2")
+ACTIVATION_KINDS = ("gelu_tanh", "gelu", "relu", "relu2", "silu", "swiglu", "geglu")
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,8 @@ class GPTConfig(DictConfig):
         vectors unscaled, as GPT-2 does.
     bias: biases in every projection (attention and MLP), as GPT-2 has; LayerNorm has its own.
     activation: the MLP's non-linearity: "gelu_tanh" (the default, GPT-2's), "gelu" (exact), "relu"
-        (the paper's) or "relu2" (relu squared, the speedruns').
+        (the paper's), "relu2" (relu squared, the speedruns'), "silu"; or a gated MLP, "swiglu"
+        (Llama's) or "geglu", whose `up` is twice d_hidden wide (see `MLP`).
     tie_embeddings: the head is the token embedding, transposed (GPT-2's weight tying).
     zero_init: the projections that write into the residual stream (attention out, MLP out) and the
         head start at zero, so every block starts as the identity and the first logits are uniform
@@ -79,7 +80,8 @@ class GPTConfig(DictConfig):
     )
     bias: bool = described("biases in every projection (GPT-2's)", default=False)
     activation: str = described(
-        "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2'",
+        "the MLP's non-linearity: 'gelu_tanh' (GPT-2's), 'gelu', 'relu' (the paper's), 'relu2', 'silu'; "
+        "gated: 'swiglu' (Llama's), 'geglu'",
         default="gelu_tanh",
         choices=ACTIVATION_KINDS,
     )

@@ -12,6 +12,9 @@ model; scale `alpha / r`; dropout, in training, on the adapter's input alone,
 """
 
 import math
+import re
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import equinox as eqx
 import jax
@@ -23,37 +26,52 @@ from eqx_gpt.errors import ConfigError
 from eqx_gpt.model.block import GPT2_PROJECTIONS
 from eqx_gpt.model.dropout import dropout as drop_out
 from eqx_gpt.model.dropout import dropout_active
+from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.linear import Linear, linear
 
-# The projections of a GPT block LoRA can adapt: all of them, by GPT-2's module names (what PEFT's
-# `target_modules` and tensor names use).
-LORA_MODULES = GPT2_PROJECTIONS
-# Every name a target may be given as: PEFT's (a suffix of the module's name, so `c_proj` is both
-# attention's output projection and the MLP's down projection) and eqx_gpt's attribute paths.
-TARGET_NAMES = {
-    "c_attn": ("attn.c_attn",),
-    "c_proj": ("attn.c_proj", "mlp.c_proj"),
-    "c_fc": ("mlp.c_fc",),
-    **{name: (name,) for name in LORA_MODULES},
-    "attn.qkv": ("attn.c_attn",),
-    "attn.out": ("attn.c_proj",),
-    "mlp.up": ("mlp.c_fc",),
-    "mlp.down": ("mlp.c_proj",),
-}
-DEFAULT_TARGETS = "c_attn"  # PEFT's default for GPT-2
+Model = TypeVar("Model")
+# What `apply_lora` adapts: module names (a comma list or a list), a regex over module paths, a type
+# of `Linear`, a predicate `(path, linear) -> bool`, or None for the default (see `apply_lora`).
+LoRATargets = str | Sequence[str] | re.Pattern[str] | type[Linear] | Callable[[str, Linear], bool] | None
+
+# The projections of a GPT block LoRA can adapt, by GPT-2's module names (what PEFT's
+# `target_modules` and tensor names use), in a block's order.
+LORA_MODULES = tuple(GPT2_PROJECTIONS)
+# PEFT's GPT-2 names as the eqx_gpt path suffixes they stand for: a PEFT name is a suffix of the
+# module's name, so `c_proj` is both attention's output projection and the MLP's down projection.
+GPT2_NAMES: dict[str, tuple[str, ...]] = {
+    **{gpt2: (ours,) for gpt2, ours in GPT2_PROJECTIONS.items()},
+    **{short: tuple(ours for gpt2, ours in GPT2_PROJECTIONS.items() if gpt2.endswith("." + short))
+       for short in ("c_attn", "c_proj", "c_fc")},
+}  # fmt: skip
+DEFAULT_TARGETS = "c_attn"  # PEFT's default for GPT-2, a GPT's default
 
 
-def lora_modules(targets: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """The `LORA_MODULES` names that `targets` (a comma list, or a list, of `TARGET_NAMES`) cover,
-    in `LORA_MODULES`'s order; an unknown or empty target is a one-line `ConfigError`."""
+def target_names(targets: str | Sequence[str]) -> list[str]:
+    """The names of a comma list (or a list) of LoRA targets, stripped; none, or an empty name, is a
+    one-line `ConfigError`."""
     names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets)
-    unknown = [t for t in names if t not in TARGET_NAMES]
-    if unknown or not names:
+    if not names or not all(isinstance(t, str) and t.strip() for t in names):
         raise ConfigError(
-            f"unknown LoRA target {(unknown or [''])[0]!r}; targets are PEFT's GPT-2 names c_attn, c_proj "
-            f"(attention's and the MLP's), c_fc, or eqx_gpt's attn.qkv, attn.out, mlp.up, mlp.down"
+            f"LoRA targets must name at least one module, got {targets!r}; pass names such as "
+            f"'c_attn' (PEFT's GPT-2 names), 'attn.qkv,mlp.up' (a module path's end) or leave the default"
         )
-    covered = {m for t in names for m in TARGET_NAMES[t]}
+    return [t.strip() for t in names]
+
+
+def lora_modules(targets: str | Sequence[str]) -> tuple[str, ...]:
+    """The GPT-2 module names (`LORA_MODULES`) that `targets` (GPT-2's or eqx_gpt's names of a GPT
+    block's projections) cover, in a block's order; any other name is a one-line `ConfigError`.
+    What a PEFT adapter folder's `target_modules` are compared and written as."""
+    names = target_names(targets)
+    ours = {v: k for k, v in GPT2_PROJECTIONS.items()}
+    covered = {ours[s] for t in names for s in GPT2_NAMES.get(t, (t,) if t in ours else ())}
+    unknown = [t for t in names if t not in GPT2_NAMES and t not in ours]
+    if unknown:
+        raise ConfigError(
+            f"unknown LoRA target {unknown[0]!r} for a GPT; its targets are PEFT's GPT-2 names c_attn, "
+            f"c_proj (attention's and the MLP's), c_fc, or eqx_gpt's attn.qkv, attn.out, mlp.up, mlp.down"
+        )
     return tuple(m for m in LORA_MODULES if m in covered)
 
 
@@ -158,45 +176,124 @@ def _is_linear(node) -> bool:
     return isinstance(node, Linear)
 
 
-def _block_linears(model, modules: tuple[str, ...]):
-    """`where` for `eqx.tree_at`: the chosen projections of every block of a GPT (its stacked
-    layers, or each of a tuple of them)."""
+def _path(key_path) -> str:
+    return jax.tree_util.keystr(key_path, simple=True, separator=".")
 
-    def where(m):
-        layers = m.blocks.layers
-        blocks = layers if isinstance(layers, tuple) else (layers,)
-        return [LORA_MODULES[name](b) for b in blocks for name in modules]
 
-    return where
+def named_linears(model: PyTree) -> dict[str, Linear]:
+    """Every `Linear` of `model` by its path, the fields and indices that reach it joined by dots
+    (`blocks.layers.attn.qkv` in a `GPT`, whose stacked layers hold one `Linear` per projection;
+    `blocks.0.mlp.up` in a tuple of blocks): the names LoRA's targets match."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_linear)
+    return {_path(path): node for path, node in flat if isinstance(node, Linear)}
+
+
+def _other_linears(model: PyTree) -> list[str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, eqx.nn.Linear))
+    return [_path(path) for path, node in flat if isinstance(node, eqx.nn.Linear)]
+
+
+def _named(paths: Sequence[str], names: list[str], kind: str) -> list[str]:
+    """The paths a list of names chooses: a path that is a name or ends with "." + name (PEFT's
+    rule); a GPT-2 name stands for the eqx_gpt names it is (`GPT2_NAMES`). A name that chooses
+    nothing is a one-line `ConfigError` listing the paths there are."""
+    chosen = []
+    for name in names:
+        suffixes = GPT2_NAMES.get(name, (name,))
+        found = [p for p in paths if any(p == s or p.endswith("." + s) for s in suffixes)]
+        if not found:
+            shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
+            raise ConfigError(
+                f"unknown LoRA target {name!r}: no Linear of the {kind} has that name or a path ending "
+                f"in '.{name}'; its Linears are {shown}"
+            )
+        chosen += found
+    return [p for p in paths if p in chosen]
+
+
+def lora_target_paths(model: PyTree, targets: LoRATargets = None) -> list[str]:
+    """The paths (`named_linears`) of the `Linear`s `apply_lora(model, ..., targets=targets)`
+    adapts, in the model's order. One-line `ConfigError`s: a model with no `Linear`, a name that
+    matches none, targets that choose nothing, a model that already holds adapters."""
+    kind = type(model).__name__
+    linears = named_linears(model)
+    if not linears:
+        others = _other_linears(model)
+        hint = (
+            f"; its eqx.nn.Linear ({', '.join(others[:4])}) are not: build them as eqx_gpt.Linear"
+            if others
+            else ""
+        )
+        raise ConfigError(f"apply_lora: the {kind} holds no eqx_gpt.Linear to adapt{hint}")
+    adapted = [p for p, m in linears.items() if isinstance(m, LoRALinear)]
+    if adapted:
+        raise ConfigError(
+            f"apply_lora: the {kind} already holds LoRA adapters (at {adapted[0]}); adapt the base, or "
+            f"merge_lora(model) first to adapt the merged weights"
+        )
+    paths = list(linears)
+    if targets is None:
+        targets = DEFAULT_TARGETS if isinstance(model, GPT) else Linear
+    if isinstance(targets, re.Pattern):
+        chosen = [p for p in paths if targets.fullmatch(p)]
+    elif isinstance(targets, type):
+        chosen = [p for p, m in linears.items() if isinstance(m, targets)]
+    elif isinstance(targets, str) or isinstance(targets, Sequence):
+        chosen = _named(paths, target_names(targets), kind)
+    else:
+        chosen = [p for p, m in linears.items() if targets(p, m)]
+    if not chosen:
+        raise ConfigError(
+            f"apply_lora: targets {targets!r} choose none of the {kind}'s Linears ({', '.join(paths[:12])})"
+        )
+    return chosen
 
 
 def apply_lora(
-    model,
+    model: Model,
     rank: int,
     *,
     alpha: float = 16.0,
-    targets: str | list[str] = DEFAULT_TARGETS,
+    targets: LoRATargets = None,
     dropout: float = 0.0,
     key: PRNGKeyArray,
-):
-    """`model` (a `GPT`) with the projections `targets` names (see `TARGET_NAMES`: PEFT's GPT-2
-    names `c_attn`, `c_proj`, `c_fc`, or eqx_gpt's `attn.qkv`, `attn.out`, `mlp.up`, `mlp.down`)
-    of every block replaced by `LoRALinear`s of `rank`, scale `alpha / rank`, their A drawn from
-    `key` (one key per projection), their B zero: the model computes what it did. `dropout` is
-    PEFT's `lora_dropout`, on the adapters' input in training mode. Train with
-    `lora_trainable(model)` as the filter spec; `merge_lora` folds the adapters in."""
-    modules = lora_modules(targets)
-    check_lora(rank, alpha, dropout, model.config.d_model)
-    where = _block_linears(model, modules)
-    found = where(model)
-    keys = jax.random.split(key, len(found))
+) -> Model:
+    """`model` (any Equinox model) with the `Linear`s `targets` chooses replaced by `LoRALinear`s of
+    `rank`, scale `alpha / rank`, their A drawn from `key` (one key per projection), their B zero:
+    the model computes what it did, and is of its type still.
+
+    `targets` chooses, as PEFT's `target_modules` and Levanter's `LoraConfig` do (the paths are
+    `named_linears(model)`'s, such as `blocks.layers.attn.qkv`):
+    - names (a comma list or a list): every `Linear` whose path is the name or ends with "." + the
+      name (`"qkv"`, `"attn.out"`, `"mlp.up,mlp.down"`); PEFT's GPT-2 names `c_attn`, `c_proj`,
+      `c_fc` stand for `attn.qkv`, `attn.out` and `mlp.down`, `mlp.up`;
+    - a compiled regex (`re.compile(r".*attn[.](qkv|out)")`): every path it matches whole;
+    - a type (`Linear`, or a subclass of your own): every `Linear` of that type;
+    - a predicate `(path, linear) -> bool`;
+    - None (the default): PEFT's GPT-2 default `c_attn` on a `GPT`, every `Linear` on any other model.
+    A model with no `Linear`, one that already holds adapters, or targets that choose nothing are a
+    one-line `ConfigError`. `dropout` is PEFT's `lora_dropout`, on the adapters' input in training
+    mode. Train with `lora_trainable(model)` as the filter spec; `merge_lora` folds the adapters in."""
+    paths = lora_target_paths(model, targets)
+    linears = named_linears(model)
+    width = min(min(linears[p].in_features, linears[p].out_features) for p in paths)
+    check_lora(rank, alpha, dropout, width)
+    keys = jax.random.split(key, len(paths))
+
+    def where(m):
+        found = named_linears(m)
+        return [found[p] for p in paths]
+
     adapted = [
-        LoRALinear(lin, rank, alpha=alpha, dropout=dropout, key=k) for lin, k in zip(found, keys, strict=True)
+        LoRALinear(linears[p], rank, alpha=alpha, dropout=dropout, key=k)
+        for p, k in zip(paths, keys, strict=True)
     ]
     return eqx.tree_at(where, model, adapted)
 
 
-def lora_template(model, rank: int, *, alpha: float, targets: str | list[str], dropout: float = 0.0):
+def lora_template(
+    model: Model, rank: int, *, alpha: float, targets: LoRATargets, dropout: float = 0.0
+) -> Model:
     """`apply_lora` on shapes only (`model` may itself be a template): what a checkpoint of a LoRA
     run is read into."""
     return eqx.filter_eval_shape(
@@ -218,6 +315,18 @@ def lora_options(train_config: dict) -> dict | None:
         "targets": targets,
         "dropout": train_config.get("lora_dropout", 0.0),
     }
+
+
+def lora_record(model: PyTree) -> dict | None:
+    """`apply_lora`'s `rank`, `alpha`, `dropout` and `targets` (the adapted paths) that rebuild
+    `model`'s adapters on its base (`lora_template`), as a checkpoint of a model of one's own records
+    them; None for a model without adapters."""
+    adapted = {p: m for p, m in named_linears(model).items() if isinstance(m, LoRALinear)}
+    if not adapted:
+        return None
+    first = next(iter(adapted.values()))
+    return {"rank": first.rank, "alpha": first.scale * first.rank, "dropout": first.dropout,
+            "targets": list(adapted)}  # fmt: skip
 
 
 def has_lora(model: PyTree) -> bool:
@@ -244,7 +353,8 @@ def trainable_filter(model: PyTree) -> PyTree:
     return lora_trainable(model) if has_lora(model) else eqx.is_inexact_array
 
 
-def merge_lora(model: PyTree) -> PyTree:
+def merge_lora(model: Model) -> Model:
     """`model` with every `LoRALinear` folded into the plain `Linear` it computes
-    (`weight + alpha / r * A @ B`): a GPT of the base's structure, exact to float32 rounding."""
+    (`weight + alpha / r * A @ B`): a model of the base's type and structure, exact to float32
+    rounding."""
     return jax.tree.map(lambda n: n.merged() if isinstance(n, LoRALinear) else n, model, is_leaf=_is_linear)

@@ -33,6 +33,7 @@ import optax
 from jaxtyping import Array, Float, Int, Key
 
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel
 
 LOGITS_AT_ONCE = 1 << 22  # a loss over more logits than this (16 MiB of float32) is chunked
 BLOCK_LOGITS = 1 << 20  # logits per block, about (4 MiB of float32): a block stays in the cache
@@ -213,7 +214,7 @@ def chunks_pay(
 
 
 def next_token_loss(
-    model: GPT,
+    model: LanguageModel,
     inputs: Int[Array, "batch seq"],
     targets: Int[Array, "batch seq"],
     weight: Float[Array, "batch seq"] | None = None,
@@ -226,12 +227,14 @@ def next_token_loss(
     says the loss will be differentiated (training), which changes only how it is computed.
 
     Plain (`model(inputs)`, then optax's cross-entropy) while `chunks_pay` is false, as for every
-    character vocabulary at the presets' batch sizes; else `chunked_cross_entropy` on
-    `model.features(inputs)`, equal to float rounding."""
-    c = model.config
-    if not chunks_pay(targets.size, c.padded_vocab_size, c.d_model, gradient=gradient):
+    character vocabulary at the presets' batch sizes, and for every model but a `GPT`; else
+    `chunked_cross_entropy` on `model.features(inputs)`, equal to float rounding."""
+    if not isinstance(model, GPT) or not chunks_pay(
+        targets.size, model.config.padded_vocab_size, model.config.d_model, gradient=gradient
+    ):
         losses = optax.losses.softmax_cross_entropy_with_integer_labels(model(inputs, key=key), targets)
         return losses.mean() if weight is None else jnp.sum(losses * weight)
+    c = model.config
     total = chunked_cross_entropy(
         model.features(inputs, key=key), model.head_weight, targets, weight,
         vocab_size=c.vocab_size, logit_softcap=c.logit_softcap,

@@ -39,25 +39,26 @@ def _gelu_backward(x, grad):
 gelu.defvjp(_gelu_forward, _gelu_backward)
 
 # The MLP's non-linearity by name: "gelu_tanh" (GPT-2's, and the default), "gelu" (the exact,
-# erf-based GELU of BERT and PyTorch's default), "relu" (the paper's) and "relu2" (relu squared:
-# modded-nanogpt's and nanochat's, sparse like relu with a smooth kink).
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = dict(
-    zip(
-        ACTIVATION_KINDS,
-        (
-            gelu,
-            lambda x: jax.nn.gelu(x, approximate=False),
-            jax.nn.relu,
-            lambda x: jnp.square(jax.nn.relu(x)),
-        ),
-        strict=True,
-    )
-)
+# erf-based GELU of BERT and PyTorch's default), "relu" (the paper's), "relu2" (relu squared:
+# modded-nanogpt's and nanochat's, sparse like relu with a smooth kink) and "silu" (x * sigmoid(x),
+# SwiGLU's gate).
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu_tanh": gelu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "silu": jax.nn.silu,
+}
+# The gated MLPs by name (Shazeer 2020, "GLU Variants Improve Transformer"), each the activation
+# of its gate: SwiGLU (Llama's, Mistral's) and GeGLU (T5 v1.1's and Gemma's, with GELU's tanh form).
+GATED_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_tanh"}
+assert (*ACTIVATIONS, *GATED_ACTIVATIONS) == ACTIVATION_KINDS, "config.ACTIVATION_KINDS names them all"
 
 
 class MLP(eqx.Module):
     """`down(act(up(x)))`, two `Linear`s around a non-linearity, applied to every position
-    independently.
+    independently; gated (`gated=True`, or `activation="swiglu"` / `"geglu"`), `down(act(gate) *
+    value)` with `gate, value` the two halves of `up(x)`.
 
     Not `eqx.nn.MLP`: this is the transformer's two-layer feed-forward network, built from
     `(d_model, d_hidden)` (no `depth`, `in_size`/`out_size` or activation function argument), and
@@ -67,15 +68,25 @@ class MLP(eqx.Module):
     `up` maps `d_model -> d_hidden`, `down` maps back; each is a `Linear`, one matrix multiply for
     a whole sequence (or batch of sequences). Biases are optional (`bias=True`, GPT-2's; zeros at
     first): by default there are none, since the norm before the MLP makes them nearly redundant.
-    `activation` names the non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu", "relu"
-    or "relu2", relu squared). Weights start as N(0, init_std^2).
+    `activation` names the non-linearity (`ACTIVATIONS`: "gelu_tanh", the default, "gelu", "relu",
+    "relu2", relu squared, or "silu"). Weights start as N(0, init_std^2).
+
+    Gated (a GLU): "swiglu" is `gated=True` with "silu" (Llama's MLP), "geglu" is `gated=True` with
+    "gelu_tanh"; any activation may be gated. The gate and the value are one matrix multiply:
+    `up` maps `d_model -> 2 * d_hidden`, its first `d_hidden` output columns the gate (through the
+    activation), the last `d_hidden` the value they scale; `down` maps `d_hidden -> d_model`. (A
+    Llama checkpoint's `gate_proj` and `up_proj`, transposed to `(in, out)` and concatenated in
+    that order, are `up.weight`.) Parameters: `3 * d_model * d_hidden` (plus `2 * d_hidden +
+    d_model` biases), against `2 * d_model * d_hidden` ungated; Llama keeps the count of a plain
+    `4 * d_model` MLP with `d_hidden = 8 * d_model / 3`.
     """
 
-    up: Linear  # d_model -> d_hidden
+    up: Linear  # d_model -> d_hidden, or d_model -> 2 * d_hidden (gate, value) when gated
     down: Linear  # d_hidden -> d_model
     d_model: int = eqx.field(static=True)
     d_hidden: int = eqx.field(static=True)
-    activation: str = eqx.field(static=True)
+    activation: str = eqx.field(static=True)  # the non-linearity, a key of ACTIVATIONS
+    gated: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -86,16 +97,22 @@ class MLP(eqx.Module):
         init_std: float = 0.02,
         bias: bool = False,
         activation: str = "gelu_tanh",
+        gated: bool = False,
     ):
         check_size(d_model, "MLP: d_model")
         check_size(d_hidden, "MLP: d_hidden")
         if not isinstance(init_std, int | float) or not 0 <= init_std < math.inf:
             raise ValueError(f"MLP: init_std must be a finite number >= 0, got {init_std!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"MLP activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        if activation not in ACTIVATION_KINDS:
+            raise ValueError(f"MLP activation must be one of {ACTIVATION_KINDS}, got {activation!r}")
+        if not isinstance(gated, bool):
+            raise ValueError(f"MLP: gated must be True or False, got {gated!r}")
         k_in, k_out = jax.random.split(key)
-        self.d_model, self.d_hidden, self.activation = d_model, d_hidden, activation
-        self.up = Linear(d_model, d_hidden, key=k_in, use_bias=bias, init_std=init_std)
+        self.gated = gated or activation in GATED_ACTIVATIONS
+        self.activation = GATED_ACTIVATIONS.get(activation, activation)
+        self.d_model, self.d_hidden = d_model, d_hidden
+        up_width = 2 * d_hidden if self.gated else d_hidden
+        self.up = Linear(d_model, up_width, key=k_in, use_bias=bias, init_std=init_std)
         self.down = Linear(d_hidden, d_model, key=k_out, use_bias=bias, init_std=init_std)
 
     @typechecked
@@ -112,5 +129,11 @@ class MLP(eqx.Module):
         its projections, for those that drop out (`LoRALinear`)."""
         check_last_dim(x, self.d_model, "MLP", "d_model")
         k_up, k_down = projection_keys(key, x.shape[:-2], 2)
-        hidden = ACTIVATIONS[self.activation](self.up(x, key=k_up, inference=inference))
+        act = ACTIVATIONS[self.activation]
+        up = self.up(x, key=k_up, inference=inference)
+        if self.gated:
+            gate, value = jnp.split(up, 2, axis=-1)
+            hidden = act(gate) * value
+        else:
+            hidden = act(up)
         return self.down(hidden, key=k_down, inference=inference)

@@ -47,10 +47,12 @@ import numpy as np
 from jaxtyping import PyTree
 
 from eqx_gpt.errors import EqxGptError, TrainingError
+from eqx_gpt.generation.decoder import MEMBERS as DECODER_MEMBERS
+from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.config import GPTConfig
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel, ModelShape
 from eqx_gpt.tokenizer import Tokenizer, TokenizerError
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.records import RESERVED_KEYS, EvaluationRecord, Record, StepRecord, TrainResult
@@ -76,11 +78,11 @@ class RunView:
     """
 
     step: int
-    model: GPT
+    model: LanguageModel  # a `GPT`, or a model of one's own
     opt_state: PyTree
     out_dir: Path
     config: TrainConfig
-    model_config: GPTConfig
+    model_config: GPTConfig | ModelShape  # a model of one's own records its sizes alone
     tokenizer: Tokenizer
     preset: str | None
     n_params: int
@@ -255,8 +257,15 @@ class SampleText(Callback):
         self.samples: list[tuple[int, str]] = []
 
     def on_evaluation(self, record: EvaluationRecord, run: RunView) -> None:
+        model: Any = run.model
+        missing = [name for name in DECODER_MEMBERS if not hasattr(model, name)]
+        if missing:  # a model of one's own without a cache cannot be sampled from
+            run.say(
+                f"SampleText: the {type(model).__name__} is not a Decoder (it lacks {', '.join(missing)})"
+            )
+            return
         text = sample_text(
-            run.model, run.tokenizer, self.tokens, seed=run.config.seed, temperature=self.temperature,
+            model, run.tokenizer, self.tokens, seed=run.config.seed, temperature=self.temperature,
             prompt=self.prompt,
         )  # fmt: skip
         self.samples.append((record.step, text))
@@ -264,7 +273,7 @@ class SampleText(Callback):
 
 
 def sample_text(
-    model: GPT,
+    model: Decoder,
     tokenizer: Tokenizer,
     n_tokens: int,
     *,

@@ -17,7 +17,7 @@ from typing import ClassVar
 from eqx_gpt._checks import INT32_MAX, SEED_MAX, is_whole
 from eqx_gpt.configs import DictConfig, check_fields, described, fields_of_kind, kind
 from eqx_gpt.errors import ConfigError
-from eqx_gpt.model.lora import check_lora, lora_modules
+from eqx_gpt.model.lora import check_lora, target_names
 
 TOKENIZERS = ("char", "gpt2")
 OPTIMIZERS = ("adamw", "muon")
@@ -60,6 +60,14 @@ class TrainConfig(DictConfig):
         choices=TOKENIZERS,
         read_by_step=False,
     )
+    model: str | None = described(
+        "train a model of your own: MODULE:FUNCTION, called as FUNCTION(vocab_size, key=key) with the "
+        "tokenizer's vocabulary size (imported as uvicorn imports an app, the current folder first); the "
+        "model's shape is its own, so the model settings are left out; the run records it, so that "
+        "sampling, evaluation, serving and load_model rebuild the model",
+        default=None,
+        read_by_step=False,
+    )
     init_from: str | None = described(
         "fine-tune: start from the Hugging Face GPT-2 directory DIR (config.json + model.safetensors); "
         "the model's shape and the gpt2 tokenizer come from it",
@@ -87,7 +95,8 @@ class TrainConfig(DictConfig):
     )
     lora_targets: str = described(
         "the projections LoRA adapts, a comma list of PEFT's GPT-2 names (c_attn, c_proj: attention's "
-        "and the MLP's, c_fc) or eqx_gpt's (attn.qkv, attn.out, mlp.up, mlp.down)",
+        "and the MLP's, c_fc) or of eqx_gpt's module paths or their ends (attn.qkv, attn.out, mlp.up, "
+        "mlp.down; a model of your own: any of its Linears' paths, such as qkv or blocks.0.mlp.up)",
         default="c_attn",
     )
     batch_size: int = described("sequences per optimiser step", default=32, positive=True)
@@ -249,6 +258,10 @@ class TrainConfig(DictConfig):
                 raise ConfigError(
                     f"{name} must be a path (a str or a Path) or None, got {getattr(self, name)!r}"
                 )
+        if self.model is not None and (not isinstance(self.model, str) or ":" not in self.model):
+            raise ConfigError(
+                f"model must be MODULE:FUNCTION (such as mydec:make_decoder), got {self.model!r}"
+            )
         _check_corpus_fields(self.text_field, self.split)
         if self.tracker is not None and not isinstance(self.tracker, str):
             raise ConfigError(
@@ -267,7 +280,7 @@ class TrainConfig(DictConfig):
             choices = kind(_FIELDS[name], "choices")
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.init_from is not None and self.tokenizer != "gpt2":
+        if self.init_from is not None and self.model is None and self.tokenizer != "gpt2":
             raise ConfigError(
                 f"{setting('init_from', self.init_from)} starts from GPT-2, whose tokenizer is gpt2, not "
                 f"{self.tokenizer!r}; leave out {setting('tokenizer')}"
@@ -299,7 +312,8 @@ class TrainConfig(DictConfig):
         step's config leaves out `init_from` (it is not the step's to read)."""
         if not isinstance(self.lora_targets, str):
             raise ConfigError(f"lora_targets must be a comma list of names, got {self.lora_targets!r}")
-        lora_modules(self.lora_targets)  # an unknown target is refused whether or not LoRA is on
+        target_names(self.lora_targets)  # an empty one is refused whether or not LoRA is on; an unknown
+        # name is, against the model's paths, when the model is built
         if self.lora_rank is None:
             if self.lora_adapters is not None:
                 raise ConfigError(

@@ -28,7 +28,7 @@ from eqx_gpt.evaluation import (
     rows_per_call,
     summed_loss,
 )
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel
 from eqx_gpt.training.parallel import shard_batch
 from eqx_gpt.training.setup import RunSetup
 from eqx_gpt.training.time_plan import TimePlan, eval_budget
@@ -76,7 +76,11 @@ def _part(shown: Shown | None, part: str) -> Shown | None:
 
 
 def validation_loss(
-    evals: RunEvaluations, model: GPT, plan: EvalPlan, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations,
+    model: LanguageModel,
+    plan: EvalPlan,
+    stop: Callable[[], bool],
+    shown: Shown | None = None,
 ) -> Evaluation | None:
     """The loss over `plan`'s windows of the validation split; None if the run was asked to stop."""
     return evaluate_plan(
@@ -85,7 +89,7 @@ def validation_loss(
 
 
 def train_loss(
-    evals: RunEvaluations, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations, model: LanguageModel, stop: Callable[[], bool], shown: Shown | None = None
 ) -> float | None:
     """The mean loss over the run's fixed training windows (the same program as `validation_loss`)."""
     total = summed_loss(
@@ -96,7 +100,7 @@ def train_loss(
 
 
 def evaluate_run(
-    evals: RunEvaluations, model: GPT, stop: Callable[[], bool], shown: Shown | None = None
+    evals: RunEvaluations, model: LanguageModel, stop: Callable[[], bool], shown: Shown | None = None
 ) -> dict[str, float] | None:
     """A periodic evaluation's figures by name, `train_loss` then `val_loss` (the one that picks the
     best checkpoint); None if the run was asked to stop before it finished. Its progress shows on
@@ -120,7 +124,7 @@ def final_evaluations(evals: RunEvaluations) -> float:
 
 def final_validation(
     evals: RunEvaluations,
-    model: GPT,
+    model: LanguageModel,
     last_val: float,
     plan: TimePlan,
     now: float,

@@ -25,10 +25,12 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from eqx_gpt._checks import INT32_MAX, as_path, is_whole
+from eqx_gpt.checkpoint import find_checkpoint, holds_run, is_own_model, read_metadata
 from eqx_gpt.configs import fields_of_kind
 from eqx_gpt.errors import CheckpointError, ConfigError, TrainingError
 from eqx_gpt.files import resolve
@@ -104,12 +106,18 @@ class RunOptions:
     schedule_steps: int
     checkpoint: dict | None = None
     from_preset: dict = dataclasses.field(default_factory=dict)
+    instance: Any = None  # a model of the caller's own, passed to `train(model=...)`
     overrides: dict = dataclasses.field(default_factory=dict)
     cropped: dict = dataclasses.field(default_factory=dict)
     trackers: tuple[str, ...] = dataclasses.field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "trackers", self.train.trackers)
+
+    @property
+    def own_model(self) -> bool:
+        """Whether the run trains a model of the caller's own (passed, or `--model`), not a `GPT`."""
+        return self.instance is not None or self.train.model is not None
 
     def explain(self, message: str) -> str:
         """`message` about an invalid value, saying which of the values it names the preset set, so
@@ -143,8 +151,9 @@ def given_settings(config: TrainConfig | None, model: GPTConfig | None, options:
     return {**settings, **options}
 
 
-def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOptions:
-    """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`."""
+def resolve_options(settings: dict, checkpoint: dict | None = None, *, instance: Any = None) -> RunOptions:
+    """The settings of a run: fresh, or resuming the checkpoint whose metadata is `checkpoint`;
+    `instance` a model of the caller's own (`train(model=...)`), whose shape no setting may give."""
     unknown = sorted(set(settings) - {*MODEL_FIELDS, *TRAIN_FIELDS, "preset"})
     if unknown:
         raise ConfigError(f"unknown setting(s) {unknown}; settings are GPTConfig and TrainConfig fields")
@@ -153,12 +162,26 @@ def resolve_options(settings: dict, checkpoint: dict | None = None) -> RunOption
     preset = settings.get("preset", FINETUNE_PRESET if fine_tune else DEFAULT_PRESET)
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    own = instance is not None or settings.get("model") is not None
+    shape = [k for k in settings if k in MODEL_FIELDS]
+    if own and shape:
+        what = type(instance).__name__ if instance is not None else f"--model {settings['model']}"
+        raise ConfigError(
+            f"--{shape[0].replace('_', '-')} sets a GPT's shape, but the run trains {what}, whose shape "
+            f"is its own; leave the model settings out"
+        )
+    if instance is not None and settings.get("model") is not None:
+        raise ConfigError(
+            f"train() got both a model ({type(instance).__name__}) and model={settings['model']!r}; pass one"
+        )
     try:
         if checkpoint is None:
-            return _fresh(settings, preset)
-        return _resumed(settings, preset if "preset" in settings else None, checkpoint)
+            options = _fresh(settings, preset)
+        else:
+            options = _resumed(settings, preset if "preset" in settings else None, checkpoint)
     except (TypeError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    return dataclasses.replace(options, instance=instance) if instance is not None else options
 
 
 # Every setting's dataclass default, and the settings that name files.
@@ -208,17 +231,21 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
     values, cropped = {**preset_values(preset, gpu=gpu), **settings}, {}
     if values.get("init_from") is not None:  # recorded absolute, so the run resumes from anywhere
         values["init_from"] = str(resolved_path("init_from", values["init_from"]))
-        values.update(_from_adapters(values["init_from"], settings))
-        cropped = _cropped_context(values, settings)
-        values.update({k: new for k, (_, new) in cropped.items()})
-        if "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
+        own_run = _own_run(values["init_from"], settings)
+        values.update(own_run or _from_adapters(values["init_from"], settings))
+        if own_run is None:  # a GPT-2's context
+            cropped = _cropped_context(values, settings)
+            values.update({k: new for k, (_, new) in cropped.items()})
+        if own_run is not None:
+            from_preset.pop("tokenizer", None)
+        elif "tokenizer" not in settings:  # a fine-tune's tokenizer is GPT-2's, whatever the preset's
             values["tokenizer"] = "gpt2"
             from_preset.pop("tokenizer", None)
     # A fine-tune's shape is the GPT-2 directory's: only INIT_FROM_OPTIONS are the run's to set.
     try:
         model = ModelSettings.from_values(values)
         train = TrainConfig(**{k: values[k] for k in TRAIN_FIELDS if k in values})
-        if train.init_from is None:  # checked now, before any corpus is read (the vocabulary is its)
+        if train.init_from is None and train.model is None:  # checked now, before any corpus is read
             model.config(vocab_size=1)
     except (TypeError, ValueError) as e:
         raise ConfigError(_blame_preset(str(e), preset, from_preset)) from None
@@ -236,10 +263,17 @@ def _fresh(settings: dict, preset: str | None) -> RunOptions:
                     from_preset,
                 )
             )
-        width = read_gpt2_config(train.init_from).d_model  # the rank's bound
-        check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
+        if train.model is None:  # a GPT-2's (a model of one's own is checked when it is built)
+            width = read_gpt2_config(train.init_from).d_model  # the rank's bound
+            check_lora(train.lora_rank, train.lora_alpha, train.lora_dropout, width)
+            lora_modules(train.lora_targets)  # PEFT's names or a GPT block's
         if train.lora_adapters is not None:
             _check_adapters_match(train)
+    if settings.get("model") is not None and settings.get("init_from") is not None:
+        raise ConfigError(
+            f"--model {settings['model']} builds a fresh model and --init-from {settings['init_from']} "
+            f"starts from one; pass one of them"
+        )
     if preset == FINETUNE_PRESET and train.init_from is None:
         raise ConfigError(f"the {preset} preset fine-tunes a GPT-2; pass {setting('init_from')} DIR")
     before = preset_values(preset)
@@ -263,6 +297,27 @@ def _cropped_context(values: dict, settings: dict) -> dict:
         return {}
     wanted = values.get("context_length")
     return {"context_length": (wanted, positions)} if isinstance(wanted, int) and wanted > positions else {}
+
+
+def _own_run(init_from: str, settings: dict) -> dict | None:
+    """With `--init-from` a run of a model of one's own (`--model MODULE:FUNCTION`): the run's
+    function becomes the run's `model`, and its tokenizer kind the run's; None for any other folder.
+    A run of a model passed from Python, which the command line cannot rebuild, is one line."""
+    if not holds_run(init_from):
+        return None
+    meta = read_metadata(find_checkpoint(init_from))
+    if not is_own_model(meta):
+        raise ConfigError(
+            f"--init-from {init_from} is a run of a GPT; start from its checkpoint with --resume, or from "
+            f"a Hugging Face GPT-2 folder (export.py writes one)"
+        )
+    spec = meta["train_config"].get("model")
+    if not isinstance(spec, str):
+        raise ConfigError(
+            f"--init-from {init_from} holds a {meta['model']} passed to train() from Python, which the run "
+            f"cannot rebuild; in Python: load_model(run, like=...), then train(model=...)"
+        )
+    return {"model": spec, "tokenizer": meta["tokenizer"].get("kind", "char")}
 
 
 def _from_adapters(init_from: str, settings: dict) -> dict:
@@ -315,13 +370,14 @@ def _blame_preset(message: str, preset: str | None, from_preset: dict) -> str:
 def _check_checkpoint(checkpoint: dict) -> None:
     """Refuse a checkpoint that is not a GPT's (the encoder-decoder of examples/translate.py), or
     whose model config is not one, before anything is compared with it or read for it."""
-    if checkpoint.get("model", "GPT") != "GPT":
+    if checkpoint.get("model", "GPT") == "Transformer":
         raise ConfigError(
             f"{Path(checkpoint['path']).parent}/ holds a {checkpoint['model']} run, not a GPT's: train.py "
             f"cannot resume it; resume it with the script that trained it (examples/translate.py)"
         )
     try:
-        GPTConfig(**checkpoint["model_config"])
+        if checkpoint.get("model", "GPT") == "GPT":  # else a model of the user's own: its sizes
+            GPTConfig(**checkpoint["model_config"])
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint {checkpoint['path']} has an invalid model config: {e}") from None
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from eqx_gpt.model.gpt import GPT
 from eqx_gpt.tokenizer import Tokenizer
 
 # The keys of each kind of record in metrics.jsonl that are not its figures.
@@ -134,7 +133,9 @@ class TrainResult:
     finished. Every step's figures, logged or not, go to `Callback.on_step`.
     """
 
-    model: GPT  # the last step's weights (the best: `load_model(out_dir, kind="GPT")`)
+    # The last step's weights: a GPT, or a model of one's own (the best: `load_model(out_dir)`, with
+    # `like=` for a model passed to `train(model=...)`).
+    model: Any
     tokenizer: Tokenizer
     step: int  # optimiser steps done
     val_loss: float | None  # the final validation's loss (interrupted: the last evaluation's)

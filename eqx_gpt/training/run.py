@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -49,8 +50,10 @@ from eqx_gpt.checkpoint import (
 )
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.evaluation import Shown
+from eqx_gpt.generation.decoder import MEMBERS as DECODER_MEMBERS
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel, check_language_model
 from eqx_gpt.model.lora import has_lora
 from eqx_gpt.peft import save_run_adapters
 from eqx_gpt.streams import TRAIN_BATCHES
@@ -98,7 +101,7 @@ AUTO = (
 
 def train(
     config: TrainConfig | None = None,
-    model: GPTConfig | None = None,
+    model: GPTConfig | LanguageModel | str | None = None,
     *,
     preset: str | None = AUTO,
     out_dir: str | Path = "out",
@@ -111,7 +114,8 @@ def train(
     callbacks: Sequence[Callback | Callable] = (),
     **options: object,
 ) -> TrainResult:
-    """Train a GPT in `out_dir` and return it, its tokenizer and the run's figures.
+    """Train a GPT, or a model of your own, in `out_dir` and return it, its tokenizer and the run's
+    figures.
 
     Where each setting comes from: the dataclass defaults, then the preset, then what is passed.
     `preset` is a name of `PRESETS`, None for the defaults alone, or `AUTO` (`cpu`, or
@@ -119,7 +123,12 @@ def train(
     with, which override the preset's: `train(TrainConfig(max_steps=40))` is the `cpu` preset's
     recipe for 40 steps, as `train(max_steps=40)` is (pass `preset=None` for the dataclass defaults
     under it). `model` likewise gives the model fields it was constructed with (its `vocab_size` is
-    not read: the tokenizer's is). `options` are single settings by name, any `TrainConfig` field or
+    not read: the tokenizer's is). `model` may also be a model of your own (a `LanguageModel`, such
+    as `MyDecoder(...)`: trained as it is, with the preset's recipe; its `vocab_size` must be the
+    tokenizer's; to resume its run pass a model of its class again, the skeleton the checkpoint is
+    read into) or `"MODULE:FUNCTION"`, a function called as `FUNCTION(vocab_size, key=key)` that
+    the run records, as `train.py --model` does. A model of your own has its own shape, so model
+    settings beside it are refused. `options` are single settings by name, any `TrainConfig` field or
     `GPTConfig` field but `vocab_size`, and override both. The run's first lines name the preset
     and every setting given that changed it.
 
@@ -138,8 +147,13 @@ def train(
     """
     if config is not None and not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
-    if model is not None and not isinstance(model, GPTConfig):
-        raise TypeError(f"model must be a GPTConfig, got {type(model).__name__}")
+    instance = None
+    if isinstance(model, str):
+        options = {"model": model, **options}
+        model = None
+    elif model is not None and not isinstance(model, GPTConfig):
+        check_language_model(model, "train()'s model")  # a model of one's own, or a one-line error
+        instance, model = model, None
     unknown = sorted(set(options) - {*MODEL_FIELDS, *TRAIN_FIELDS})
     if unknown:
         raise TypeError(
@@ -152,7 +166,7 @@ def train(
         settings["preset"] = preset
     return _train(
         settings, out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
-        progress=progress, now=now, callbacks=told,
+        progress=progress, now=now, callbacks=told, instance=instance,
     )  # fmt: skip
 
 
@@ -167,9 +181,10 @@ def _train(
     progress: bool,
     now: Callable[[], float],
     callbacks: tuple[Callback, ...] = (),
+    instance: Any = None,
 ) -> TrainResult:
     """`train` with its settings by name (`options.resolve_options`): JAX started, the settings and
-    the folder checked, set up, then the run (`_run`)."""
+    the folder checked, set up, then the run (`_run`). `instance` is a model of the caller's own."""
     out_dir = check_train_arguments(
         out_dir=out_dir, resume=resume, overwrite=overwrite, sample_tokens=sample_tokens, log=log,
         progress=progress, now=now,
@@ -178,7 +193,8 @@ def _train(
     t_start = now()
     if log is print:  # a path its lines cannot print: refused now, not at the line that names it
         check_printable({"out_dir": out_dir, **{k: settings.get(k) for k in ("data", "init_from")}})
-    run_options = None if resume else resolve_options(settings)  # a fresh run's settings, checked first
+    # a fresh run's settings, checked first
+    run_options = None if resume else resolve_options(settings, instance=instance)
     # The trackers `tracker` names, made now: a missing extra is refused before anything is written.
     trackers = () if run_options is None else tracker_callbacks(run_options.trackers, callbacks)
     with RunDirLock(out_dir) as lock:
@@ -186,7 +202,7 @@ def _train(
         records = []
         if resume:  # the checkpoint's metadata, and the settings laid over it
             meta = read_metadata(resumed_checkpoint(out_dir, log))
-            run_options = resolve_options(settings, meta)
+            run_options = resolve_options(settings, meta, instance=instance)
             trackers = tracker_callbacks(run_options.trackers, callbacks)
             records = kept_records(out_dir / METRICS_NAME, meta["step"])
         assert run_options is not None
@@ -252,9 +268,13 @@ def _describe_start(run: "Run", options: RunOptions) -> None:
     """The lines a run starts with: what it trains, from which settings, how, for how long, and from where."""
     setup, report = run.setup, run.report
     c, m, preset = setup.config, setup.model_config, setup.checkpoint_meta.get("preset")
+    shape = (
+        f"{m.n_layers} layers, d_model {m.d_model}, {m.n_heads} heads" if isinstance(m, GPTConfig)
+        else f"a {type(run.state.model).__name__}" + (f" (--model {c.model})" if c.model else "")
+    )  # fmt: skip
     report.log(
-        f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {m.n_layers} layers, d_model "
-        f"{m.d_model}, {m.n_heads} heads, context {m.context_length}; batch {c.batch_size} "
+        f"model: {setup.checkpoint_meta['n_params'] / 1e6:.2f}M parameters, {shape}, context "
+        f"{m.context_length}; batch {c.batch_size} "
         f"({setup.tokens_per_step:,} tokens/step) on {setup.mesh.size} {jax.devices()[0].platform} "
         f"device{'s' if setup.mesh.size > 1 else ''}" + (f"; preset {preset}" if preset else "")
     )
@@ -427,6 +447,22 @@ def evaluate_and_save(run: Run) -> bool:
     return True
 
 
+def _sample(run: Run, sample_tokens: int) -> str | None:
+    """The run's closing sample, from its best checkpoint (else the last step's model): None, said
+    in a line, for a model of one's own that is not a `Decoder` (generation needs its cache)."""
+    setup, state = run.setup, run.state
+    missing = [name for name in DECODER_MEMBERS if not hasattr(state.model, name)]
+    if missing:
+        run.report.log(
+            f"no sample: the {type(state.model).__name__} is not a Decoder (it lacks {', '.join(missing)})"
+        )
+        return None
+    has_best = checkpoint_file(setup.out_dir, BEST).exists()
+    like = None if isinstance(state.model, GPT) else state.model
+    best: Any = load_model(setup.out_dir, like=like)[0] if has_best else state.model
+    return sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
+
+
 def fit_to_time(run: Run, *, announce: bool) -> None:
     """Refit the schedule's length to the steps that fit before `--max-minutes` runs out."""
     # Until one is timed, price an evaluation as its forward passes (a third of a step's work per
@@ -477,8 +513,9 @@ def save(run: Run, name: str) -> Path:
         schedule_steps=state.schedule_steps, **setup.checkpoint_meta,
         **({CALLBACK_STATES: states} if states else {}),
     )  # fmt: skip
-    if has_lora(state.model):  # and its adapters in PEFT's format
-        save_run_adapters(setup.out_dir, name, state.model, base=str(setup.config.init_from))
+    if has_lora(state.model):  # and its adapters: PEFT's format for a GPT, eqx_gpt's for one's own
+        base = setup.config.init_from if isinstance(state.model, GPT) else setup.config.model
+        save_run_adapters(setup.out_dir, name, state.model, base=str(base or type(state.model).__name__))
     if name == LATEST:
         state.last_saved = state.step
     return path
@@ -542,10 +579,7 @@ def finish(run: Run, sample_tokens: int) -> TrainResult:
     report.log(f"final validation: loss {final.loss:.4f} {covers} in {report.now() - t0:.1f} s")
     sample = None
     if sample_tokens > 0 and not run.stopping():
-        has_best = checkpoint_file(setup.out_dir, BEST).exists()
-        best = load_model(setup.out_dir, kind="GPT")[0] if has_best else state.model
-        assert isinstance(best, GPT)  # kind="GPT" refuses another model
-        sample = sample_text(best, setup.tokenizer, sample_tokens, seed=setup.config.seed)
+        sample = _sample(run, sample_tokens)
     report.log(
         f"done: step {state.step}, final val loss {final.loss:.4f} (periodic {val:.4f}, best "
         f"{state.best_val:.4f}) in {report.elapsed() / 60:.1f} min; checkpoints in {setup.out_dir}/"

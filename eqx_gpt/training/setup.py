@@ -15,18 +15,28 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from eqx_gpt.checkpoint import load_checkpoint, run_template
+from eqx_gpt.checkpoint import (
+    find_checkpoint,
+    load_checkpoint,
+    load_model,
+    own_template,
+    read_metadata,
+    run_template,
+)
 from eqx_gpt.configs import fields_of_kind
 from eqx_gpt.data.prepare import Corpus
 from eqx_gpt.data.shards import TokenSpan
-from eqx_gpt.errors import TrainingError
+from eqx_gpt.errors import ConfigError, TrainingError
 from eqx_gpt.gpt2 import GPT2FormatError, gpt2_identity, gpt2_tokenizer, load_gpt2, read_gpt2_config
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.factory import build_model
 from eqx_gpt.model.gpt import GPT
-from eqx_gpt.model.lora import apply_lora
+from eqx_gpt.model.language_model import ModelShape, check_language_model
+from eqx_gpt.model.lora import apply_lora, lora_record
 from eqx_gpt.peft import check_base, describe, load_adapters
 from eqx_gpt.streams import EVAL_TRAIN_BATCHES, INIT, LORA_INIT, batch_key
 from eqx_gpt.tokenizer import Tokenizer, tokenizer_from_dict
@@ -45,7 +55,7 @@ class RunSetup:
     """What a run resolved before its first step; nothing here changes while it trains."""
 
     config: TrainConfig
-    model_config: GPTConfig
+    model_config: GPTConfig | ModelShape  # a GPT's config, or the sizes of a model of one's own
     out_dir: Path
     tokenizer: Tokenizer
     train_ids: TokenSpan  # the splits' tokens, read from the shards as needed (`TokenSpan.rows`)
@@ -66,7 +76,7 @@ class RunSetup:
 class TrainState:
     """What the loop changes as a run trains; everything else about it is fixed in `RunSetup`."""
 
-    model: GPT
+    model: PyTree  # a GPT, or a model of one's own (a `LanguageModel`)
     opt_state: PyTree
     step: int  # optimiser steps done
     schedule_steps: int  # the schedule's length: the run ends here (`--max-minutes` may refit it)
@@ -113,17 +123,26 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
     try:
         wanted = _tokenizer_wanted(config, meta, model_options)
         corpus, source, config = _load_corpus(config, meta, wanted, log)
-        model_config, tokenizer = _model_config_and_tokenizer(model_options, config, corpus, meta)
+        gpt_config, tokenizer = _model_config_and_tokenizer(
+            model_options, config, corpus, meta, options.own_model
+        )
     except (GPT2FormatError, TrainingError) as e:  # a value the preset set is named as the preset's
         raise type(e)(options.explain(str(e))) from None
+    if gpt_config is None:
+        own = _own_model(options, tokenizer.vocab_size, out_dir)
+        model_config: GPTConfig | ModelShape = ModelShape.of(own)
+    else:
+        own, model_config = None, gpt_config
     for name, ids in (("train", corpus.train), ("validation", corpus.val)):
         check_split(ids, name, model_config.context_length, source)
     mesh = data_mesh()
     check_batch(mesh, config.batch_size, config.grad_accum)
     # Dropout keys for the model's dropout, or LoRA's on the adapters' input.
-    dropout = model_config.dropout > 0 or (config.lora_rank is not None and config.lora_dropout > 0)
+    # A model of one's own is always passed keys: its dropout is its own to know.
+    dropout = not isinstance(model_config, GPTConfig) or model_config.dropout > 0
+    dropout = dropout or (config.lora_rank is not None and config.lora_dropout > 0)
     optimizer, train_steps = optimizer_and_step(config, dropout=dropout)
-    state = _initial_state(options, config, model_config, optimizer, out_dir, log)
+    state = _initial_state(options, config, model_config, optimizer, out_dir, log, own)
     # Data parallelism: each batch split over the devices; parameters and optimiser state on every
     # device, or (--fsdp) split over them too.
     place = shard_parameters if config.fsdp else replicate
@@ -157,7 +176,7 @@ def set_up(options: RunOptions, out_dir: Path, *, log: Callable[[str], None]) ->
 def _lora_base(config: TrainConfig, meta: dict | None) -> dict:
     """`{"lora_base": identity}` of a LoRA run's base GPT-2 (the checkpoint's on resume, checked
     then against the folder), so that a changed base is refused; `{}` for other runs."""
-    if config.lora_rank is None or config.init_from is None:
+    if config.lora_rank is None or config.init_from is None or config.model is not None:
         return {}
     return {"lora_base": meta.get("lora_base") if meta is not None else gpt2_identity(config.init_from)}
 
@@ -172,12 +191,63 @@ def data_line(source: str, corpus: Corpus, tokenizer: Tokenizer, *, given: bool)
     )
 
 
-def _initial_state(options, config, model_config, optimizer, out_dir: Path, log) -> TrainState:
-    """The model and optimiser state to start from: fresh (or GPT-2's weights with `--init-from`),
-    or the checkpoint's, refusing a run that already finished."""
+def _own_model(options: RunOptions, vocab_size: int, out_dir: Path) -> PyTree:
+    """The model of the caller's own: the one passed to `train(model=...)` (trained as it is, or on
+    resume the skeleton its checkpoint is read into), or the one `--model`'s function builds with the
+    run's seed (on resume, as shapes). One line for a model of another vocabulary or class."""
+    meta, spec = options.checkpoint, options.train.model
+    if options.instance is not None:
+        model = options.instance
+        check_language_model(model, "train()'s model")
+        if meta is not None and meta.get("model") != type(model).__name__:
+            raise ConfigError(
+                f"the run in {out_dir}/ trained a {meta.get('model')}, not a {type(model).__name__}; "
+                f"pass the model it trained to resume it, or another --out-dir"
+            )
+        if model.vocab_size != vocab_size:
+            raise ConfigError(
+                f"the {type(model).__name__} has vocab_size {model.vocab_size}, but the tokenizer has "
+                f"{vocab_size} ids; build it with vocab_size={vocab_size} (or pass model='MODULE:FUNCTION', "
+                f"which is called with it)"
+            )
+        # A copy: the compiled steps update their inputs in place, and the caller keeps its model.
+        return jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, model)
+    if spec is None:
+        raise ConfigError(
+            f"the run in {out_dir}/ trained a {(meta or {}).get('model')} passed to train(model=...), "
+            f"which it cannot rebuild; pass that model again: train(model=..., resume=True)"
+        )
+    key = batch_key(options.train.seed, INIT, 0)
+    if meta is not None:
+        return eqx.filter_eval_shape(build_model, spec, vocab_size, key=key)
+    return build_model(spec, vocab_size, key=key)
+
+
+def _own_lora(model: PyTree, config: TrainConfig, log: Callable[[str], None]) -> PyTree:
+    """`model` (a run's model of one's own) with the LoRA adapters `--lora-rank` asks for, if any."""
+    if config.lora_rank is None:
+        return model
+    model = apply_lora(
+        model, config.lora_rank, alpha=config.lora_alpha, targets=config.lora_targets,
+        dropout=config.lora_dropout, key=batch_key(config.seed, LORA_INIT, 0),
+    )  # fmt: skip
+    record = lora_record(model) or {}
+    log(f"LoRA rank {config.lora_rank} on {', '.join(record.get('targets', []))}; the base is frozen")
+    return model
+
+
+def _initial_state(options, config, model_config, optimizer, out_dir: Path, log, own) -> TrainState:
+    """The model and optimiser state to start from: fresh (a model of one's own `own`, or GPT-2's
+    weights with `--init-from`, or a new GPT), or the checkpoint's, refusing a run that already
+    finished."""
     meta = options.checkpoint
     if meta is None:
-        if config.init_from is not None:
+        if own is not None and config.init_from is not None:  # a run of one's own model: its best
+            log(f"init: {config.init_from}/ (a run of {config.model})")
+            model = _own_lora(load_model(config.init_from, like=own)[0], config, log)
+        elif own is not None:
+            model = own
+        elif config.init_from is not None:
             log(f"init: {config.init_from}/ (Hugging Face GPT-2)")
             model = load_gpt2(config.init_from, **options.model.gpt2_options())
             if config.lora_adapters is not None:
@@ -203,9 +273,9 @@ def _initial_state(options, config, model_config, optimizer, out_dir: Path, log)
         )
     if meta.get("lora_base") is not None:
         check_base(meta["lora_base"])
-    template = run_template(model_config, config.to_dict())
+    template = own_template(meta, own) if own is not None else run_template(model_config, config.to_dict())
     opt_like = eqx.filter_eval_shape(init_optimizer_state, optimizer, template)
-    model, opt_state, _, meta = load_checkpoint(meta, opt_like)
+    model, opt_state, _, meta = load_checkpoint(meta, opt_like, like=template)
     start, schedule_steps = meta["step"], options.schedule_steps
     last_eval = saved_evaluation(meta)
     finished = start >= schedule_steps and (last_eval or (None,))[0] == start
@@ -223,6 +293,9 @@ def _tokenizer_wanted(config: TrainConfig, meta: dict | None, model_options: Mod
     --init-from's vocabulary) when fine-tuning, else --tokenizer ('char': the corpus's characters)."""
     if meta is not None:
         return {"kind": "char"} if meta["tokenizer"].get("kind") == "char" else meta["tokenizer"]
+    if config.init_from is not None and config.model is not None:  # a run of one's own model: its tokenizer
+        tokenizer = read_metadata(find_checkpoint(config.init_from))["tokenizer"]
+        return {"kind": "char"} if tokenizer.get("kind") == "char" else tokenizer
     if config.init_from is not None:
         return gpt2_tokenizer(read_gpt2_config(config.init_from, **model_options.gpt2_options())).to_dict()
     return {"kind": config.tokenizer}
@@ -244,11 +317,12 @@ def _load_corpus(
 
 
 def _model_config_and_tokenizer(
-    model_options: ModelSettings, config: TrainConfig, corpus: Corpus, meta: dict | None
-) -> tuple[GPTConfig, Tokenizer]:
+    model_options: ModelSettings, config: TrainConfig, corpus: Corpus, meta: dict | None, own: bool
+) -> tuple[GPTConfig | None, Tokenizer]:
     """The model's config and tokenizer: the checkpoint's on resume, GPT-2's from `--init-from`
-    (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus."""
-    if meta is None and config.init_from is not None:
+    (of which `model_options` sets only `INIT_FROM_OPTIONS`), else built from the options and corpus.
+    No config for a model of one's own (`own`): its shape is its own."""
+    if meta is None and config.init_from is not None and not own:
         model_config = read_gpt2_config(config.init_from, **model_options.gpt2_options())
         return model_config, gpt2_tokenizer(model_config)
     tokenizer = corpus.tokenizer if meta is None else tokenizer_from_dict(meta["tokenizer"])
@@ -263,6 +337,8 @@ def _model_config_and_tokenizer(
             f"checkpoint's ({tokenizer!r}): it is not the text the run trained on; pass that with "
             f"{setting('data')}"
         )
+    if own:
+        return None, tokenizer
     try:
         return model_options.config(tokenizer.vocab_size), tokenizer
     except (TypeError, ValueError) as e:

@@ -9,7 +9,8 @@ changing the schedule's length needs no recompiling.
 """
 
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
 import equinox as eqx
 import jax
@@ -18,14 +19,15 @@ import optax
 from jaxtyping import Array, Float, Int, PyTree
 
 from eqx_gpt.model.attention import MultiHeadAttention
-from eqx_gpt.model.block import Block
-from eqx_gpt.model.gpt import GPT
+from eqx_gpt.model.language_model import LanguageModel
 from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.lora import LoRALinear, trainable_filter
 from eqx_gpt.model.loss import next_token_loss
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.streams import DROPOUT, batch_key
 from eqx_gpt.training.config import TrainConfig, setting
+
+Model = TypeVar("Model")  # what a step trains: any PyTree its loss takes
 
 
 def warmup_steps(config: TrainConfig, schedule_steps: int) -> int:
@@ -63,9 +65,15 @@ def learning_rate(step: int, config: TrainConfig, schedule_steps: int) -> float:
     return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.lr - c.min_lr)
 
 
+# What the optimiser's groups find by type: a layer's matrix (eqx_gpt's `Linear`, `(in, out)`, and
+# Equinox's `eqx.nn.Linear`, `(out, in)`), and the norms (eqx_gpt's and Equinox's).
+LINEARS = (Linear, eqx.nn.Linear)
+NORMS = (RMSNorm, LayerNorm, eqx.nn.RMSNorm, eqx.nn.LayerNorm)
+
+
 def decay_mask(params: PyTree) -> PyTree:
-    """True for the leaves AdamW decays: every `Linear`'s weight and the embeddings, not norm scales
-    and biases.
+    """True for the leaves AdamW decays: every `Linear`'s (and `eqx.nn.Linear`'s) weight and every
+    other array that is no norm's (the embeddings), not norm scales and biases.
 
     Decided by type (what owns a leaf) rather than by `ndim`: the blocks are stacked with a leading
     `n_layers` axis, so their norm scales and biases are 2-D too.
@@ -74,16 +82,16 @@ def decay_mask(params: PyTree) -> PyTree:
     def mark(node):
         if isinstance(node, LoRALinear):  # its adapters decay, as Hugging Face's Trainer decays them
             return eqx.tree_at(lambda m: (m.lora_a, m.lora_b), _only_weight(node, True, False), (True, True))
-        if isinstance(node, Linear):
+        if isinstance(node, LINEARS):
             return _only_weight(node, True, False)
-        if isinstance(node, RMSNorm | LayerNorm):
+        if isinstance(node, NORMS):
             return jax.tree.map(lambda _: False, node)
         return True
 
-    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, Linear | RMSNorm | LayerNorm))
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, LINEARS + NORMS))
 
 
-def _only_weight(linear: Linear, weight_value, rest_value) -> PyTree:
+def _only_weight(linear: Linear | eqx.nn.Linear, weight_value, rest_value) -> PyTree:
     """`linear`'s tree with `weight_value` at its weight and `rest_value` at every other leaf (a
     bias; a subclass's own arrays). A weight already filtered out (None, or optax's masked node)
     stays as it is."""
@@ -92,20 +100,25 @@ def _only_weight(linear: Linear, weight_value, rest_value) -> PyTree:
 
 
 def muon_labels(params: PyTree) -> PyTree:
-    """ "muon" for the weights of the `Linear`s inside the blocks, "adamw" for the rest: the
-    embedding, the head, every bias and every norm scale, as the speedruns do."""
+    """ "muon" for the weight matrices of the `Linear`s and `eqx.nn.Linear`s inside the model's
+    layers, "adamw" for the rest: embeddings, every bias and norm scale, and a `Linear` the model
+    holds itself (a field of the model: its head), as the speedruns keep the head on Adam. For a
+    `GPT`, the weights of its blocks' projections go to Muon."""
 
-    def inside_block(node):
-        if isinstance(node, Linear):
+    def label(node):
+        if isinstance(node, LINEARS):
             return _only_weight(node, "muon", "adamw")
         return jax.tree.map(lambda _: "adamw", node)
 
-    def label(node):
-        if isinstance(node, Block):
-            return jax.tree.map(inside_block, node, is_leaf=lambda n: isinstance(n, Linear))
-        return jax.tree.map(lambda _: "adamw", node)
+    def top_level(node):  # a field of the model: a Linear there is the head (or an input's)
+        if isinstance(node, LINEARS):
+            return jax.tree.map(lambda _: "adamw", node)
+        return jax.tree.map(label, node, is_leaf=lambda n: isinstance(n, LINEARS))
 
-    return jax.tree.map(label, params, is_leaf=lambda node: isinstance(node, Block))
+    if not isinstance(params, eqx.Module):
+        return jax.tree.map(label, params, is_leaf=lambda n: isinstance(n, LINEARS))
+    fields = jax.tree_util.tree_flatten(params, is_leaf=lambda n: n is not params)
+    return jax.tree_util.tree_unflatten(fields[1], [top_level(child) for child in fields[0]])
 
 
 def fused_qkv_mask(params: PyTree) -> PyTree:
@@ -120,17 +133,31 @@ def fused_qkv_mask(params: PyTree) -> PyTree:
     return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, MultiHeadAttention))
 
 
+def _out_in_mask(params: PyTree) -> PyTree:
+    """True at each `eqx.nn.Linear` weight, stored `(out, in)` (ours are `(in, out)`)."""
+
+    def mark(node):
+        if isinstance(node, eqx.nn.Linear):
+            return _only_weight(node, True, False)
+        return jax.tree.map(lambda _: False, node)
+
+    return jax.tree.map(mark, params, is_leaf=lambda node: isinstance(node, eqx.nn.Linear))
+
+
 def matrix_axes(split_qkv: bool):
     """Muon's axes for our `x @ W` layout: the input (reduction) axis is `-2`, the output axis
-    `-1`, and a leading `n_layers` axis of the stacked blocks is a batch axis of the
-    orthogonalisation (each layer's matrix is orthogonalised on its own). Under `split_qkv` a
-    fused `qkv` weight arrives as `(..., d_model, 3, d_model)`, its `3` one more batch axis."""
+    `-1` (`eqx.nn.Linear`'s `(out, in)` weight the other way round), and a leading `n_layers` axis
+    of the stacked blocks is a batch axis of the orthogonalisation (each layer's matrix is
+    orthogonalised on its own). Under `split_qkv` a fused `qkv` weight arrives as `(..., d_model, 3,
+    d_model)`, its `3` one more batch axis."""
 
-    def axes(w, fused: bool):
+    def axes(w, fused: bool, out_in: bool):
+        if out_in:
+            return optax.contrib.MuonDimensionNumbers(w.ndim - 1, w.ndim - 2)
         reduction = w.ndim - 3 if split_qkv and fused else w.ndim - 2
         return optax.contrib.MuonDimensionNumbers(reduction, w.ndim - 1)
 
-    return lambda params: jax.tree.map(axes, params, fused_qkv_mask(params))
+    return lambda params: jax.tree.map(axes, params, fused_qkv_mask(params), _out_in_mask(params))
 
 
 def split_qkv(inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -186,18 +213,21 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(c.grad_clip), opt) if c.grad_clip > 0 else opt
 
 
-def init_optimizer_state(optimizer: optax.GradientTransformation, model: GPT) -> PyTree:
+def init_optimizer_state(optimizer: optax.GradientTransformation, model: PyTree) -> PyTree:
     """The optimiser's state for what the step trains (`trainable_filter`): every float array, or
     a LoRA model's adapters alone (the frozen base has none)."""
     return optimizer.init(eqx.filter(model, trainable_filter(model)))
 
 
-def count_params(model: GPT) -> int:
+def count_params(model: PyTree) -> int:
     return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
 
 
-def loss_fn(model: GPT, batch: Int[Array, "batch window"], keys: Array | None = None) -> Float[Array, ""]:
-    """Mean next-token cross-entropy (nats) of `batch`, windows of `context_length + 1` tokens.
+def loss_fn(
+    model: LanguageModel, batch: Int[Array, "batch window"], keys: Array | None = None
+) -> Float[Array, ""]:
+    """Mean next-token cross-entropy (nats) of `batch`, windows of `context_length + 1` tokens, for
+    any `LanguageModel` (a `GPT`, or a model of your own).
 
     `keys` (one PRNG key per sequence) turns dropout on. The model takes the whole batch at once
     rather than `jax.vmap` over sequences: same result, but each projection is one matrix multiply
@@ -253,8 +283,12 @@ def _step_body(optimizer: optax.GradientTransformation, config: TrainConfig, dro
 
 
 def make_train_step(
-    optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
-):
+    optimizer: optax.GradientTransformation,
+    config: TrainConfig,
+    *,
+    dropout: bool,
+    loss: Callable[[Model, Array, Array | None], Array] = loss_fn,
+) -> Callable[..., tuple[Model, PyTree, Array]]:
     """`train_step(model, opt_state, batch, step, lr) -> (model, opt_state, loss)`, jitted: `loss`
     is the batch's mean next-token loss before the update (a 0-d array). The trainer's own steps
     (`make_train_steps`) return every figure of `step_figures` by name, the gradient norm too.
@@ -264,8 +298,9 @@ def make_train_step(
     donated (updated in place); the batch is not. With `grad_accum > 1` the batch is split into
     micro-batches whose gradients are averaged by `lax.scan`; each sequence keeps its dropout key,
     so the update is the full batch's (up to float rounding). Dropout keys are a function of `(seed, step)`.
-    `loss(model, batch, keys)` is `loss_fn` (the GPT's next-token loss) unless another model's
-    loss is given (`examples/translate.py` trains an encoder-decoder with this same step).
+    The model is any PyTree `loss` takes: `loss(model, batch, keys)` is `loss_fn` (the next-token
+    loss of a `LanguageModel`: a `GPT`, or a model of your own) unless another model's loss is given
+    (`examples/translate.py` trains an encoder-decoder, a `Transformer`, with this same step).
     """
     body = _step_body(optimizer, config, dropout, loss)
 
@@ -282,8 +317,12 @@ def make_train_step(
 
 
 def make_train_steps(
-    optimizer: optax.GradientTransformation, config: TrainConfig, *, dropout: bool, loss=loss_fn
-):
+    optimizer: optax.GradientTransformation,
+    config: TrainConfig,
+    *,
+    dropout: bool,
+    loss: Callable[[Model, Array, Array | None], Array] = loss_fn,
+) -> Callable[..., tuple[Model, PyTree, dict[str, Array]]]:
     """`train_steps(model, opt_state, batches, steps, lrs, n) -> (model, opt_state, figures)`: the
     first `n` of a stack of `make_train_step` steps in one dispatch; `figures[name]` is `(k,)`,
     step `i`'s figure at `i`: the figures of `step_figures`, `loss` first and the others by name.

@@ -4,6 +4,7 @@ and sets the schedule's length (`schedule_steps`) to the steps that fit before `
 import math
 
 from eqx_gpt.model.config import GPTConfig
+from eqx_gpt.model.language_model import ModelShape
 
 # Seconds kept before the deadline for what follows the last step besides its evaluations: the
 # checkpoint and the plot, then, for a run that ends with a sample, loading the best model and
@@ -26,11 +27,12 @@ def forward_cost(config: GPTConfig, head_columns: int | None = None) -> int:
     `padded_vocab_size`) columns."""
     c, columns = config, config.padded_vocab_size if head_columns is None else head_columns
     d_hidden = 4 * c.d_model if c.d_hidden is None else c.d_hidden
-    per_layer = 4 * c.d_model**2 + 2 * c.d_model * d_hidden + 2 * c.context_length * c.d_model
+    mlp = 3 if c.activation in ("swiglu", "geglu") else 2  # a gated MLP's up is twice as wide
+    per_layer = 4 * c.d_model**2 + mlp * c.d_model * d_hidden + 2 * c.context_length * c.d_model
     return c.n_layers * per_layer + c.d_model * columns
 
 
-def eval_budget(eval_tokens: int, config: GPTConfig) -> int:
+def eval_budget(eval_tokens: int, config: GPTConfig | ModelShape) -> int:
     """The validation tokens an evaluation reads for `--eval-tokens eval_tokens`: that many at a
     head of `REFERENCE_VOCAB` columns or fewer (every character vocabulary of Tiny Shakespeare's
     size, whose whole split the default reads), proportionally fewer for a dearer head, at least
@@ -39,7 +41,7 @@ def eval_budget(eval_tokens: int, config: GPTConfig) -> int:
     return max(config.context_length, math.floor(eval_tokens / eval_price(config)))
 
 
-def eval_train_windows(eval_batches: int, batch_size: int, config: GPTConfig) -> int:
+def eval_train_windows(eval_batches: int, batch_size: int, config: GPTConfig | ModelShape) -> int:
     """The fixed training windows an evaluation's train loss reads for `--eval-batches`: that many
     batches at a head of `REFERENCE_VOCAB` columns or fewer, proportionally fewer for a dearer
     head (as `eval_budget`), at least one window. With GPT-2's 50,257 ids on the default model,
@@ -47,9 +49,13 @@ def eval_train_windows(eval_batches: int, batch_size: int, config: GPTConfig) ->
     return max(1, math.floor(eval_batches * batch_size / eval_price(config)))
 
 
-def eval_price(config: GPTConfig) -> float:
+def eval_price(config: GPTConfig | ModelShape) -> float:
     """What an evaluated token of `config` costs against one at a head of `REFERENCE_VOCAB` columns
-    (1 for a head that small or smaller): `forward_cost`'s ratio."""
+    (1 for a head that small or smaller): `forward_cost`'s ratio. A model of one's own, whose cost
+    eqx_gpt does not know, is priced 1: `--eval-tokens` and `--eval-batches` count its tokens as they
+    are."""
+    if isinstance(config, ModelShape):
+        return 1.0
     return forward_cost(config) / forward_cost(config, min(REFERENCE_VOCAB, config.padded_vocab_size))
 
 
