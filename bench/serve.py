@@ -54,8 +54,7 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description  # noqa: E402
 
-from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, create_app  # noqa: E402
-from eqx_gpt.generation.sampling import SamplingOptions  # noqa: E402
+from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, SamplingOptions, create_app  # noqa: E402
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, Sequence, Token, sample_key_data  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

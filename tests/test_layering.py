@@ -160,6 +160,7 @@ def _exported() -> set[str]:
 # a benchmark of that part, so it cannot use a version of its own; no example is ever here.
 TIMES_AN_INTERNAL = {
     "bench/flash_attention.py": "eqx_gpt.model.flash_attention",  # the kernels attention takes on a GPU
+    "bench/serve.py": "eqx_gpt.serve.batcher",  # the batched-bench table times the decode loop itself
 }  # (bench/trackers.py times the trackers, public callbacks)
 
 

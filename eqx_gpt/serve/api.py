@@ -55,7 +55,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from eqx_gpt._checks import SEED_MAX
-from eqx_gpt.errors import TokenizerError
+from eqx_gpt.errors import EqxGptError, TokenizerError
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
@@ -104,8 +104,10 @@ def error_response(
 END = -1  # the index of the event that ends a reply (`Server.drain`)
 
 
-class Cut(Exception):
-    """A completion ended before its last token: a failed step (`status` 500) or a drain (503)."""
+class Cut(EqxGptError):
+    """A completion ended before its last token: a failed step (`status` 500) or a drain (503).
+    Caught inside the server, where it becomes the reply's last event; an `EqxGptError` as every
+    exception of the package is."""
 
     def __init__(self, message: str, status: int, code: str | None):
         super().__init__(message)
