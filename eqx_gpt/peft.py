@@ -377,7 +377,7 @@ def _save_own(model: PyTree, directory: Path, base: str) -> Path:
 
     record = lora_record(model)
     if record is None:
-        raise CheckpointError(f"the {type(model).__name__} holds no LoRA adapters to save")
+        raise TrainingError(f"save_adapters: the {type(model).__name__} holds no LoRA adapters to save")
     linears = named_linears(model)
     tensors = {}
     for name in record["targets"]:

@@ -48,7 +48,7 @@ def test_saving_a_model_without_adapters_writes_nothing(adapters):
     before = _bytes(adapters)
     for model, message in [
         (load_gpt2(TINY_GPT2), "the model has no LoRA adapters"),
-        ("not a model", "takes a GPT"),
+        ("not a model", "the str holds no LoRA adapters"),
     ]:
         with pytest.raises(TrainingError, match=message):
             save_adapters(model, adapters, base=str(TINY_GPT2))

@@ -92,7 +92,7 @@ class StopAt(Callback):
     def __init__(self, step: int):
         self.step = step
 
-    def on_step(self, record):
+    def on_step(self, record, run):
         if record.step == self.step:
             raise StopTraining
 
