@@ -59,10 +59,15 @@ class Decoder(Protocol):
     ) -> tuple[Float[Array, "*batch new vocab"], PyTree]: ...
 
 
+def missing_members(model: object) -> list[str]:
+    """The members of `Decoder` that `model` lacks (none: generation can take it)."""
+    return [name for name in MEMBERS if not hasattr(model, name)]
+
+
 def check_decoder(model: object) -> None:
     """Refuse, in one line, a model that lacks a member of `Decoder` (the runtime half of what
     pyright checks statically; the members' signatures are its part)."""
-    missing = [name for name in MEMBERS if not hasattr(model, name)]
+    missing = missing_members(model)
     name = type(model).__name__
     if missing:
         raise TypeError(

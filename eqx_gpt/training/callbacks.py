@@ -47,8 +47,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from eqx_gpt.errors import EqxGptError, TrainingError
-from eqx_gpt.generation.decoder import MEMBERS as DECODER_MEMBERS
-from eqx_gpt.generation.decoder import Decoder
+from eqx_gpt.generation.decoder import Decoder, missing_members
 from eqx_gpt.generation.generate import generate
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.model.config import GPTConfig
@@ -258,7 +257,7 @@ class SampleText(Callback):
 
     def on_evaluation(self, record: EvaluationRecord, run: RunView) -> None:
         model: Any = run.model
-        missing = [name for name in DECODER_MEMBERS if not hasattr(model, name)]
+        missing = missing_members(model)
         if missing:  # a model of one's own without a cache cannot be sampled from
             run.say(
                 f"SampleText: the {type(model).__name__} is not a Decoder (it lacks {', '.join(missing)})"

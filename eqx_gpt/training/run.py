@@ -50,7 +50,7 @@ from eqx_gpt.checkpoint import (
 )
 from eqx_gpt.errors import TrainingError
 from eqx_gpt.evaluation import Shown
-from eqx_gpt.generation.decoder import MEMBERS as DECODER_MEMBERS
+from eqx_gpt.generation.decoder import missing_members
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.model.gpt import GPT
 from eqx_gpt.model.language_model import LanguageModel, check_language_model
@@ -451,7 +451,7 @@ def _sample(run: Run, sample_tokens: int) -> str | None:
     """The run's closing sample, from its best checkpoint (else the last step's model): None, said
     in a line, for a model of one's own that is not a `Decoder` (generation needs its cache)."""
     setup, state = run.setup, run.state
-    missing = [name for name in DECODER_MEMBERS if not hasattr(state.model, name)]
+    missing = missing_members(state.model)
     if missing:
         run.report.log(
             f"no sample: the {type(state.model).__name__} is not a Decoder (it lacks {', '.join(missing)})"
