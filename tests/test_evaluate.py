@@ -1,5 +1,6 @@
 """`evaluate`: the loss over a whole text, against a brute-force computation."""
 
+import functools
 from pathlib import Path
 
 import equinox as eqx
@@ -13,9 +14,15 @@ from eqx_gpt import GPT, CharTokenizer, GPTConfig, TokenizerError
 from eqx_gpt.evaluation import evaluate, evaluate_text, plan_whole
 
 CONTEXT = 8
-MODEL = GPT(
-    GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=2), key=jax.random.key(0)
-)
+
+
+@functools.cache
+def _model() -> GPT:
+    """The tests' model, built once, by the process that runs them (not by every one that collects)."""
+    return GPT(
+        GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=2),
+        key=jax.random.key(0),
+    )
 
 
 def windows(n_tokens: int, context: int, stride: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,7 +41,7 @@ def _losses_at(model, windows, lengths, targets):
 
 
 def _mean_loss_by_hand(ids, contexts):
-    return _mean_loss_by_hand_of(MODEL, ids, contexts)
+    return _mean_loss_by_hand_of(_model(), ids, contexts)
 
 
 def _mean_loss_by_hand_of(model, ids, contexts):
@@ -59,7 +66,7 @@ def _window_start(t, n, stride):
 def test_the_loss_is_every_tokens_loss_averaged_by_hand(n, stride):
     ids = np.random.default_rng(n).integers(0, 7, n)
     by_hand = _mean_loss_by_hand(ids, [ids[_window_start(t, n, stride) : t] for t in range(1, n)])
-    result = evaluate(MODEL, ids, stride=stride, batch=4)
+    result = evaluate(_model(), ids, stride=stride, batch=4)
     assert result.n_predicted == n - 1
     assert result.loss == pytest.approx(by_hand, rel=1e-5)
 
@@ -67,7 +74,7 @@ def test_the_loss_is_every_tokens_loss_averaged_by_hand(n, stride):
 def test_with_stride_1_every_token_after_the_first_window_sees_a_full_context():
     ids = np.random.default_rng(0).integers(0, 7, 30)
     by_hand = _mean_loss_by_hand(ids, [ids[max(0, t - CONTEXT) : t] for t in range(1, 30)])
-    assert evaluate(MODEL, ids, stride=1, batch=4).loss == pytest.approx(by_hand, rel=1e-5)
+    assert evaluate(_model(), ids, stride=1, batch=4).loss == pytest.approx(by_hand, rel=1e-5)
 
 
 @pytest.mark.parametrize("n", [2, 9, 10, 100])
@@ -81,11 +88,11 @@ def test_windows_count_each_target_once(n):
 def test_bad_input_is_refused_with_the_fix():
     tokenizer = CharTokenizer("abcdefg")
     with pytest.raises(TokenizerError, match="'z'"):
-        evaluate_text(MODEL, tokenizer, "abcz")
+        evaluate_text(_model(), tokenizer, "abcz")
     with pytest.raises(ValueError, match="at least 2 tokens"):
-        evaluate(MODEL, [1])
+        evaluate(_model(), [1])
     with pytest.raises(ValueError, match="stride must be an integer in"):
-        evaluate(MODEL, [1, 2, 3], stride=CONTEXT + 1)
+        evaluate(_model(), [1, 2, 3], stride=CONTEXT + 1)
 
 
 def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_path, capsys):
@@ -97,11 +104,11 @@ def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
     tokenizer = CharTokenizer("abcdefg")
-    save_checkpoint(tmp_path, "best", MODEL, None, step=0, tokenizer=tokenizer, train_config={})
+    save_checkpoint(tmp_path, "best", _model(), None, step=0, tokenizer=tokenizer, train_config={})
     (tmp_path / "text.txt").write_text("abcdefgabc" * 5)
     (tmp_path / "bad.txt").write_text("abcxyz")
     assert cli.main(["--checkpoint", str(tmp_path), "--text", str(tmp_path / "text.txt")]) == 0
-    expected = evaluate(MODEL, tokenizer.encode("abcdefgabc" * 5))
+    expected = evaluate(_model(), tokenizer.encode("abcdefgabc" * 5))
     assert f"loss {expected.loss:.4f} nats/token over 49 predicted tokens" in capsys.readouterr().out
     assert cli.main(["--checkpoint", str(tmp_path), "--text", str(tmp_path / "bad.txt")]) == 2
     err = capsys.readouterr().err
@@ -124,21 +131,21 @@ def test_the_evaluate_face_scores_a_checkpoint_and_names_unknown_characters(tmp_
 )
 def test_evaluate_refuses_ids_the_model_cannot_have_in_one_line(tokens, error, named):
     with pytest.raises(error, match=named) as caught:
-        evaluate(MODEL, tokens)
+        evaluate(_model(), tokens)
     assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("batch", [0, -1, 1.5, True])
 def test_evaluate_refuses_a_batch_that_is_not_a_positive_integer(batch):
     with pytest.raises(ValueError, match=rf"batch must be an integer in \[1, .*got {batch!r}"):
-        evaluate(MODEL, [1, 2, 3], batch=batch)
+        evaluate(_model(), [1, 2, 3], batch=batch)
 
 
 def test_evaluate_refuses_what_is_not_a_model_or_text():
     with pytest.raises(TypeError, match="the model must be a language model .* dict lacks"):
         evaluate({}, [1, 2, 3])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="text must be a str, got list"):
-        evaluate_text(MODEL, CharTokenizer("abcdefg"), ["abc"])  # type: ignore[arg-type]
+        evaluate_text(_model(), CharTokenizer("abcdefg"), ["abc"])  # type: ignore[arg-type]
 
 
 def test_evaluation_runs_the_model_without_dropout():

@@ -15,9 +15,12 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 from common import _MALLOC_ENVIRONMENT  # noqa: E402 (bench/common.py)
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's"
+    ),
+    pytest.mark.slow,  # each probe is a new Python process that imports the bench's JAX
+]
 
 # Allocates, fills and frees a 128 MiB buffer from a worker thread, as XLA does its scratch, and
 # prints glibc's account of it: the bytes mapped apart from the heap while it is held, and the free

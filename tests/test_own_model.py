@@ -103,6 +103,7 @@ def _losses(out: Path) -> list[tuple]:
     return [(r["step"], *(r.get(k) for k in keys)) for r in records]
 
 
+@pytest.mark.slow  # three runs; test_callbacks.py checks the same of a GPT in the quick suite
 def test_train_stopped_by_a_callback_and_resumed_gives_the_losses_of_one_run(mydec, tmp_path):
     make = lambda: mydec.make_decoder(65, key=jax.random.key(0))
     quiet = dict(log=lambda s: None, progress=False, sample_tokens=0)
@@ -259,6 +260,7 @@ def test_lora_on_ones_own_model_keeps_its_type_and_trains_the_adapters_alone(myd
     np.testing.assert_allclose(merged(tokens), result.model(tokens), atol=2e-5)
 
 
+@pytest.mark.slow  # the guide's section as written: three whole runs (train, fine-tune, LoRA)
 def test_the_guides_python_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # its runs write their folders here
     namespace: dict = {"__name__": "guide_own_model"}

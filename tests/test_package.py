@@ -64,6 +64,7 @@ def test_train_takes_typed_configs_and_no_dict():
     assert {f.name for f in dataclasses.fields(eqx_gpt.TrainResult)} >= {"model", "tokenizer", "val_loss"}
 
 
+@pytest.mark.slow  # a whole training run in a new process, as a user runs the README's example
 def test_the_readme_example_trains_from_python_in_an_empty_folder(tmp_path):
     code = _readme_block("### Train from Python")
     assert "from eqx_gpt import" in code and "train(" in code

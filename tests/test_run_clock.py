@@ -91,6 +91,7 @@ def test_max_minutes_fits_the_schedule_to_the_steps_that_fit(tmp_path, corpus, m
     assert lrs[-1] == pytest.approx(0.002, rel=0.05) and max(lrs) == pytest.approx(0.02)
 
 
+@pytest.mark.slow  # two whole runs of about 350 steps, each with its sample
 def test_a_run_that_ends_with_a_sample_keeps_time_back_for_it(tmp_path, corpus, monkeypatch):
     # The sample (loading the best model, compiling the sampler) is start-up's kind of work, so a
     # run that ends with one keeps back the start-up's time (about 5 s here); one without keeps the

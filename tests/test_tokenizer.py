@@ -84,6 +84,7 @@ def test_a_gpt2_vocabulary_size_outside_the_bpe_is_refused(size):
         GPT2Tokenizer(size)
 
 
+@pytest.mark.slow  # a second pytest session in a new process
 def test_tests_needing_gpt2s_files_skip_with_a_reason_without_them(tmp_path):
     """A clone without ../shared beside it: an empty tiktoken cache, and no download (conftest)."""
     import os

@@ -238,6 +238,7 @@ def test_a_tiny_encoder_decoder_trained_600_steps_beats_the_trivial_baseline_on_
     assert float(last.split()[3]) > 0.2, last
 
 
+@pytest.mark.slow  # a whole training of the example (about 100 steps)
 def test_the_example_fits_its_training_to_minutes_by_the_clock_it_is_given():
     example = _example()
     # The steps are counted by the simulated clock, so a small batch and 2,000 pairs (not 50,000) do.
@@ -341,6 +342,7 @@ def test_the_example_pads_no_batch_past_max_len():
     assert src_len % example.BUCKET == 0 and (batch.shape[1] - src_len) % example.BUCKET == 0
 
 
+@pytest.mark.slow  # the example end to end: trains, saves, reloads
 def test_the_example_reloads_its_checkpoint_and_translates_as_it_did_after_training(
     tmp_path, capsys, monkeypatch
 ):

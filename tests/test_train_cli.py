@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import pytest
 
@@ -316,7 +317,9 @@ def _configs_given_to_train(monkeypatch, argv):
     def fake_train(settings, out_dir, **kwargs):
         options = resolve_options(settings)
         seen.update(model=options.model.config(65), train=options.train, preset=options.preset)
-        model = GPT(options.model.config(65), key=jax.random.key(0))
+        # The model's shapes only (the preset's GPT must build; its weights would cost a compile of
+        # every initialiser, 124M of them for gpt2-124m): the command reads no weight of the result.
+        model = eqx.filter_eval_shape(GPT, options.model.config(65), key=jax.random.key(0))
         return TrainResult(model, CharTokenizer("ab"), 0, None, None, 0.0, False, None, out_dir)
 
     monkeypatch.setattr(run_module, "_train", fake_train)
