@@ -171,6 +171,7 @@ def test_a_run_at_the_smallest_legal_sizes_trains_samples_and_resumes(tmp_path, 
 # -- resume from anywhere ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a run, then its resume from another folder
 def test_a_run_with_a_relative_data_path_resumes_from_another_directory(tmp_path, capsys, monkeypatch):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

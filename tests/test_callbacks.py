@@ -232,6 +232,7 @@ def _scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+@pytest.mark.slow  # three runs and both trackers; the stop-and-resume test above is the quick one
 def test_own_figures_join_metrics_jsonl_history_and_every_tracker_across_a_stop_and_resume(corpus, tmp_path):
     never, mine = _own(corpus, tmp_path / "never")
     lines = [json.loads(line) for line in (never.out_dir / "metrics.jsonl").read_text().splitlines()]

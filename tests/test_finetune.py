@@ -90,6 +90,7 @@ def test_a_character_model_is_not_exported(tmp_path, capsys):
     assert "not GPT-2-shaped" in err and err.count("\n") == 1 and not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow  # a resumed run; the next test resumes a fine-tuning run in the quick suite
 def test_a_fine_tuning_run_resumes_from_its_checkpoint(fine_tuned, tmp_path):
     import shutil
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from test_train_cli import TINY, train_cli
 
 from eqx_gpt.training.data import load_text
@@ -28,6 +29,7 @@ def _train(tmp_path, data: Path, capsys, *flags) -> tuple[list, str]:
     return _losses(out), data_line
 
 
+@pytest.mark.slow  # three whole runs; test_formats.py checks each format gives the plain text's tokens
 def test_parquet_and_gzip_train_as_the_plain_text(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EQX_GPT_DATA_CACHE", str(tmp_path / "cache"))
     text = "\n\n".join(PARAGRAPHS)

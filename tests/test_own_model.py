@@ -239,6 +239,7 @@ def test_the_optimisers_groups_are_found_by_type(mydec):
     assert (axes.layers[0].weight.reduction_axis, axes.layers[0].weight.output_axis) == (1, 0)
 
 
+@pytest.mark.slow  # a whole LoRA run; test_lora_targets.py adapts and merges such a model in the quick suite
 def test_lora_on_ones_own_model_keeps_its_type_and_trains_the_adapters_alone(mydec, tmp_path):
     base = mydec.make_decoder(65, key=jax.random.key(0))
     adapted = apply_lora(base, 4, targets="attn.qkv,mlp.up", key=jax.random.key(1))

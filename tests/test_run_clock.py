@@ -107,7 +107,12 @@ def test_a_run_that_ends_with_a_sample_keeps_time_back_for_it(tmp_path, corpus, 
     assert 10 <= steps[0] - steps[8] <= 30, steps
 
 
-@pytest.mark.parametrize(("step_s", "capped"), [(0.1, False), (0.02, True)])
+@pytest.mark.parametrize(
+    ("step_s", "capped"),
+    # The slow machine's case is test_max_minutes_fits_the_schedule_to_the_steps_that_fit's run again,
+    # checking its time plan's line: kept for the slow pass.
+    [pytest.param(0.1, False, marks=pytest.mark.slow), (0.02, True)],
+)
 def test_the_budget_decides_whether_time_or_max_steps_ends_the_schedule(
     tmp_path, corpus, monkeypatch, step_s, capped
 ):
@@ -130,6 +135,7 @@ def test_the_budget_decides_whether_time_or_max_steps_ends_the_schedule(
         assert plan and "schedule refitted" in plan[0], plan
 
 
+@pytest.mark.slow  # a 350-step run; test_schedule.py checks the WSD shape quickly
 def test_a_wsd_run_fitted_to_time_holds_its_peak_then_decays_to_min_lr_where_it_ends(
     tmp_path, corpus, monkeypatch
 ):
