@@ -3,13 +3,15 @@
     eqx-gpt serve --checkpoint out/                    (or: python -m eqx_gpt serve --checkpoint out/)
     eqx-gpt serve --checkpoint gpt2/ --port 8080 --slots 8
     EQX_GPT_API_KEY=... eqx-gpt serve --checkpoint out/ --host 0.0.0.0
+    eqx-gpt serve --checkpoint out/ --follow           (while out/ trains: its newest checkpoint, live)
 
 Loads a run folder (its best checkpoint, else its latest), a checkpoint file, or a Hugging Face
 GPT-2 folder, and serves it with uvicorn on 127.0.0.1 (loopback: only this machine can reach it,
 and only under this machine's names: a DNS-rebinding page is refused) unless `--host` says
-otherwise; another address without an API key is warned about. The page is at `/`, the API at
-`/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette, uvicorn, prometheus_client);
-without it, one line says how to install it, exit code 2.
+otherwise; another address without an API key is warned about. `--follow` serves a run folder's
+newest checkpoint and swaps in each new one as the run writes it (`eqx_gpt.serve.follow`). The
+page is at `/`, the API at `/v1` (see the GUIDE's limits). Needs the `serve` extra (Starlette,
+uvicorn, prometheus_client); without it, one line says how to install it, exit code 2.
 """
 
 import argparse
@@ -75,6 +77,11 @@ def parse_args(argv=None, prog: str = "eqx-gpt serve") -> argparse.Namespace:
         help="seconds a client has to send a whole request, headers and body (default 10)",
     )  # fmt: skip
     p.add_argument(
+        "--follow", action="store_true",
+        help="serve the run folder's newest checkpoint and reload each newer one as it lands (a run "
+        "in progress: the page shows its step, losses and predictions as it learns)",
+    )  # fmt: skip
+    p.add_argument(
         "--shutdown-timeout", type=seconds(0, 3600), default=5.0,
         help="seconds completions may run after SIGTERM before they end with an error event (default 5)",
     )  # fmt: skip
@@ -123,13 +130,22 @@ def _serve(args, prog: str) -> int:
     check_extra()
     if args.api_key is not None and not (args.api_key.strip() and args.api_key.isprintable()):
         raise ConfigError(f"--api-key (or ${API_KEY_VARIABLE}) must be printable characters, not blank")
-    from eqx_gpt.checkpoint import load_model
+    from eqx_gpt.checkpoint import holds_run, load_model
     from eqx_gpt.generation.decoder import check_decoder
     from eqx_gpt.serve.api import create_app
+    from eqx_gpt.serve.follow import newest_checkpoint
     from eqx_gpt.serve.http_server import Limits, serve
 
+    path = args.checkpoint
+    if args.follow:
+        if not (path.is_dir() and holds_run(path)):
+            raise ConfigError(
+                f"--follow follows a run folder that holds a checkpoint (train.py --out-dir, after its first "
+                f"evaluation); {path} is not one"
+            )
+        path = newest_checkpoint(path) or path
     # A GPT, or a run of a model of one's own (rebuilt by the function its run records) that decodes.
-    model, tokenizer, meta = load_model(args.checkpoint, kind="LanguageModel")
+    model, tokenizer, meta = load_model(path, kind="LanguageModel")
     try:
         check_decoder(model)
     except TypeError as e:
@@ -138,6 +154,7 @@ def _serve(args, prog: str) -> int:
     app = create_app(
         model, tokenizer, meta=meta, name=name, slots=args.slots, queue_size=args.queue,
         max_body_bytes=args.max_body_bytes, api_key=args.api_key, allowed_hosts=allowed_hosts(args.host),
+        follow=args.checkpoint if args.follow else None,
     )  # fmt: skip
     if not is_loopback(args.host) and args.api_key is None:
         print(

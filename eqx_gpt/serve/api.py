@@ -3,9 +3,11 @@
     GET  /v1/models        the one model served, in OpenAI's list shape
     POST /v1/completions   OpenAI's legacy completions (`stream` is server-sent events ending in
                            `data: [DONE]`); `top_k` is eqx_gpt's extension
-    POST /v1/inspect       eqx_gpt's own: attention of a layer and head, next-token top 10 before and
-                           after the filters (`eqx_gpt.serve.inspect`)
+    POST /v1/inspect       eqx_gpt's own: attention of a layer's heads, next-token top 10 before and
+                           after the filters, the logit lens (`eqx_gpt.serve.inspect`)
     GET  /v1/card          eqx_gpt's own: the model card (`eqx_gpt.serve.card`)
+    GET  /v1/run           eqx_gpt's own: the step served and the run's losses so far, and whether
+                           the server follows the run (`--follow`: `eqx_gpt.serve.follow`)
     GET  /health           200 `{"status": "ok"}` while serving; 503 once draining (llama.cpp's)
     GET  /metrics          Prometheus's text format (`eqx_gpt.serve.metrics`)
     POST /tokenize         llama.cpp's: `content` (or vLLM's `prompt`) -> `tokens`, with their
@@ -59,9 +61,11 @@ from eqx_gpt.errors import EqxGptError, TokenizerError
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
-from eqx_gpt.serve.card import model_card
+from eqx_gpt.serve.card import model_card, run_losses
 from eqx_gpt.serve.completions import ChoiceText, token_pieces
+from eqx_gpt.serve.follow import FOLLOW_EVERY_S, RunFollower
 from eqx_gpt.serve.inspect import attention_layout, inspect_text
+from eqx_gpt.serve.lens import lens_layout
 from eqx_gpt.serve.metrics import ServerMetrics
 from eqx_gpt.serve.requests import (
     BIAS_LIMIT,
@@ -146,12 +150,20 @@ class Server:
         self.max_tokens_limit, self.max_body_bytes = max_tokens_limit, max_body_bytes
         self.batcher = Batcher(model, slots=slots, queue_size=queue_size, keep=keep)
         self.layout = attention_layout(model)  # the page's attention layers, found by type
+        self.lens = lens_layout(model)  # the logit lens's blocks, found by type
+        self.follower: RunFollower | None = None  # `--follow`: the run's newest checkpoint swapped in
         self.created = int(time.time())
         self.replies: set[Reply] = set()
         self.draining = False
         self.inspecting = 0  # /v1/inspect passes running
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
         self.metrics = ServerMetrics(self.batcher, lambda: len(self.replies))
+
+    def swap(self, model: Decoder, meta: dict) -> None:
+        """Serve `model` (the served model's structure, new weights; `meta` its checkpoint's) from
+        now on: the page's passes at once, the batcher from its next step (`Batcher.swap`)."""
+        self.batcher.swap(model)
+        self.model, self.meta = model, meta
 
     def drain(self, grace_s: float) -> None:
         """Admit no more requests (503) and end every completion still running `grace_s` seconds
@@ -221,6 +233,18 @@ class Server:
             await run_in_threadpool(model_card, self.model, self.meta, self.name, self.layout)
         )
 
+    async def run(self, request: Request) -> Response:
+        """The step served and the run's losses so far: what the page polls while it follows a run."""
+        follower, meta = self.follower, self.meta
+        answer = {
+            "step": meta.get("step"),
+            "checkpoint": Path(meta["path"]).name if "path" in meta else None,
+            "following": follower is not None,
+            "loaded": 0 if follower is None else follower.loaded,
+            "error": None if follower is None else follower.error,
+        }
+        return JSONResponse({**answer, **await run_in_threadpool(run_losses, meta)})
+
     async def inspect(self, request: Request) -> Response:
         """A forward pass outside the batch: at most `INSPECTING_MAX` at once, beyond 429, so a flood
         of them cannot starve the decode loop."""
@@ -234,7 +258,7 @@ class Server:
                 code="inspect_busy", kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
         self.inspecting += 1
-        answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout)
+        answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout, lens=self.lens)
         try:
             return JSONResponse(await run_in_threadpool(answer))
         except RequestError:
@@ -517,6 +541,17 @@ async def _page(request: Request) -> Response:
     return FileResponse(PAGE / "index.html")
 
 
+def _follower(server: Server, run_dir: Path, every_s: float) -> RunFollower:
+    from eqx_gpt.checkpoint import load_model  # the checkpoints of a run, only when one is followed
+
+    if not (isinstance(every_s, int | float) and every_s > 0):
+        raise ValueError(f"follow_every_s must be a positive number of seconds, got {every_s!r}")
+    return RunFollower(
+        run_dir, sha256=server.meta.get("sha256"), load=lambda path: load_model(path, kind="LanguageModel"),
+        served=lambda: server.model, tokenizer=server.tokenizer, on_load=server.swap, every_s=every_s,
+    )  # fmt: skip
+
+
 def create_app(
     model: Decoder,
     tokenizer,
@@ -530,6 +565,8 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     allowed_hosts: abc.Sequence[str] = LOOPBACK_HOSTS,
+    follow: str | Path | None = None,
+    follow_every_s: float = FOLLOW_EVERY_S,
 ) -> Starlette:
     """The served `model` (any `Decoder`: a `GPT`, or a model of your own) with its `tokenizer`, as an
     ASGI app (run it with uvicorn, or `eqx_gpt.serve.http_server.serve`, which adds the request
@@ -542,7 +579,9 @@ def create_app(
     `generate`'s default). A body over `max_body_bytes` is refused (413). With `api_key`, every
     path but the page and `/health` needs `Authorization: Bearer <api_key>` (else 401). A request
     whose `Host` is not in `allowed_hosts` is refused (400): the default names only this machine,
-    which a DNS-rebinding page cannot reach; `["*"]` takes any.
+    which a DNS-rebinding page cannot reach; `["*"]` takes any. With `follow`, a run folder (the
+    one `model` was loaded from), its newest checkpoint is swapped in as it lands, looked for every
+    `follow_every_s` seconds (`eqx_gpt.serve.follow`).
     """
     if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
@@ -550,14 +589,20 @@ def create_app(
         raise ValueError("api_key must be a non-empty string of printable characters (or None)")
     server = Server(model, tokenizer, meta or {}, name, slots=slots, queue_size=queue_size,
                     max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes)  # fmt: skip
+    if follow is not None:
+        server.follower = _follower(server, Path(follow), follow_every_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.loop = asyncio.get_running_loop()
         server.batcher.start()
+        if server.follower is not None:
+            server.follower.start()
         try:
             yield
         finally:
+            if server.follower is not None:
+                server.follower.stop()
             server.batcher.stop()
 
     routes = [
@@ -566,6 +611,7 @@ def create_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/inspect", server.inspect, methods=["POST"]),
         Route("/v1/card", server.card),
+        Route("/v1/run", server.run),
         Route("/health", server.health),
         Route("/metrics", server.metrics_text),
         Route("/tokenize", server.tokenize, methods=["POST"]),

@@ -112,6 +112,7 @@ class Batcher:
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)
         self.programs = Programs(model)
         self._model = model
+        self._swap: tuple[Programs, Decoder] | None = None  # new weights, taken between two steps
         self._cache = self._empty_cache()
         self._waiting: deque[Sequence] = deque()
         self._wake = threading.Condition()
@@ -169,6 +170,13 @@ class Batcher:
             self._waiting.extend(sequences)
             self._wake.notify()
 
+    def swap(self, model: Decoder) -> None:
+        """Decode with `model` (the served model's structure, new weights) from the next step on.
+        A sequence in flight goes on with the cache its earlier tokens left (`eqx_gpt.serve.follow`)."""
+        programs = Programs(model)
+        with self._wake:
+            self._swap = programs, model
+
     def cancel(self, sequence: Sequence) -> None:
         """Stop drawing for `sequence`: it frees its slot (or its place in the queue) at the next step."""
         with self._wake:
@@ -185,6 +193,8 @@ class Batcher:
                     self._wake.wait()
                 if self._stopping:
                     return
+                if self._swap is not None:  # between two steps: no step runs half on each
+                    (self.programs, self._model), self._swap = self._swap, None
                 admitted = self._admit()
             try:
                 self._step(admitted)

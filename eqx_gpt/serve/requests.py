@@ -341,7 +341,17 @@ def parse_detokenize(body, vocab_size: int) -> list[int]:
     return tokens
 
 
-INSPECT_FIELDS = {"prompt", "layer", "head", "position", "temperature", "top_k", "top_p"}
+INSPECT_FIELDS = {
+    "prompt",
+    "layer",
+    "head",
+    "position",
+    "temperature",
+    "top_k",
+    "top_p",
+    "all_heads",
+    "window",
+}
 
 
 def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
@@ -371,4 +381,6 @@ def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_k=_integer(body, "top_k", None, 0, 2**31 - 1) or None,
         top_p=_top_p(body),
+        all_heads=_flag(body, "all_heads"),
+        window=_integer(body, "window", None, 1, context_length),
     )
