@@ -382,5 +382,5 @@ def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
         top_k=_integer(body, "top_k", None, 0, 2**31 - 1) or None,
         top_p=_top_p(body),
         all_heads=_flag(body, "all_heads"),
-        window=_integer(body, "window", None, 1, context_length),
+        window=_integer(body, "window", None, 1, 2**31 - 1),  # past the text: all of it
     )
