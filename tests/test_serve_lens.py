@@ -114,3 +114,20 @@ def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_be
     assert np.allclose(seen["attention"], heads[2])
     before = seen["next_token"]["before"][:LENS_TOP]
     assert [t["id"] for t in seen["lens"][-1]["top"]] == [t["id"] for t in before]
+
+
+def test_the_endpoint_takes_all_heads_and_a_window_and_refuses_bad_ones(tmp_path):
+    pytest.importorskip("starlette")
+    from serve_fixtures import app_for, make_run
+    from starlette.testclient import TestClient
+
+    with TestClient(app_for(make_run(tmp_path)), base_url="http://localhost") as c:
+        body = {"prompt": "ROMEO: hark", "layer": 1, "head": 3, "all_heads": True, "window": 4}
+        seen = c.post("/v1/inspect", json=body).json()
+        assert np.array(seen["heads"]).shape == (4, 4, 4) and seen["window_start"] == 7
+        assert seen["attention"] == seen["heads"][3] and len(seen["lens"]) == 2
+        whole = c.post("/v1/inspect", json={**body, "window": 1000}).json()  # past the text: all of it
+        assert whole["window_start"] == 0 and np.array(whole["heads"]).shape == (4, 11, 11)
+        for field, value in (("window", 0), ("window", 2.5), ("all_heads", "yes")):
+            bad = c.post("/v1/inspect", json={**body, field: value})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field
