@@ -112,6 +112,11 @@ def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_be
     whole = np.asarray(model.attention_weights(jnp.asarray(tokens)))[1]  # (heads, n, n)
     assert np.allclose(heads, whole[:, n - 10 :, n - 10 :], atol=1e-3)
     assert np.allclose(seen["attention"], heads[2])
+    at = inspect_text(
+        model, CHARS, tokens, layer=1, head=2, position=20, temperature=1.0, top_k=None, top_p=None,
+        all_heads=True, window=8,
+    )  # fmt: skip
+    assert at["window_start"] == 13 and np.allclose(at["heads"], whole[:, 13:21, 13:21], atol=1e-3)
     before = seen["next_token"]["before"][:LENS_TOP]
     assert [t["id"] for t in seen["lens"][-1]["top"]] == [t["id"] for t in before]
 

@@ -7,7 +7,8 @@ no filters) and under the one a sample is drawn from (`after`: `next_token_distr
 distribution `sample_next_token` draws from; temperature 0 puts all the mass on the argmax).
 
 And for one layer, the attention weights over the text of one head, or of all its heads
-(`sample.py --attention-png`'s picture, as numbers), over the last `window` tokens if asked. The
+(`sample.py --attention-png`'s picture, as numbers), over the `window` tokens up to the position
+if asked. The
 attention layers are found by type (`recording`): every eqx_gpt `MultiHeadAttention` in the model
 records, during that prefill, the weights its `decode` attends with into the cache it returns, so
 the layers are the recorded caches in the order of the cache the model hands back, whether its
@@ -108,9 +109,9 @@ def _lens(lens, tokenizer) -> list[dict] | None:
     ]
 
 
-def _window(matrix: np.ndarray, n: int, start: int) -> list:
-    """The rows and columns `start .. n - 1` of an attention matrix (`[..., bucket, bucket]`)."""
-    return np.round(matrix[..., start:n, start:n], 4).tolist()
+def _window(matrix: np.ndarray, start: int, end: int) -> list:
+    """The rows and columns `start .. end - 1` of an attention matrix (`[..., bucket, bucket]`)."""
+    return np.round(matrix[..., start:end, start:end], 4).tolist()
 
 
 def inspect_text(
@@ -119,8 +120,9 @@ def inspect_text(
     window: int | None = None, layout: AttentionLayout | None = None, lens: LensLayout | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The attention of `layer`/`head` over `tokens` (cropped to the context), with every head of
-    `layer` if `all_heads`, over the last `window` tokens (None: all); the next-token top 10 before
-    and after the filters at `position` (None: the last), and there the logit lens (`lens.py`).
+    `layer` if `all_heads`, over the `window` tokens up to `position` (None: all); the next-token
+    top 10 before and after the filters at `position` (None: the last), and there the logit lens
+    (`lens.py`).
     Arguments are checked by the caller (`parse_inspect` against `layout`,
     `attention_layout(model)`), save `position`, which must fall in the cropped text (a
     `RequestError` otherwise). `lens` is `lens_layout(model)` (computed when not given)."""
@@ -152,7 +154,7 @@ def inspect_text(
         at, jnp.float32(temperature),
         None if top_k is None else jnp.int32(top_k), None if top_p is None else jnp.float32(top_p),
     )  # fmt: skip
-    start = 0 if window is None else max(0, n - window)
+    start, end = (0, n) if window is None else (max(0, position + 1 - window), position + 1)
     heads = None if weights is None else np.asarray(weights)
     return {
         "tokens": [tokenizer.decode([t]) for t in tokens],
@@ -162,8 +164,8 @@ def inspect_text(
         "layer": layer,
         "head": head,
         "window_start": start,
-        "attention": None if heads is None else _window(heads[head], n, start),
-        "heads": None if heads is None or not all_heads else _window(heads, n, start),
+        "attention": None if heads is None else _window(heads[head], start, end),
+        "heads": None if heads is None or not all_heads else _window(heads, start, end),
         "attention_absent": layout.absent,
         "next_token": {
             "before": _top(np.asarray(_distribution(at, jnp.float32(1.0), None, None)), tokenizer),

@@ -5,7 +5,7 @@ const $ = (id) => document.getElementById(id);
 // `key`: the server's API key when it asks for one (401), held in this page's memory only.
 const state = { model: null, text: "", position: null, inspectTimer: null, inspectRun: 0, key: null, step: null,
   polling: false };
-const SHOWN = 64; // attention: the last SHOWN tokens
+const SHOWN = 32; // attention: the SHOWN tokens up to the position (labels stay readable)
 
 function visible(token) {
   return token.replace(/\n/g, "⏎").replace(/ /g, "␣").replace(/\t/g, "⇥");
@@ -109,7 +109,7 @@ function drawScale() {
 function drawAttention(seen) {
   const canvas = $("attention"), from = seen.window_start;
   const cell = paint(canvas, seen.attention);
-  drawLabels(seen.tokens.slice(from), cell, seen.position - from);
+  drawLabels(seen.tokens.slice(from, from + seen.attention.length), cell, seen.position - from);
   canvas.dataset.drawn = String(seen.attention.length);
   $("attention-absent").hidden = true;
   $("heatmap").hidden = false;
