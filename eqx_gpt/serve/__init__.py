@@ -5,7 +5,6 @@
     requests    a completion request's JSON, checked field by field (`RequestError` names the field)
     completions the answer's text: stop strings, incremental decoding, logprobs in OpenAI's shape
     inspect     the page's endpoint: a layer's attention, next-token top 10 before/after filters, the lens
-    recording   attention weights and block outputs recorded during a prefill, found by type
     lens        the logit lens: each block's residual stream through the model's own tail
     follow      `--follow`: a run folder's newest checkpoint swapped in as it lands
     card        the model card: config, parameter count, the run's losses from metrics.jsonl

@@ -9,20 +9,21 @@ distribution `sample_next_token` draws from; temperature 0 puts all the mass on 
 And for one layer, the attention weights over the text of one head, or of all its heads
 (`sample.py --attention-png`'s picture, as numbers), over the `window` tokens up to the position
 if asked. The
-attention layers are found by type (`recording`): every eqx_gpt `MultiHeadAttention` in the model
+attention layers are found by type: every eqx_gpt `MultiHeadAttention` in the model
 records, during that prefill, the weights its `decode` attends with into the cache it returns, so
 the layers are the recorded caches in the order of the cache the model hands back, whether its
 layers run in a Python loop or a `scan`. A model without one (or whose `decode` does not hand back
 the cache its attention returned) gets `attention: null` and `attention_absent`, the reason, which
 the page shows in place of the heatmap.
 
-At the same position, the same prefill records the residual stream after every block for the
-logit lens (`lens.py`): each layer's top 5 next tokens, or `lens: null` and `lens_absent`, why.
+At the same position, the logit lens (`lens.py`, a prefill of its own with every block recording
+its output): each layer's top 5 next tokens, or `lens: null` and `lens_absent`, why.
 
 The text is cropped to its last `context_length` tokens and padded to a `prompt_bucket` (the
 causal mask keeps padding out of every real position), so few shapes compile.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,15 +31,59 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import prefill, prompt_bucket
 from eqx_gpt.generation.sampling import next_token_distribution, usable
-from eqx_gpt.serve.lens import LensLayout, layer_streams, lens_layout, lens_top
-from eqx_gpt.serve.recording import attentions, recorded, recording
+from eqx_gpt.model.attention import KVCache, MultiHeadAttention
+from eqx_gpt.serve.lens import LensLayout, lens_layout, lens_top
 from eqx_gpt.serve.requests import RequestError
 
 TOP = 10  # bars shown
+
+
+class RecordedCache(KVCache):
+    """A `KVCache` that also carries the attention weights of the `decode` that wrote it:
+    `(*lead, heads, new, capacity)`."""
+
+    weights: Float[Array, "*lead heads new capacity"]
+
+
+class RecordingAttention(MultiHeadAttention):
+    """A `MultiHeadAttention` (the same weights) whose `decode` returns a `RecordedCache`."""
+
+    def __init__(self, attention: MultiHeadAttention):
+        for f in dataclasses.fields(attention):
+            setattr(self, f.name, getattr(attention, f.name))
+
+    def decode(self, x, cache, start):
+        out, updated = super().decode(x, cache, start)
+        return out, RecordedCache(updated.k, updated.v, self.decode_weights(x, cache, start))
+
+
+def _is_attention(node) -> bool:
+    return isinstance(node, MultiHeadAttention)
+
+
+def _attentions(model) -> list[MultiHeadAttention]:
+    return [n for n in jax.tree.leaves(model, is_leaf=_is_attention) if _is_attention(n)]
+
+
+def recording(model: Decoder) -> Decoder:
+    """`model` with every `MultiHeadAttention` recording its decoding weights (found by type)."""
+    found = _attentions(model)
+    if not found:
+        return model
+    return eqx.tree_at(_attentions, model, [RecordingAttention(a) for a in found])
+
+
+def _recorded(cache) -> list:
+    """The weights of every `RecordedCache` in `cache`, in its order, each `(layers, heads, new,
+    capacity)` (a stacked cache's layer axis kept, one row's batch axis dropped)."""
+    leaves = jax.tree.leaves(cache, is_leaf=lambda n: isinstance(n, RecordedCache))
+    found = [leaf.weights for leaf in leaves if isinstance(leaf, RecordedCache)]
+    return [w.reshape(-1, *w.shape[-3:]) for w in found]
 
 
 @dataclass(frozen=True)
@@ -54,13 +99,13 @@ class AttentionLayout:
 def attention_layout(model: Decoder) -> AttentionLayout:
     """The layers and heads the page can show for `model` (from shapes alone: nothing runs)."""
     name = type(model).__name__
-    if not attentions(model):
+    if not _attentions(model):
         return AttentionLayout(
             1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
         )
     padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
-    weights = lambda m, p: recorded(prefill(recording(m, hidden=False), p, same_cache=False)[1], "weights", 3)
-    shapes = [s.shape for s in eqx.filter_eval_shape(weights, model, padded)]
+    recorded = lambda m, p: _recorded(prefill(recording(m), p, same_cache=False)[1])
+    shapes = [s.shape for s in eqx.filter_eval_shape(recorded, model, padded)]
     if not shapes:
         return AttentionLayout(
             1, 1, f"{name}.decode does not hand back the caches its MultiHeadAttention layers return"
@@ -76,10 +121,11 @@ def attention_layout(model: Decoder) -> AttentionLayout:
 def _inspect_pass(model: Decoder, padded, layer, position, with_attention: bool, with_lens: bool):
     """One prefill of `padded` `(bucket,)`: the logits of every position, every head's attention
     of `layer` `(heads, bucket, bucket)` and the lens's top tokens at `position`."""
-    recorder = recording(model, attention=with_attention, hidden=with_lens)
-    logits, cache = prefill(recorder, padded[None], same_cache=not (with_attention or with_lens))
-    weights = jnp.concatenate(recorded(cache, "weights", 3))[layer] if with_attention else None
-    lens = lens_top(model, layer_streams(cache)[:, position]) if with_lens else None
+    logits, cache = prefill(
+        recording(model) if with_attention else model, padded[None], same_cache=not with_attention
+    )
+    weights = jnp.concatenate(_recorded(cache))[layer] if with_attention else None
+    lens = lens_top(model, padded[None], position) if with_lens else None
     return weights, logits[0], lens
 
 

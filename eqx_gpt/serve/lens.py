@@ -2,19 +2,26 @@
 predict. At one position, the residual stream after each block is finished by the model's own
 tail, its final norm and head, as if the blocks after it were not there.
 
-The streams are recorded during the page's prefill (`recording`: every block, found by type). The
-tail is the model's own, for any model whose blocks are found: its `decode` runs once more, in its
-loop form (`loop_model`: a GPT unstacked), with every block replaced by a `FixedBlock` that hands
-on a recorded stream in place of its own output, so what comes out is that stream through
-whatever the model does after its blocks (for a GPT: the final norm, the head, the padding ids
-sliced off, the soft-cap if set). One row per layer: the layers are one batch of one-token rows.
+The blocks are found by type, for a `GPT` or a decoder of your own: a **block** is a module with a
+`decode` method that holds an eqx_gpt `MultiHeadAttention` as one of its own fields (eqx_gpt's
+`Block`, or a block of your own built around one), other than the model. The streams are recorded
+by a prefill of the text with each block swapped for a `RecordingBlock`, whose `decode` also puts
+its output in the cache it hands back (`StreamCache`), so the streams come out as the model's own
+cache does, whether its blocks run in a Python loop or a `scan`. The tail is the model's own: its
+`decode` runs once more, in its loop form (`loop_model`: a GPT unstacked), with every block
+replaced by a `FixedBlock` that hands on a recorded stream in place of its own output, so what
+comes out is that stream through whatever the model does after its blocks (for a GPT: the final
+norm, the head, the padding ids sliced off, the soft-cap if set). One row per layer: the layers
+are one batch of one-token rows.
 
 Each layer's distribution is `next_token_distribution` at temperature 1 with no filters: the
 model's own, which the page's "before filters" bars show (the last layer's lens is those bars).
 Where the blocks cannot be walked, `LensLayout.absent` says why, and the page shows that.
 """
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -24,9 +31,65 @@ from jaxtyping import Array, Float, Int
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import loop_model, prefill, prompt_bucket
 from eqx_gpt.generation.sampling import next_token_distribution
-from eqx_gpt.serve.recording import blocks, recorded, recording
+from eqx_gpt.model.attention import KVCache, MultiHeadAttention
 
 LENS_TOP = 5  # tokens shown per layer
+
+
+def is_block(node) -> bool:
+    """Whether `node` is a block: a module with `decode` that holds a `MultiHeadAttention` itself."""
+    if not isinstance(node, eqx.Module) or isinstance(node, MultiHeadAttention):
+        return False
+    if not callable(getattr(node, "decode", None)):
+        return False
+    return any(isinstance(getattr(node, f.name, None), MultiHeadAttention) for f in dataclasses.fields(node))
+
+
+def blocks(model) -> list:
+    """The blocks of `model` (see the module docstring), in the order of its pytree."""
+    inner = lambda n: n is not model and is_block(n)
+    return [n for n in jax.tree.leaves(model, is_leaf=inner) if inner(n)]
+
+
+class StreamCache(KVCache):
+    """A block's `KVCache` that also carries the block's output, the residual stream after it:
+    `(*lead, new, d_model)`."""
+
+    hidden: Float[Array, "*lead new d_model"]
+
+
+class RecordingBlock(eqx.Module):
+    """A block whose `decode` also puts its output in the `StreamCache` it hands back; its other
+    attributes are the block's."""
+
+    block: Any
+
+    def decode(self, x, cache, start, *args, **kwargs):
+        out, updated = self.block.decode(x, cache, start, *args, **kwargs)
+        if not isinstance(updated, KVCache):
+            raise TypeError(
+                f"{type(self.block).__name__}.decode hands back a {type(updated).__name__}, not a KVCache"
+            )
+        return out, StreamCache(updated.k, updated.v, out)
+
+    def __getattr__(self, name: str):  # only for names the wrapper lacks
+        if name == "block":  # not set yet (while the module is built)
+            raise AttributeError(name)
+        return getattr(self.block, name)
+
+
+def recorded_streams(model: Decoder, padded: Int[Array, "1 bucket"]) -> list:
+    """The residual stream after every block for the text `padded`, one `(layers, bucket,
+    d_model)` array per `StreamCache` in the cache the model hands back (a stacked cache's layer
+    axis kept; none if the model hands back other caches than its blocks')."""
+    recorder = eqx.tree_at(blocks, model, [RecordingBlock(b) for b in blocks(model)])
+    _, cache = prefill(recorder, padded, same_cache=False)
+    found = [n.hidden for n in jax.tree.leaves(cache, is_leaf=_is_stream) if _is_stream(n)]
+    return [h.reshape(-1, *h.shape[-2:]) for h in found]
+
+
+def _is_stream(node) -> bool:
+    return isinstance(node, StreamCache)
 
 
 class FixedBlock(eqx.Module):
@@ -49,15 +112,12 @@ def finish(model: Decoder, streams: Float[Array, "layers d_model"]) -> Float[Arr
     return logits[:, 0]
 
 
-def layer_streams(cache) -> Float[Array, "layers new d_model"]:
-    """The residual streams a recorded prefill's `cache` holds, one per block in the model's order."""
-    return jnp.concatenate(recorded(cache, "hidden", 2))
-
-
 def lens_top(
-    model: Decoder, streams: Float[Array, "layers d_model"]
+    model: Decoder, padded: Int[Array, "1 bucket"], position: Int[Array, ""] | int
 ) -> tuple[Float[Array, "layers top"], Int[Array, "layers top"]]:
-    """The `LENS_TOP` most likely next tokens of each layer's stream: probabilities and ids."""
+    """The `LENS_TOP` most likely next tokens after `position` of the text `padded`, as each
+    layer's residual stream would have them: probabilities and ids, one row per layer."""
+    streams = jnp.concatenate(recorded_streams(model, padded))[:, position]
     logits = finish(model, streams)
     probs = jax.vmap(lambda row: next_token_distribution(row, jnp.float32(1.0)))(logits)
     return jax.lax.top_k(probs, LENS_TOP)
@@ -72,11 +132,7 @@ class LensLayout:
 
 
 def _lens_shapes(model: Decoder, padded):
-    _, cache = prefill(recording(model, attention=False), padded, same_cache=False)
-    found = recorded(cache, "hidden", 2)
-    if not found:
-        return None
-    return lens_top(model, layer_streams(cache)[:, 0])
+    return lens_top(model, padded, 0) if recorded_streams(model, padded) else None
 
 
 def lens_layout(model: Decoder) -> LensLayout:
