@@ -193,6 +193,7 @@ async function inspect() {
     drawLens(seen);
     drawTokens(seen.tokens, seen.position);
     $("position-label").textContent = `after “${visible(seen.tokens[seen.position])}” (position ${seen.position})`;
+    // #compare (base against adapter) is drawn here, at the same body and position, by the multi-adapter server's page.
   } catch (e) {
     $("position-label").textContent = `(${e.message})`;
   }
