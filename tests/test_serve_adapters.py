@@ -5,6 +5,7 @@ the tokens of its model alone, and the command's one-line refusals."""
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -30,6 +31,7 @@ from eqx_gpt import (  # noqa: E402
     merge_lora,
     save_adapters,
     save_checkpoint,
+    train,
 )
 from eqx_gpt.commands import serve as serve_command  # noqa: E402
 from eqx_gpt.generation.decoding import prefill  # noqa: E402
@@ -44,7 +46,7 @@ CONFIG = GPTConfig(vocab_size=TOKENIZER.vocab_size, context_length=32, d_model=3
 ADAPTERS = {"poet": (1, 4, 16.0, "c_attn"), "lawyer": (2, 8, 8.0, "c_attn,c_fc")}
 
 
-def adapted(base: GPT, seed: int, rank: int, alpha: float, targets: str) -> GPT:
+def adapted(base, seed: int, rank: int, alpha: float, targets: str):
     """`base` with LoRA adapters whose B is random (a fresh adapter's B is zero: the base itself)."""
     model = apply_lora(base, rank, alpha=alpha, targets=targets, key=jax.random.key(seed))
     is_lora = lambda n: isinstance(n, LoRALinear)
@@ -205,3 +207,58 @@ def test_the_command_refuses_bad_adapters_in_one_line(folders, tmp_path, capsys)
         model = adapted(GPT(other, key=jax.random.key(1)), 5, 4, 16.0, "c_attn")
         save_adapters(model, tmp_path / "other", base="other")
         refused([*base, "--adapter", f"other={tmp_path / 'other'}"], capsys, "--adapter other=", phrase)
+
+
+TINY_GPT2 = Path(__file__).resolve().parent / "fixtures" / "tiny-gpt2"
+PEFT_FIXTURE = TINY_GPT2.parent / "tiny-gpt2-lora"  # written by Hugging Face PEFT itself
+
+
+def test_a_lora_run_and_a_peft_folder_served_on_their_gpt2_and_the_run_alone_as_today(gpt2_corpus, tmp_path):
+    """`--adapter` takes a LoRA run's folder and a folder PEFT wrote, on the GPT-2 folder they adapt:
+    each seeded request gives its adapter's model alone (`load_model(run, lora="separate")`,
+    `load_adapters`). The run served as `--checkpoint` (merged, alone) still gives its own tokens."""
+    settings = dict(context_length=32, batch_size=2, eval_batches=1, max_steps=3, eval_interval=3,
+                    warmup_steps=1, lr=1e-2, lora_rank=4, lora_alpha=8.0,
+                    lora_targets="c_attn,c_proj")  # fmt: skip
+    train(out_dir=tmp_path / "run", init_from=str(TINY_GPT2), data=str(gpt2_corpus), sample_tokens=0,
+          log=lambda s: None, progress=False, **settings)  # fmt: skip
+    base, tokenizer, _ = load_model(TINY_GPT2, kind="GPT")
+    given = [("run", tmp_path / "run"), ("peft", PEFT_FIXTURE)]
+    adapters = serve_command.load_served_adapters(base, "tiny-gpt2", given)
+    alone_models = {
+        "run": load_model(tmp_path / "run", lora="separate")[0],
+        "peft": load_adapters(base, PEFT_FIXTURE),
+    }
+    merged, _, _ = load_model(tmp_path / "run", kind="GPT")  # what `--checkpoint RUN` serves
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0.9, "seed": 5}
+    key = jax.random.wrap_key_data(jnp.asarray(sample_key_data(5, 0)))
+    drawn = lambda m: tokenizer.decode([int(t) for t in generate(m, [5, 6, 7], 12, key=key, temperature=0.9)])
+    app = create_app(base, tokenizer, name="tiny-gpt2", slots=4, adapters=adapters)
+    with TestClient(app, base_url=LOCAL) as client:
+        for name, model in alone_models.items():
+            answer = client.post("/v1/completions", json={**body, "model": name}).json()
+            assert answer["choices"][0]["text"] == drawn(model), name
+    with TestClient(create_app(merged, tokenizer, name="run", slots=4), base_url=LOCAL) as client:
+        answer = client.post("/v1/completions", json={**body, "model": "run"}).json()
+        assert answer["choices"][0]["text"] == drawn(merged)
+
+
+def test_adapters_of_a_model_of_ones_own_in_eqx_gpts_format_batch_too(tmp_path):
+    """A decoder of one's own (its blocks a tuple), its adapters in eqx_gpt's own format: served
+    beside it, each seeded request gives the adapted model's tokens alone."""
+    from test_serve_own_decoder import TOKENIZER as OWN_TOKENIZER
+    from test_serve_own_decoder import OwnDecoder
+
+    own = OwnDecoder(OWN_TOKENIZER.vocab_size, key=jax.random.key(0))
+    save_adapters(adapted(own, 3, 4, 16.0, "attn.qkv,up"), tmp_path / "own-lora", base="tests:OwnDecoder")
+    adapters = serve_command.load_served_adapters(own, "own", [("mine", tmp_path / "own-lora")])
+    app = create_app(own, OWN_TOKENIZER, name="own", slots=4, adapters=adapters)
+    key = jax.random.wrap_key_data(jnp.asarray(sample_key_data(2, 0)))
+    with TestClient(app, base_url=LOCAL) as client:
+        texts = {}
+        for name, model in (("own", own), ("mine", adapters["mine"])):
+            body = {"model": name, "prompt": "the fox", "max_tokens": 20, "temperature": 0.9, "seed": 2}
+            texts[name] = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            ids = generate(model, OWN_TOKENIZER.encode("the fox"), 20, key=key, temperature=0.9)
+            assert texts[name] == OWN_TOKENIZER.decode([int(t) for t in ids]), name
+    assert texts["own"] != texts["mine"]
