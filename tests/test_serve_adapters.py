@@ -24,6 +24,7 @@ from eqx_gpt import (  # noqa: E402
     LoRALinear,
     SamplingOptions,
     apply_lora,
+    choose_adapter,
     create_app,
     generate,
     load_adapters,
@@ -31,11 +32,11 @@ from eqx_gpt import (  # noqa: E402
     merge_lora,
     save_adapters,
     save_checkpoint,
+    stack_adapters,
     train,
 )
 from eqx_gpt.commands import serve as serve_command  # noqa: E402
 from eqx_gpt.generation.decoding import prefill  # noqa: E402
-from eqx_gpt.model.multi_lora import choose_adapter, stack_adapters  # noqa: E402
 from eqx_gpt.serve.batcher import Finished, Sequence, Token, sample_key_data  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")
