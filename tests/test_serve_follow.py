@@ -93,7 +93,12 @@ def test_a_server_not_following_says_so(tmp_path):
         assert (state["step"], state["following"], state["error"]) == (20, False, None)
 
 
-def test_follow_needs_a_run_folder(tmp_path, capsys):
+def test_follow_needs_a_run_folder_and_takes_no_adapter(tmp_path, capsys):
     assert serve_command.main(["--checkpoint", str(tmp_path), "--follow"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--follow follows a run folder" in err
+    (tmp_path / "run").mkdir()
+    run = make_run(tmp_path / "run")
+    assert serve_command.main(["--checkpoint", str(run), "--follow", "--adapter", f"poet={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "takes no --adapter" in err

@@ -37,6 +37,7 @@ from eqx_gpt.errors import EqxGptError
 from eqx_gpt.generation.decoder import Decoder, check_decoder
 from eqx_gpt.generation.decoding import empty_loop_cache, prefill, prompt_bucket
 from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
+from eqx_gpt.model.multi_lora import adapter_count
 from eqx_gpt.serve.steps import Programs
 
 
@@ -85,6 +86,7 @@ class Sequence:
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
     logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
+    adapter: int = 0  # the LoRA adapter it decodes with (`stack_adapters`' index; 0: the base)
     cancelled: bool = False
     failure: str | None = None  # why the sequence ends before its tokens are drawn
     # The loop's own record, while the sequence holds a slot:
@@ -111,6 +113,7 @@ class Batcher:
         self.queue_size = queue_size
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)
         self.programs = Programs(model)
+        self.adapters = adapter_count(model)  # a sequence's `adapter` is below this
         self._model = model
         self._swap: tuple[Programs, Decoder] | None = None  # new weights, taken between two steps
         self._cache = self._empty_cache()
@@ -160,6 +163,8 @@ class Batcher:
                 raise ValueError(f"a prompt is one or more token ids in [0, vocab_size={vocab})")
             if s.max_tokens < 1:
                 raise ValueError(f"a sequence draws at least one token, got max_tokens={s.max_tokens}")
+            if not 0 <= s.adapter < self.adapters:
+                raise ValueError(f"a sequence's adapter is in [0, {self.adapters}), got {s.adapter}")
             s.prompt = s.prompt[-context:]
         with self._wake:
             if len(self._waiting) + len(sequences) > self.queue_size:
@@ -243,6 +248,7 @@ class Batcher:
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
             None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
+            jnp.int32(sequence.adapter),
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -285,6 +291,7 @@ class Batcher:
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
             bias=bias,
+            adapters=jnp.asarray([0 if s is None else s.adapter for s in self.slots], jnp.int32),
         )  # fmt: skip
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)

@@ -17,6 +17,10 @@ alone. Compiled shapes stay few: one decode program per combination of the two f
 (some slot uses top-k; some slot uses top-p), and one prefill per prompt bucket (`prompt_bucket`:
 powers of two from 16 to the context). A slot without a filter passes the setting that keeps every
 token (`top_k = vocab_size`, `top_p = 1`), which leaves its logits bit for bit as they were.
+
+A model serving many LoRA adapters (`stack_adapters`: its adapted projections `MultiLoRALinear`s)
+takes each slot's adapter index (`choose_adapter`, under the same `vmap`), so requests for
+different adapters decode in one step; a model without them ignores the index.
 """
 
 from typing import Any
@@ -29,6 +33,7 @@ from jaxtyping import Array, Float, Int, UInt
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import decode_slot, loop_model, prefill
 from eqx_gpt.generation.sampling import sample_rows
+from eqx_gpt.model.multi_lora import choose_adapter
 
 LOGPROBS_MAX = 5  # OpenAI's bound on `logprobs`: the most likely alternatives reported per token
 
@@ -66,6 +71,7 @@ def _prefill(
     top_k: Int[Array, ""] | None,
     top_p: Float[Array, ""] | None,
     bias: Float[Array, " vocab"] | None,
+    adapter: Int[Array, ""] | None,
     *,
     prompt_logprobs: bool,
 ):
@@ -75,7 +81,7 @@ def _prefill(
     Returns `(cache, token, its TokenLogprobs, the prompt's TokenLogprobs or None)`; the prompt's are
     for tokens 1 .. bucket - 1 given those before (the caller keeps the first `length - 1`).
     """
-    model: Decoder = eqx.combine(params, static)
+    model: Decoder = choose_adapter(eqx.combine(params, static), adapter)  # many adapters: its own
     logits, fresh = prefill(model, padded)
     last = logits[:, length - 1]
     last = last if bias is None else last + bias  # logit_bias: before the filters
@@ -99,14 +105,17 @@ def _decode(
     top_k: Int[Array, " slots"],
     top_p: Float[Array, " slots"],
     bias: Float[Array, "slots vocab"] | None,
+    adapters: Int[Array, " slots"] | None,
     *,
     use_top_k: bool,
     use_top_p: bool,
 ):
     """Feed each slot's `tokens` at its position `starts` (`decode_slot` under `vmap`) and sample
-    its token number `produced`. `model` is in the loop's form (`loop_model`)."""
+    its token number `produced`. `model` is in the loop's form (`loop_model`); with many adapters
+    (`MultiLoRALinear`s) each slot applies its own, `adapters` (the base's weights read once for all)."""
     model: Decoder = eqx.combine(params, static)
-    logits, cache = jax.vmap(lambda t, c, s: decode_slot(model, t, c, s))(tokens, cache, starts)
+    step = lambda t, c, s, a: decode_slot(choose_adapter(model, a), t, c, s)
+    logits, cache = jax.vmap(step)(tokens, cache, starts, adapters)
 
     def sample(lg, kd, index, t, k, p):
         k, p = (k if use_top_k else None), (p if use_top_p else None)
@@ -135,18 +144,18 @@ class Programs:
 
     def prefill(
         self, cache, slot, padded, length, produced, key_data, temperature, top_k, top_p, prompt_logprobs,
-        bias=None,
+        bias=None, adapter=None,
     ):  # fmt: skip
         return _prefill_jit(
             self.static, self.params, cache, slot, padded, length, produced, key_data,
-            temperature, top_k, top_p, bias, prompt_logprobs=prompt_logprobs,
+            temperature, top_k, top_p, bias, adapter, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
 
     def decode(
         self, cache, tokens, starts, produced, key_data, temperature, top_k, top_p, use_top_k, use_top_p,
-        bias=None,
+        bias=None, adapters=None,
     ):  # fmt: skip
         return _decode_jit(
             self.looped_static, self.looped_params, cache, tokens, starts, produced, key_data,
-            temperature, top_k, top_p, bias, use_top_k=use_top_k, use_top_p=use_top_p,
+            temperature, top_k, top_p, bias, adapters, use_top_k=use_top_k, use_top_p=use_top_p,
         )  # fmt: skip
