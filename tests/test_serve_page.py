@@ -3,11 +3,9 @@ which .ci/run installs) through selenium: generate, stream, move a slider, see t
 with its tokens and its colour scale, open a head from all the layer's heads, read the logit lens;
 follow a run through two new checkpoints; and use the page under an API key.
 
-Set SERVE_SCREENSHOT=docs/serve-page.png to keep the screenshot (the README shows that one)."""
+The README's picture (docs/serve-page.png) is of a trained run: tests/tools/page_screenshot.py."""
 
-import os
 import shutil
-from pathlib import Path
 
 import jax
 import pytest
@@ -162,7 +160,7 @@ def test_the_page_generates_streams_reshapes_the_bars_and_draws_attention(browse
         assert texts(browser, "#attention-rows span") == texts(browser, "#tokens span")  # the 32 tokens
         assert browser.find_element(By.ID, "card").text.count("final val loss") == 1
 
-        path = Path(os.environ.get("SERVE_SCREENSHOT") or tmp_path / "serve-page.png")
+        path = tmp_path / "serve-page.png"
         assert browser.save_screenshot(str(path)) and path.stat().st_size > 10_000
 
 

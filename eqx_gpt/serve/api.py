@@ -168,6 +168,20 @@ class Server:
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
         self.metrics = ServerMetrics(self.batcher, lambda: len(self.replies))
 
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """The app's life: the batcher's thread, and the follower's (`--follow`), run while it serves."""
+        self.loop = asyncio.get_running_loop()
+        self.batcher.start()
+        if self.follower is not None:
+            self.follower.start()
+        try:
+            yield
+        finally:
+            if self.follower is not None:
+                self.follower.stop()
+            self.batcher.stop()
+
     def swap(self, model: Decoder, meta: dict) -> None:
         """Serve `model` (the served model's structure, new weights; `meta` its checkpoint's) from
         now on: the page's passes at once, the batcher from its next step (`Batcher.swap`). A
@@ -559,6 +573,22 @@ async def _page(request: Request) -> Response:
     return FileResponse(PAGE / "index.html")
 
 
+def _routes(server: Server) -> list:
+    return [
+        Route("/", _page),
+        Route("/v1/models", server.models),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/inspect", server.inspect, methods=["POST"]),
+        Route("/v1/card", server.card),
+        Route("/v1/run", server.run),
+        Route("/health", server.health),
+        Route("/metrics", server.metrics_text),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Mount("/page", StaticFiles(directory=PAGE), name="page"),
+    ]
+
+
 def _follower(server: Server, run_dir: Path, every_s: float) -> RunFollower:
     from eqx_gpt.checkpoint import load_model  # the checkpoints of a run, only when one is followed
 
@@ -621,32 +651,6 @@ def create_app(
     if follow is not None:
         server.follower = _follower(server, Path(follow), follow_every_s)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.loop = asyncio.get_running_loop()
-        server.batcher.start()
-        if server.follower is not None:
-            server.follower.start()
-        try:
-            yield
-        finally:
-            if server.follower is not None:
-                server.follower.stop()
-            server.batcher.stop()
-
-    routes = [
-        Route("/", _page),
-        Route("/v1/models", server.models),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/inspect", server.inspect, methods=["POST"]),
-        Route("/v1/card", server.card),
-        Route("/v1/run", server.run),
-        Route("/health", server.health),
-        Route("/metrics", server.metrics_text),
-        Route("/tokenize", server.tokenize, methods=["POST"]),
-        Route("/detokenize", server.detokenize, methods=["POST"]),
-        Mount("/page", StaticFiles(directory=PAGE), name="page"),
-    ]
     middleware = [
         Middleware(PlainErrorsAsJSON),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
@@ -657,6 +661,7 @@ def create_app(
         )
     handlers = {RequestError: _request_error, HTTPException: _http_error, ClientDisconnect: _client_left,
                 Exception: _server_error}  # fmt: skip
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    app = Starlette(routes=_routes(server), middleware=middleware, exception_handlers=handlers,
+                    lifespan=server.lifespan)  # type: ignore[arg-type]  # fmt: skip
     app.state.server = server
     return app
