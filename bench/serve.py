@@ -35,6 +35,21 @@ Sampling is the server's (temperature 1, no filters), the tokens handed back to 
 the server has them; llama.cpp's tool runs the model alone. A warm-up round compiles the programs.
 
     uv run python bench/serve.py --clients "" --pp 128 --tg 32   # the table alone
+
+Then, per model, what attention through the API costs (`attention` on `/v1/completions`), timed at
+the `Batcher` as above: 16 sequences of PP prompt tokens drawing TG + 1 tokens each, in three
+variants run in turn, `--attention-rounds` times each (the median printed):
+- `before`: a batcher that never runs the attention variant of its programs (the decode step as it
+  was before requests could ask; `WithoutAttention`);
+- `none asks`: the server's batcher, no sequence asking (the issue's bound: within 3% of `before`);
+- `1 of 16 asks`: the server's batcher, one sequence asking for the most a request may
+  (`ATTENTION_MAX_PAIRS` layer-and-head rows), so every decode step runs the attention variant;
+  the figure is the other 15 sequences' (the bound: at most 10% below `none asks`). An attention
+  output computed at every step whoever asks would cost every request what this row costs the 15.
+Each figure is the decode phase's tokens/s of the 15 sequences that never ask: their tokens after
+the first over the time from the last prefill to the last token.
+
+    uv run python bench/serve.py --clients "" --batches "" --attention-rounds 5   # this table alone
 """
 
 import argparse
@@ -56,6 +71,7 @@ from common import cpu_description  # noqa: E402
 
 from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, SamplingOptions, create_app  # noqa: E402
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, Sequence, Token, sample_key_data  # noqa: E402
+from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_BPE = ROOT.parent / "shared" / "data" / "tiktoken-cache"
@@ -200,6 +216,78 @@ def batched_bench(model, pp: int, tg: int, batches: list[int]) -> None:
         batcher.stop()
 
 
+class WithoutAttention(Batcher):
+    """The batcher as it was before a request could ask for attention: no step runs the attention
+    variant of the programs (the bench's baseline; nothing here asks)."""
+
+    def _attention_rows(self):
+        return None
+
+
+def attention_round(batcher: Batcher, prompts: list[list[int]], tg: int, rows: np.ndarray | None) -> float:
+    """The decode-phase tokens/s of sequences 1.. of `prompts` (each drawing TG + 1 tokens) while
+    sequence 0 asks for attention `rows` (None: nobody asks)."""
+    times: list[list[float]] = [[] for _ in prompts]
+    failures, ended = [], threading.Semaphore(0)
+
+    def emitter(i):
+        def emit(event):  # called from the batcher's thread
+            if isinstance(event, Token):
+                times[i].append(time.perf_counter())
+                return
+            if isinstance(event, Failed) or (isinstance(event, Finished) and event.reason != "length"):
+                failures.append(str(event))
+            ended.release()
+
+        return emit
+
+    options = SamplingOptions(temperature=1.0)
+    sequences = [
+        Sequence(p, tg + 1, options, sample_key_data(0, i), emitter(i), attention_rows=None if i else rows)
+        for i, p in enumerate(prompts)
+    ]
+    batcher.submit(sequences)
+    for _ in sequences:
+        ended.acquire()
+    if failures:
+        raise SystemExit(f"attention round failed: {failures}")
+    prefilled = max(t[0] for t in times)
+    return (len(prompts) - 1) * tg / (max(t[-1] for t in times[1:]) - prefilled)
+
+
+def attention_bench(model, pp: int, tg: int, rounds: int) -> None:
+    """Print the cost of attention through the API: see the module's docstring."""
+    rng = np.random.default_rng(0)
+    c = model.config
+    asked = np.arange(min(ATTENTION_MAX_PAIRS, c.n_layers * c.n_heads), dtype=np.int32)
+    variants = {
+        "before": (WithoutAttention, None), "none asks": (Batcher, None), "1 of 16 asks": (Batcher, asked)
+    }  # fmt: skip
+    batchers = {name: kind(model, slots=SLOTS, queue_size=SLOTS) for name, (kind, _) in variants.items()}
+    for batcher in batchers.values():
+        batcher.start()
+    figures: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for name, (_, rows) in variants.items():  # compile every program each variant runs
+            attention_round(batchers[name], [rng.integers(0, c.vocab_size, pp).tolist()] * SLOTS, 2, rows)
+        for _ in range(rounds):
+            for name, (_, rows) in variants.items():
+                prompts = [rng.integers(0, c.vocab_size, pp).tolist() for _ in range(SLOTS)]
+                figures[name].append(attention_round(batchers[name], prompts, tg, rows))
+    finally:
+        for batcher in batchers.values():
+            batcher.stop()
+    print(f"\nattention through the API: {SLOTS} sequences, PP {pp}, TG {tg}, the asking one asks for "
+          f"{len(asked)} rows (layer x head); median of {rounds}, the 15 that never ask")  # fmt: skip
+    print(f"| {'variant':<12} | {'tokens/s':>9} | {'x before':>8} | {'x none asks':>11} | bound |")
+    print(f"|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 13}|-------|")
+    median = {name: float(np.median(values)) for name, values in figures.items()}
+    bounds = {"before": "", "none asks": ">= 0.97 x before", "1 of 16 asks": ">= 0.90 x none asks"}
+    for name in variants:
+        print(f"| {name:<12} | {median[name]:9.1f} | {median[name] / median['before']:8.3f} | "
+              f"{median[name] / median['none asks']:11.3f} | {bounds[name]} |")  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="gpt2-124m,char")
@@ -211,11 +299,15 @@ def main() -> None:
         "--tg", type=int, help="batched-bench generated tokens (default: 32 for GPT-2, 16 for char)"
     )
     p.add_argument(
+        "--attention-rounds", type=int, default=3, help="rounds per variant of the attention table (0: none)"
+    )
+    p.add_argument(
         "--smoke", action="store_true", help="tiny and fast: the char model, 1 client, PP 16, TG 4"
     )
     args = p.parse_args()
     if args.smoke:
         args.models, args.clients, args.rounds, args.pp, args.tg = "char", "1", 1, 16, 4
+        args.attention_rounds = 1
     levels = [int(n) for n in args.clients.split(",") if n]
     batches = [int(n) for n in args.batches.split(",") if n]
     print(f"CPU: {cpu_description()}")
@@ -225,16 +317,21 @@ def main() -> None:
               f"vocab {model.config.vocab_size}, context {model.config.context_length}")  # fmt: skip
         if levels:
             bench_model(model, tokenizer, prompt, tokens, levels, args.rounds)
+        default_pp, default_tg = BATCHED_PP_TG.get(name, BATCHED_PP_TG["char"])
+        pp = default_pp if args.pp is None else args.pp
+        tg, context = default_tg if args.tg is None else args.tg, model.config.context_length
+        sizes = batches or [1]
+        if (batches or args.attention_rounds) and (
+            pp < 1 or tg < 1 or pp + tg > context or not 1 <= min(sizes) <= max(sizes) <= SLOTS
+        ):
+            p.error(
+                f"batched-bench needs PP, TG >= 1 with PP + TG <= context ({context}) and B in "
+                f"[1, {SLOTS}]; got PP {pp}, TG {tg}, B {batches}: change --pp, --tg or --batches"
+            )
         if batches:
-            default_pp, default_tg = BATCHED_PP_TG.get(name, BATCHED_PP_TG["char"])
-            pp = default_pp if args.pp is None else args.pp
-            tg, context = default_tg if args.tg is None else args.tg, model.config.context_length
-            if pp < 1 or tg < 1 or pp + tg > context or not 1 <= min(batches) <= max(batches) <= SLOTS:
-                p.error(
-                    f"batched-bench needs PP, TG >= 1 with PP + TG <= context ({context}) and B in "
-                    f"[1, {SLOTS}]; got PP {pp}, TG {tg}, B {batches}: change --pp, --tg or --batches"
-                )
             batched_bench(model, pp, tg, batches)
+        if args.attention_rounds > 0:
+            attention_bench(model, pp, tg, args.attention_rounds)
 
 
 if __name__ == "__main__":
