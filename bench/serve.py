@@ -70,8 +70,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description  # noqa: E402
 
 from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, SamplingOptions, create_app  # noqa: E402
-from eqx_gpt.serve.batcher import Batcher, Failed, Finished, Sequence, Token, sample_key_data  # noqa: E402
-from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS  # noqa: E402
+from eqx_gpt.serve.batcher import (  # noqa: E402
+    ATTENTION_MAX_PAIRS,
+    Batcher,
+    Failed,
+    Finished,
+    Sequence,
+    Token,
+    sample_key_data,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_BPE = ROOT.parent / "shared" / "data" / "tiktoken-cache"
