@@ -42,12 +42,16 @@ variants run in turn, `--attention-rounds` times each (the median printed):
 - `before`: a batcher that never runs the attention variant of its programs (the decode step as it
   was before requests could ask; `WithoutAttention`);
 - `none asks`: the server's batcher, no sequence asking (the issue's bound: within 3% of `before`);
-- `1 of 16 asks`: the server's batcher, one sequence asking for the most a request may
-  (`ATTENTION_MAX_PAIRS` layer-and-head rows), so every decode step runs the attention variant;
-  the figure is the other 15 sequences' (the bound: at most 10% below `none asks`). An attention
-  output computed at every step whoever asks would cost every request what this row costs the 15.
+- `1 of 16 asks`: the server's batcher, one sequence asking for the most a request may (every
+  head of as many layers as `ATTENTION_MAX_PAIRS` rows allow), so every decode step runs the
+  attention variant; the figure is the other 15 sequences' (the bound: at most 10% below
+  `none asks`). An attention output computed at every step whoever asks would cost every request
+  what this row costs the 15.
 Each figure is the decode phase's tokens/s of the 15 sequences that never ask: their tokens after
-the first over the time from the last prefill to the last token.
+the first over the time from the last prefill to the last token. Then the same through the server
+(`HTTP` rows: 16 streamed completions of the first table's tokens, the asking one's attention
+rounded and written as JSON in the server's process, which the others share): none asks against
+1 of 16 asks, the 15 others' tokens over the time until the last of them ends.
 
     uv run python bench/serve.py --clients "" --batches "" --attention-rounds 5   # this table alone
 """
@@ -262,37 +266,96 @@ def attention_round(batcher: Batcher, prompts: list[list[int]], tg: int, rows: n
     return (len(prompts) - 1) * tg / (max(t[-1] for t in times[1:]) - prefilled)
 
 
-def attention_bench(model, pp: int, tg: int, rounds: int) -> None:
-    """Print the cost of attention through the API: see the module's docstring."""
-    rng = np.random.default_rng(0)
-    c = model.config
-    asked = np.arange(min(ATTENTION_MAX_PAIRS, c.n_layers * c.n_heads), dtype=np.int32)
+def asked_attention(config) -> dict:
+    """The most a request may ask: every head of as many layers as `ATTENTION_MAX_PAIRS` allows."""
+    heads = list(range(min(config.n_heads, ATTENTION_MAX_PAIRS)))
+    return {"layers": list(range(min(config.n_layers, ATTENTION_MAX_PAIRS // len(heads)))), "heads": heads}
+
+
+def batcher_rows(model, pp: int, tg: int, rounds: int, asked: dict) -> dict[str, float]:
+    """The three batcher variants' medians (see the module's docstring), run in turn."""
+    rng, c = np.random.default_rng(0), model.config
+    rows = np.array([layer * c.n_heads + h for layer in asked["layers"] for h in asked["heads"]], np.int32)
     variants = {
-        "before": (WithoutAttention, None), "none asks": (Batcher, None), "1 of 16 asks": (Batcher, asked)
-    }  # fmt: skip
+        "before": (WithoutAttention, None),
+        "none asks": (Batcher, None),
+        "1 of 16 asks": (Batcher, rows),
+    }
     batchers = {name: kind(model, slots=SLOTS, queue_size=SLOTS) for name, (kind, _) in variants.items()}
     for batcher in batchers.values():
         batcher.start()
     figures: dict[str, list[float]] = {name: [] for name in variants}
     try:
-        for name, (_, rows) in variants.items():  # compile every program each variant runs
-            attention_round(batchers[name], [rng.integers(0, c.vocab_size, pp).tolist()] * SLOTS, 2, rows)
+        for name, (_, ask) in variants.items():  # compile every program each variant runs
+            attention_round(batchers[name], [rng.integers(0, c.vocab_size, pp).tolist()] * SLOTS, 2, ask)
         for _ in range(rounds):
-            for name, (_, rows) in variants.items():
+            for name, (_, ask) in variants.items():
                 prompts = [rng.integers(0, c.vocab_size, pp).tolist() for _ in range(SLOTS)]
-                figures[name].append(attention_round(batchers[name], prompts, tg, rows))
+                figures[name].append(attention_round(batchers[name], prompts, tg, ask))
     finally:
         for batcher in batchers.values():
             batcher.stop()
-    print(f"\nattention through the API: {SLOTS} sequences, PP {pp}, TG {tg}, the asking one asks for "
-          f"{len(asked)} rows (layer x head); median of {rounds}, the 15 that never ask")  # fmt: skip
-    print(f"| {'variant':<12} | {'tokens/s':>9} | {'x before':>8} | {'x none asks':>11} | bound |")
-    print(f"|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 13}|-------|")
-    median = {name: float(np.median(values)) for name, values in figures.items()}
+    return {name: float(np.median(values)) for name, values in figures.items()}
+
+
+def stream_tokens(url: str, prompt: str, tokens: int, seed: int, attention: dict | None) -> int:
+    """The completion tokens of one streamed completion (asking for `attention`, if given)."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "stream": True, "seed": seed,
+            "temperature": 1.0, "stream_options": {"include_usage": True}}  # fmt: skip
+    if attention is not None:
+        body["attention"] = attention
+    used = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                used = json.loads(line[6:]).get("usage", {}).get("completion_tokens", used)
+    return used
+
+
+def http_rows(model, tokenizer, prompt: str, tokens: int, rounds: int, asked: dict) -> dict[str, float]:
+    """Over HTTP (the attention's JSON included): 16 streams, none or the first asking; the medians
+    of the other 15's tokens/s (their tokens over the time until the last of them ends)."""
+    figures: dict[str, list[float]] = {"none asks": [], "1 of 16 asks": []}
+    with Server(create_app(model, tokenizer, name="bench", slots=SLOTS, queue_size=64)) as url:
+
+        def one_round(ask) -> float:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(SLOTS) as pool:
+                asking = pool.submit(stream_tokens, url, prompt, tokens, 0, ask)
+                others = [pool.submit(stream_tokens, url, prompt, tokens, i, None) for i in range(1, SLOTS)]
+                used = sum(f.result() for f in others)
+                wall = time.perf_counter() - start
+                asking.result()
+            return used / wall
+
+        for ask in (None, asked):  # compile every program a round runs (a sliding window's prefill too)
+            one_round(ask)
+        for _ in range(rounds):
+            for name, ask in (("none asks", None), ("1 of 16 asks", asked)):
+                figures[name].append(one_round(ask))
+    return {name: float(np.median(values)) for name, values in figures.items()}
+
+
+def attention_bench(model, tokenizer, prompt: str, tokens: int, pp: int, tg: int, rounds: int) -> None:
+    """Print the cost of attention through the API: see the module's docstring."""
+    asked = asked_attention(model.config)
+    pairs = len(asked["layers"]) * len(asked["heads"])
+    at_batcher = batcher_rows(model, pp, tg, rounds, asked)
+    over_http = http_rows(model, tokenizer, prompt, tokens, rounds, asked)
+    print(f"\nattention through the API: {SLOTS} sequences, the asking one asks for layers "
+          f"{asked['layers']} x heads {asked['heads']} ({pairs} rows); tokens/s of the 15 that never ask, "
+          f"median of {rounds}")  # fmt: skip
+    header = f"| {'where':<22} | {'variant':<12} | {'tokens/s':>9} | {'x before':>8} | {'x none asks':>11} |"
+    print(header + " bound |")
+    print(f"|{'-' * 24}|{'-' * 14}|{'-' * 11}|{'-' * 10}|{'-' * 13}|-------|")
     bounds = {"before": "", "none asks": ">= 0.97 x before", "1 of 16 asks": ">= 0.90 x none asks"}
-    for name in variants:
-        print(f"| {name:<12} | {median[name]:9.1f} | {median[name] / median['before']:8.3f} | "
-              f"{median[name] / median['none asks']:11.3f} | {bounds[name]} |")  # fmt: skip
+    for where, median in ((f"Batcher, PP {pp} TG {tg}", at_batcher), (f"HTTP, {tokens} tokens", over_http)):
+        for name, value in median.items():
+            before = f"{value / median['before']:8.3f}" if "before" in median else f"{'':8}"
+            bound = bounds[name] if "before" in median or name != "none asks" else ""
+            print(f"| {where:<22} | {name:<12} | {value:9.1f} | {before} | "
+                  f"{value / median['none asks']:11.3f} | {bound} |")  # fmt: skip
 
 
 def main() -> None:
@@ -338,7 +401,7 @@ def main() -> None:
         if batches:
             batched_bench(model, pp, tg, batches)
         if args.attention_rounds > 0:
-            attention_bench(model, pp, tg, args.attention_rounds)
+            attention_bench(model, tokenizer, prompt, tokens, pp, tg, args.attention_rounds)
 
 
 if __name__ == "__main__":
