@@ -183,3 +183,23 @@ def test_what_a_request_may_ask_is_bounded_before_any_work(run, monkeypatch):
         monkeypatch.setattr(requests, "ATTENTION_MAX_PAIRS", 4)
         wide = client.post("/v1/completions", json={**body, "max_tokens": 2}).json()["error"]
         assert wide["param"] == "attention" and "2 layers x 3 heads = 6 rows" in wide["message"]
+
+
+def test_each_choice_has_its_own_lists_cut_with_its_text_at_a_stop(run):
+    """n=2 with echo, logprobs and a stop string: each choice's attention covers its generated
+    tokens kept (logprobs' tokens past the echoed prompt), not those after the stop."""
+    ask = {"layers": [1], "heads": [0]}
+    body = dict(prompt="KING:", max_tokens=30, temperature=1.0, seed=6, n=2, echo=True, logprobs=0)
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
+        whole = post(client, {**body, "attention": ask})["choices"]
+        stop = whole[0]["text"][len("KING:") + 12 :][:2]
+        cut = post(client, {**body, "attention": ask, "stop": [stop]})["choices"]
+    assert cut[0]["finish_reason"] == "stop"
+    for choice in [*whole, *cut]:
+        generated = len(choice["logprobs"]["tokens"]) - len("KING:")
+        assert len(choice["attention"]["weights"]) == len(choice["attention"]["start"]) == generated
+    assert len(cut[0]["attention"]["weights"]) < 30 and len(whole[0]["attention"]["weights"]) == 30
+    assert (
+        cut[0]["attention"]["weights"]
+        == whole[0]["attention"]["weights"][: len(cut[0]["attention"]["weights"])]
+    )

@@ -284,13 +284,13 @@ class Batcher:
         rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
         if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
             bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
-        rows = self._attention_rows()
+        asked = self._attention_rows()
         self._cache, chosen, logprobs, attention = self.programs.decode(
             self._cache,
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
-            bias=bias, rows=None if rows is None else jnp.asarray(rows),
+            bias=bias, rows=None if asked is None else jnp.asarray(asked),
         )  # fmt: skip
         attention = None if attention is None else np.asarray(attention)
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
