@@ -53,7 +53,15 @@ the first over the time from the last prefill to the last token. Then the same t
 rounded and written as JSON in the server's process, which the others share): none asks against
 1 of 16 asks, the 15 others' tokens over the time until the last of them ends.
 
-    uv run python bench/serve.py --clients "" --batches "" --attention-rounds 5   # this table alone
+    uv run python bench/serve.py --clients "" --batches "" --adapters 0 --attention-rounds 5   # alone
+
+Then, per model, many LoRA adapters in one batch (`--adapters 4`, 0 for none): `--adapter-streams`
+(16) streaming clients on the base alone, then as many spread over 4 random adapters (rank
+`--adapter-rank`, PEFT's GPT-2 default 8, on `--adapter-targets`, default `c_attn`) served beside
+it (`create_app(adapters=...)`: each slot applies its own adapter's A and B to the shared base),
+with the ratio of their aggregate tokens/s (the issue's target: at least 0.8).
+
+    uv run python bench/serve.py --models gpt2-124m --clients "" --batches "" --attention-rounds 0   # alone
 """
 
 import argparse
@@ -65,6 +73,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import equinox as eqx
 import httpx
 import jax
 import numpy as np
@@ -73,7 +82,17 @@ import uvicorn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_description  # noqa: E402
 
-from eqx_gpt import GPT, PRESETS, CharTokenizer, GPT2Tokenizer, GPTConfig, SamplingOptions, create_app  # noqa: E402
+from eqx_gpt import (  # noqa: E402
+    GPT,
+    PRESETS,
+    CharTokenizer,
+    GPT2Tokenizer,
+    GPTConfig,
+    LoRALinear,
+    SamplingOptions,
+    apply_lora,
+    create_app,
+)
 from eqx_gpt.serve.batcher import (  # noqa: E402
     ATTENTION_MAX_PAIRS,
     Batcher,
@@ -125,9 +144,9 @@ class Server:
         self.thread.join()
 
 
-def stream_one(url: str, prompt: str, tokens: int, seed: int) -> tuple[float, int]:
+def stream_one(url: str, prompt: str, tokens: int, seed: int, model: str = "bench") -> tuple[float, int]:
     """`(seconds to the first text, completion tokens)` of one streamed completion."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "stream": True, "seed": seed,
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "stream": True, "seed": seed,
             "temperature": 1.0, "stream_options": {"include_usage": True}}  # fmt: skip
     sent, first, used = time.perf_counter(), None, 0
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as r:
@@ -143,9 +162,13 @@ def stream_one(url: str, prompt: str, tokens: int, seed: int) -> tuple[float, in
     return (first if first is not None else float("nan")), used
 
 
-def measure(url: str, clients: int, rounds: int, prompt: str, tokens: int) -> dict:
+def measure(url: str, clients: int, rounds: int, prompt: str, tokens: int, models=("bench",)) -> dict:
+    """Aggregate tokens/s and time to first token of `clients` streaming `rounds` completions each,
+    client `i` asking for `models[i % len(models)]`."""
+
     def client(i):
-        return [stream_one(url, prompt, tokens, seed=i * rounds + r) for r in range(rounds)]
+        model = models[i % len(models)]
+        return [stream_one(url, prompt, tokens, seed=i * rounds + r, model=model) for r in range(rounds)]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -171,6 +194,39 @@ def bench_model(model, tokenizer, prompt: str, tokens: int, levels: list[int], r
     for slots, clients, m in rows:
         print(f"{slots:>5} {clients:>7} {m['tokens_s']:>9.1f} {m['tokens_s'] / base:>10.2f} "
               f"{m['p50'] * 1e3:>7.0f}ms {m['p99'] * 1e3:>7.0f}ms")  # fmt: skip
+
+
+def random_adapters(model, count: int, rank: int, targets: str) -> dict:
+    """`count` LoRA adapters of `model` with random A and B (a fresh B is zero), named a1, a2, ..."""
+    is_lora = lambda n: isinstance(n, LoRALinear)
+    where = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=is_lora) if is_lora(n)]
+    adapters = {}
+    for i in range(count):
+        adapted = apply_lora(model, rank, targets=targets, key=jax.random.key(100 + i))
+        keys = jax.random.split(jax.random.key(200 + i), len(where(adapted)))
+        new = [0.02 * jax.random.normal(k, b.shape) for k, b in zip(keys, where(adapted), strict=True)]
+        adapters[f"a{i + 1}"] = eqx.tree_at(where, adapted, new)
+    return adapters
+
+
+def bench_adapters(
+    model, tokenizer, prompt: str, tokens: int, rounds: int, streams: int, adapters: dict
+) -> None:
+    """`streams` clients on the base alone, then spread over `adapters` served beside it: the table
+    and the ratio of aggregate tokens/s."""
+    rows = []
+    for label, served in (("base", {}), (f"{len(adapters)} adapters", adapters)):
+        app = create_app(model, tokenizer, name="bench", slots=SLOTS, queue_size=64, adapters=served)
+        names = tuple(served) or ("bench",)
+        with Server(app) as url:
+            for name in names:  # compile the programs (one per model structure, not per adapter)
+                stream_one(url, prompt, tokens, seed=0, model=name)
+            rows.append((label, measure(url, streams, rounds, prompt, tokens, names)))
+    print(f"\nmany adapters, one batch: {streams} streams, {tokens} tokens per request, {rounds} per client")
+    print(f"{'served':>12} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9}")
+    for label, m in rows:
+        print(f"{label:>12} {m['tokens_s']:>9.1f} {m['p50'] * 1e3:>7.0f}ms {m['p99'] * 1e3:>7.0f}ms")
+    print(f"adapters / base aggregate tokens/s: {rows[1][1]['tokens_s'] / rows[0][1]['tokens_s']:.2f}x")
 
 
 def batched_round(batcher: Batcher, prompts: list[list[int]], tg: int) -> tuple[float, float]:
@@ -368,16 +424,21 @@ def main() -> None:
     p.add_argument(
         "--tg", type=int, help="batched-bench generated tokens (default: 32 for GPT-2, 16 for char)"
     )
+    p.add_argument("--adapters", type=int, default=4, help="LoRA adapters of the adapter case (0: no case)")
+    p.add_argument("--adapter-streams", type=int, default=SLOTS, help="streams of the adapter case")
+    p.add_argument("--adapter-rank", type=int, default=8, help="the adapters' rank (PEFT's default 8)")
+    p.add_argument("--adapter-targets", default="c_attn", help="the adapted projections (PEFT's names)")
     p.add_argument(
         "--attention-rounds", type=int, default=3, help="rounds per variant of the attention table (0: none)"
     )
     p.add_argument(
-        "--smoke", action="store_true", help="tiny and fast: the char model, 1 client, PP 16, TG 4"
-    )
+        "--smoke", action="store_true",
+        help="tiny and fast: the char model, 1 client, PP 16, TG 4, 4 adapter streams",
+    )  # fmt: skip
     args = p.parse_args()
     if args.smoke:
         args.models, args.clients, args.rounds, args.pp, args.tg = "char", "1", 1, 16, 4
-        args.attention_rounds = 1
+        args.adapter_streams, args.attention_rounds = 4, 1
     levels = [int(n) for n in args.clients.split(",") if n]
     batches = [int(n) for n in args.batches.split(",") if n]
     print(f"CPU: {cpu_description()}")
@@ -402,6 +463,9 @@ def main() -> None:
             batched_bench(model, pp, tg, batches)
         if args.attention_rounds > 0:
             attention_bench(model, tokenizer, prompt, tokens, pp, tg, args.attention_rounds)
+        if args.adapters > 0:
+            adapters = random_adapters(model, args.adapters, args.adapter_rank, args.adapter_targets)
+            bench_adapters(model, tokenizer, prompt, tokens, args.rounds, args.adapter_streams, adapters)
 
 
 if __name__ == "__main__":

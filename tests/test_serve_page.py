@@ -82,3 +82,28 @@ def test_the_page_generates_streams_reshapes_the_bars_and_draws_attention(browse
 
         path = Path(os.environ.get("SERVE_SCREENSHOT") or tmp_path / "serve-page.png")
         assert browser.save_screenshot(str(path)) and path.stat().st_size > 10_000
+
+
+def test_the_page_compares_the_base_and_an_adapter_at_the_cursor(browser, tmp_path):
+    """A server holding a LoRA adapter: `#compare` shows the base's and the adapter's next-token bars
+    side by side, and they differ (the adapter changes the model)."""
+    import equinox as eqx
+    import jax
+
+    from eqx_gpt import LoRALinear, apply_lora, create_app, load_model
+
+    (tmp_path / "run").mkdir()
+    model, tokenizer, meta = load_model(make_run(tmp_path / "run"), kind="GPT")
+    adapter = apply_lora(model, 4, alpha=16.0, key=jax.random.key(1))
+    is_lora = lambda n: isinstance(n, LoRALinear)
+    lora_b = lambda m: next(n for n in jax.tree.leaves(m, is_leaf=is_lora) if is_lora(n)).lora_b
+    adapter = eqx.tree_at(lora_b, adapter, 4.0 * jax.random.normal(jax.random.key(2), lora_b(adapter).shape))
+    app = create_app(model, tokenizer, meta=meta, name="tiny", slots=2, adapters={"poet": adapter})
+    with LiveServer(app) as live:
+        browser.get(live.url + "/")
+        wait = WebDriverWait(browser, WAIT_S)
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#compare-adapter .bar-row")) == 10)
+        assert browser.find_element(By.ID, "compare").is_displayed()
+        assert "poet" in browser.find_element(By.ID, "compare-adapter-name").text
+        assert bars(browser, "compare-base") == bars(browser, "before")  # the base's own bars
+        assert bars(browser, "compare-adapter") != bars(browser, "compare-base")

@@ -1,6 +1,7 @@
 """The HTTP face of a served model: a Starlette app (`create_app`) speaking OpenAI's completions API.
 
-    GET  /v1/models        the one model served, in OpenAI's list shape
+    GET  /v1/models        the base and every LoRA adapter served beside it, in OpenAI's list
+                           shape (an adapter's `parent` is the base, as vLLM lists them)
     POST /v1/completions   OpenAI's legacy completions (`stream` is server-sent events ending in
                            `data: [DONE]`); `top_k` and `attention` (the attention weights of
                            chosen layers and heads at every token) are eqx_gpt's extensions
@@ -14,6 +15,8 @@
     POST /detokenize       llama.cpp's: `tokens` -> `content`
     GET  /                 the page (`page/`: HTML, CSS and JS, no build step, nothing fetched)
 
+A request's `model` picks the base or one of its adapters (`create_app(adapters=...)`); requests
+for different adapters decode in the same steps (`stack_adapters`: each slot applies its own).
 Requests are decoded together by one `Batcher` (its thread starts and stops with the app). The
 ASGI side hands it `Sequence`s and reads their tokens from an `asyncio.Queue` that the batcher's
 thread fills through `loop.call_soon_threadsafe`. A client that disconnects cancels its sequences,
@@ -40,6 +43,7 @@ from collections import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
@@ -59,6 +63,7 @@ from eqx_gpt._checks import SEED_MAX
 from eqx_gpt.errors import EqxGptError, TokenizerError
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.sampling import SamplingOptions
+from eqx_gpt.model.multi_lora import choose_adapter, stack_adapters
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
 from eqx_gpt.serve.card import model_card
 from eqx_gpt.serve.completions import ChoiceText, token_pieces
@@ -138,14 +143,18 @@ class Choice:
 
 
 class Server:
-    """The app's state: the model, its tokenizer and name, the batcher decoding for it, and the
-    replies in flight (for `drain`)."""
+    """The app's state: the model, its tokenizer and name, its adapters' names, the batcher decoding
+    for them all, and the replies in flight (for `drain`)."""
 
     def __init__(self, model: Decoder, tokenizer, meta: dict, name: str, *, slots: int, queue_size: int,
-                 max_tokens_limit: int, keep: int | None, max_body_bytes: int):  # fmt: skip
+                 max_tokens_limit: int, keep: int | None, max_body_bytes: int,
+                 adapters: abc.Mapping[str, Any] | None = None):  # fmt: skip
         self.model, self.tokenizer, self.meta, self.name = model, tokenizer, meta, name
         self.max_tokens_limit, self.max_body_bytes = max_tokens_limit, max_body_bytes
-        self.batcher = Batcher(model, slots=slots, queue_size=queue_size, keep=keep)
+        self.adapters = list(adapters or {})  # adapter i + 1 of `served`
+        # The base with every adapter stacked beside it (itself when there are none): what decodes.
+        self.served = stack_adapters(model, list((adapters or {}).values()), self.adapters)
+        self.batcher = Batcher(self.served, slots=slots, queue_size=queue_size, keep=keep)
         self.layout = attention_layout(model)  # the page's attention layers, found by type
         self.created = int(time.time())
         self.replies: set[Reply] = set()
@@ -215,7 +224,8 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "eqx_gpt"}
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = [{**model, "id": name, "parent": self.name} for name in self.adapters]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
 
     async def card(self, request: Request) -> Response:
         return JSONResponse(
@@ -226,7 +236,9 @@ class Server:
         """A forward pass outside the batch: at most `INSPECTING_MAX` at once, beyond 429, so a flood
         of them cannot starve the decode loop."""
         body = await self.read_json(request)
-        parse = lambda: parse_inspect(body, self.layout, self.model.context_length, self.tokenizer)
+        parse = lambda: parse_inspect(
+            body, self.layout, self.model.context_length, self.tokenizer, [self.name, *self.adapters]
+        )
         args = await run_in_threadpool(parse)
         if self.inspecting >= INSPECTING_MAX:
             self.metrics.rejected.labels("inspect_busy").inc()
@@ -235,7 +247,8 @@ class Server:
                 code="inspect_busy", kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
         self.inspecting += 1
-        answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout)
+        model = choose_adapter(self.served, args.pop("adapter"))  # base against adapter: the page's #compare
+        answer = lambda: inspect_text(model, self.tokenizer, **args, layout=self.layout)
         try:
             return JSONResponse(await run_in_threadpool(answer))
         except RequestError:
@@ -252,6 +265,7 @@ class Server:
             lambda: parse_completion(
                 body, model_name=self.name, tokenizer=self.tokenizer, vocab_size=self.model.vocab_size,
                 max_tokens_limit=self.max_tokens_limit, max_samples=self.batcher.queue_size,
+                adapters=self.adapters,
                 layout=self.layout, context_length=self.model.context_length,
             )
         )  # fmt: skip
@@ -287,6 +301,7 @@ class Server:
                     sequence = Sequence(
                         prompt, max(req.max_tokens, 1), options, sample_key_data(seed, j), emit,
                         prompt_logprobs=req.echo and req.logprobs is not None, logit_bias=bias,
+                        adapter=req.adapter,
                         attention_rows=None if score_only else rows,
                     )  # fmt: skip
                 echo = text if req.echo else ""
@@ -311,8 +326,9 @@ class Reply:
         self.ending = False
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        model = ([self.server.name, *self.server.adapters])[self.req.adapter]
         chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.server.name, "choices": choices}  # fmt: skip
+                 "model": model, "choices": choices}  # fmt: skip
         if usage is not None:
             chunk["usage"] = usage
         return chunk
@@ -543,6 +559,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     allowed_hosts: abc.Sequence[str] = LOOPBACK_HOSTS,
+    adapters: abc.Mapping[str, Any] | None = None,
 ) -> Starlette:
     """The served `model` (any `Decoder`: a `GPT`, or a model of your own) with its `tokenizer`, as an
     ASGI app (run it with uvicorn, or `eqx_gpt.serve.http_server.serve`, which adds the request
@@ -556,13 +573,21 @@ def create_app(
     path but the page and `/health` needs `Authorization: Bearer <api_key>` (else 401). A request
     whose `Host` is not in `allowed_hosts` is refused (400): the default names only this machine,
     which a DNS-rebinding page cannot reach; `["*"]` takes any.
+
+    `adapters` maps a name to `model` with LoRA adapters (`apply_lora`, `load_adapters` on it): each
+    is served beside the base under its name (a request's `model`), all in the same batch
+    (`stack_adapters`; no merged copy of the model per adapter). A name that is the base's, or one
+    for another base, is a one-line error.
     """
     if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key.strip() and api_key.isprintable()):
         raise ValueError("api_key must be a non-empty string of printable characters (or None)")
+    if adapters is not None and name in adapters:
+        raise ValueError(f"adapter name {name!r} is the base model's; give the adapter another name")
     server = Server(model, tokenizer, meta or {}, name, slots=slots, queue_size=queue_size,
-                    max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes)  # fmt: skip
+                    max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes,
+                    adapters=adapters)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -41,6 +41,7 @@ from eqx_gpt.errors import EqxGptError
 from eqx_gpt.generation.decoder import Decoder, check_decoder
 from eqx_gpt.generation.decoding import empty_loop_cache, prefill, prompt_bucket
 from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
+from eqx_gpt.model.multi_lora import adapter_count
 from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS, Programs, attention_width
 
 
@@ -92,6 +93,7 @@ class Sequence:
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
     logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
+    adapter: int = 0  # the LoRA adapter it decodes with (`stack_adapters`' index; 0: the base)
     attention_rows: np.ndarray | None = None  # (pairs,) int32: `layer * heads + head` to report
     cancelled: bool = False
     failure: str | None = None  # why the sequence ends before its tokens are drawn
@@ -119,6 +121,7 @@ class Batcher:
         self.queue_size = queue_size
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)
         self.programs = Programs(model)
+        self.adapters = adapter_count(model)  # a sequence's `adapter` is below this
         self._model = model
         self._cache = self._empty_cache()
         self._waiting: deque[Sequence] = deque()
@@ -167,6 +170,8 @@ class Batcher:
                 raise ValueError(f"a prompt is one or more token ids in [0, vocab_size={vocab})")
             if s.max_tokens < 1:
                 raise ValueError(f"a sequence draws at least one token, got max_tokens={s.max_tokens}")
+            if not 0 <= s.adapter < self.adapters:
+                raise ValueError(f"a sequence's adapter is in [0, {self.adapters}), got {s.adapter}")
             if s.attention_rows is not None and not 1 <= len(s.attention_rows) <= ATTENTION_MAX_PAIRS:
                 raise ValueError(f"a sequence asks for 1 to {ATTENTION_MAX_PAIRS} attention rows")
             s.prompt = s.prompt[-context:]
@@ -246,6 +251,7 @@ class Batcher:
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
             None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
+            jnp.int32(sequence.adapter),
             None if rows is None else jnp.asarray(rows),
         )  # fmt: skip
         sequence.window = list(tokens)
@@ -290,7 +296,9 @@ class Batcher:
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
-            bias=bias, rows=None if asked is None else jnp.asarray(asked),
+            bias=bias,
+            adapters=jnp.asarray([0 if s is None else s.adapter for s in self.slots], jnp.int32),
+            rows=None if asked is None else jnp.asarray(asked),
         )  # fmt: skip
         attention = None if attention is None else np.asarray(attention)
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)

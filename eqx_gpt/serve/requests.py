@@ -16,6 +16,7 @@ is encoded, and stop strings are at most `MAX_STOP_CHARS` long.
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eqx_gpt._checks import SEED_MAX
@@ -69,6 +70,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]; -100 bans it
+    adapter: int = 0  # the model asked for: 0 the base, i the i-th LoRA adapter served beside it
     attention: AttentionRequest | None = None  # eqx_gpt's: the attention weights to return
 
 
@@ -315,13 +317,32 @@ def _is_ids(items: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
 
+def model_index(body: dict, names: Sequence[str], *, required: bool = True) -> int:
+    """The index in `names` (the base's, then every adapter's) of the model `body` names, as vLLM
+    picks a LoRA adapter by `model`: an unknown name is 404 `model_not_found`. Without `required`, a
+    missing `model` is the base."""
+    model = body.get("model")
+    if model is None and not required:
+        return 0
+    served = ", ".join(map(repr, names))
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string naming a served model ({served})", "model")
+    if model not in names:
+        raise RequestError(
+            f"the model {shown(model)} does not exist; this server serves {served}", "model",
+            status=404, code="model_not_found",
+        )  # fmt: skip
+    return list(names).index(model)
+
+
 def parse_completion(
     body, *, model_name: str, tokenizer, vocab_size: int, max_tokens_limit: int, max_samples: int,
-    layout=None, context_length: int = 0,
+    adapters: Sequence[str] = (), layout=None, context_length: int = 0,
 ) -> CompletionRequest:  # fmt: skip
     """The checked `CompletionRequest` of a JSON `body`, or a `RequestError` naming the bad field.
-    A request asks for at most `max_samples` samples (prompts times `n`); `attention` within
-    `layout` (`inspect.attention_layout`; None: refused), its rows at most `context_length` long."""
+    A request asks for at most `max_samples` samples (prompts times `n`). `model` names the base
+    (`model_name`) or one of its `adapters`. `attention` within `layout`
+    (`inspect.attention_layout`; None: refused), its rows at most `context_length` long."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - KNOWN)
@@ -330,14 +351,7 @@ def parse_completion(
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in (None, neutral):
             raise RequestError(f"{name} is not supported by this server; leave it out", name)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError(f"model must be a string naming the served model ({model_name!r})", "model")
-    if model != model_name:
-        raise RequestError(
-            f"the model {shown(model)} does not exist; this server serves {model_name!r}", "model",
-            status=404, code="model_not_found",
-        )  # fmt: skip
+    adapter = model_index(body, [model_name, *adapters])
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise RequestError("stream_options must be an object with include_usage only", "stream_options")
@@ -363,6 +377,7 @@ def parse_completion(
         stream=_flag(body, "stream"),
         include_usage=_flag(options or {}, "include_usage"),
         logit_bias=_logit_bias(body, vocab_size),
+        adapter=adapter,
         attention=_attention(body, layout, prompts, n, max_tokens, context_length),
     )
 
@@ -406,13 +421,14 @@ def parse_detokenize(body, vocab_size: int) -> list[int]:
     return tokens
 
 
-INSPECT_FIELDS = {"prompt", "layer", "head", "position", "temperature", "top_k", "top_p"}
+INSPECT_FIELDS = {"prompt", "layer", "head", "position", "temperature", "top_k", "top_p", "model"}
 
 
-def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
+def parse_inspect(body, layout, context_length: int, tokenizer, models: Sequence[str] = ()) -> dict:
     """The keyword arguments of `inspect_text` from the page's JSON `body`, or a `RequestError`:
     `layer` and `head` within `layout` (`inspect.attention_layout`), `position` within the text as
-    cropped to `context_length`."""
+    cropped to `context_length`; and `adapter`, the index in `models` (the base's name, then its
+    adapters') of the `model` named (none: the base)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - INSPECT_FIELDS)
@@ -436,4 +452,5 @@ def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_k=_integer(body, "top_k", None, 0, 2**31 - 1) or None,
         top_p=_top_p(body),
+        adapter=model_index(body, models, required=False) if models else 0,
     )

@@ -98,8 +98,39 @@ async function inspect() {
     else drawAttention(seen.attention);
     drawTokens(seen.tokens, seen.position);
     $("position-label").textContent = `after “${visible(seen.tokens[seen.position])}” (position ${seen.position})`;
+    compare(body, seen, run);
   } catch (e) {
     $("position-label").textContent = `(${e.message})`;
+  }
+}
+
+// Base against adapter (#compare): when the server holds LoRA adapters (/v1/models lists them with
+// their base as `parent`), the base's next-token bars and the chosen adapter's, side by side, at the
+// position under the cursor. The base's are the inspection just drawn; the adapter's one more
+// /v1/inspect with its `model`, after it (the server runs at most two inspections at once).
+async function loadAdapters() {
+  const adapters = (await api("/v1/models")).data.filter((m) => m.parent);
+  if (adapters.length === 0) return;
+  $("compare-model").replaceChildren(...adapters.map((m) => new Option(m.id, m.id)));
+  $("compare-model").addEventListener("change", () => inspectSoon(0));
+  $("compare").hidden = false;
+}
+
+async function compare(body, base, run) {
+  if ($("compare").hidden) return;
+  const adapter = $("compare-model").value;
+  try {
+    const seen = await api("/v1/inspect", { ...body, position: base.position, model: adapter });
+    if (run !== state.inspectRun) return;
+    $("compare-base-name").textContent = `${state.model} (base)`;
+    $("compare-adapter-name").textContent = `${adapter} (adapter)`;
+    drawBars($("compare-base"), base.next_token.before);
+    drawBars($("compare-adapter"), seen.next_token.before);
+    $("compare").dataset.position = String(seen.position);
+    $("compare-error").hidden = true;
+  } catch (e) {
+    $("compare-error").textContent = `(${e.message})`;
+    $("compare-error").hidden = false;
   }
 }
 
@@ -194,4 +225,4 @@ $("prompt").addEventListener("input", () => { state.text = ""; state.position = 
 $("tokens").addEventListener("mouseleave", () => { state.position = null; inspectSoon(200); });
 $("generate").addEventListener("click", generate);
 showSettings();
-loadCard().then(inspect).catch((e) => { $("card").textContent = e.message; });
+loadCard().then(loadAdapters).then(inspect).catch((e) => { $("card").textContent = e.message; });
