@@ -173,6 +173,27 @@ def test_an_adapter_stacked_computes_its_model_alone_and_merged_within_rounding(
     assert np.abs(np.asarray(run(stacked, jnp.int32(1))) - base).max() > 1e-2  # an adapter does change them
 
 
+def test_attention_through_the_api_is_each_models_own(client, models):
+    """`attention` asked of the base and of an adapter at once: each token's rows are those of a
+    forward pass of that model (merged) over the text its window held."""
+    ask = {"layers": [0, 1], "heads": [2]}
+    bodies = [{"model": name, "prompt": "ROMEO:", "max_tokens": 10, "temperature": 1.0, "seed": 1,
+               "attention": ask} for name in ("tiny", "poet")]  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda b: client.post("/v1/completions", json=b).json(), bodies))
+    rows_of = {}
+    for body, answer in zip(bodies, answers, strict=True):
+        choice, model = answer["choices"][0], merge_lora(eqx.nn.inference_mode(models[body["model"]]))
+        text = TOKENIZER.encode("ROMEO:" + choice["text"])
+        attention = choice["attention"]
+        for k, (start, rows) in enumerate(zip(attention["start"], attention["weights"], strict=True)):
+            window = jnp.asarray(text[start : len("ROMEO:") + k])
+            expected = np.asarray(model.attention_weights(window))[:, 2, -1]  # layers 0 and 1, head 2
+            np.testing.assert_allclose(np.asarray(rows)[:, 0], expected, atol=1e-5)
+        rows_of[body["model"]] = choice["attention"]["weights"][0]
+    assert rows_of["tiny"] != rows_of["poet"]  # the adapter changes the attention: the check could fail
+
+
 def test_inspect_takes_the_model_so_the_page_compares_base_and_adapter(client):
     body = {"prompt": "ROMEO:", "temperature": 1.0}
     base = client.post("/v1/inspect", json=body).json()["next_token"]["before"]

@@ -3,7 +3,8 @@
     GET  /v1/models        the base and every LoRA adapter served beside it, in OpenAI's list
                            shape (an adapter's `parent` is the base, as vLLM lists them)
     POST /v1/completions   OpenAI's legacy completions (`stream` is server-sent events ending in
-                           `data: [DONE]`); `top_k` is eqx_gpt's extension
+                           `data: [DONE]`); `top_k` and `attention` (the attention weights of
+                           chosen layers and heads at every token) are eqx_gpt's extensions
     POST /v1/inspect       eqx_gpt's own: attention of a layer's heads, next-token top 10 before and
                            after the filters, the logit lens (`eqx_gpt.serve.inspect`)
     GET  /v1/card          eqx_gpt's own: the model card (`eqx_gpt.serve.card`)
@@ -305,6 +306,7 @@ class Server:
                 body, model_name=self.name, tokenizer=self.tokenizer, vocab_size=self.model.vocab_size,
                 max_tokens_limit=self.max_tokens_limit, max_samples=self.batcher.queue_size,
                 adapters=self.adapters,
+                layout=self.layout, context_length=self.model.context_length,
             )
         )  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
@@ -328,6 +330,7 @@ class Server:
         options = SamplingOptions(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         score_only = req.max_tokens == 0 and req.echo and req.logprobs is not None
         bias = logit_bias_array(req.logit_bias, self.model.vocab_size)
+        rows = None if req.attention is None else np.asarray(req.attention.rows, np.int32)
         choices = []
         for p, (prompt, text) in enumerate(zip(req.prompts, req.texts, strict=True)):
             for j in range(req.n):
@@ -339,9 +342,12 @@ class Server:
                         prompt, max(req.max_tokens, 1), options, sample_key_data(seed, j), emit,
                         prompt_logprobs=req.echo and req.logprobs is not None, logit_bias=bias,
                         adapter=req.adapter,
+                        attention_rows=None if score_only else rows,
                     )  # fmt: skip
                 echo = text if req.echo else ""
-                choice_text = ChoiceText(self.tokenizer, req.stop, echo, req.logprobs)
+                choice_text = ChoiceText(
+                    self.tokenizer, req.stop, echo, req.logprobs, req.attention, prompt_tokens=len(prompt)
+                )
                 choices.append(Choice(index, sequence, choice_text, prompt, discard_first=score_only))
         return choices
 
@@ -430,8 +436,11 @@ class Reply:
         try:
             async for ch, piece, finish in self.events():
                 logprobs = ch.text.last_logprobs() if finish is None else None
-                if piece or finish or logprobs:
+                attention = ch.text.last_attention() if finish is None else None
+                if piece or finish or logprobs or attention:
                     out = {"text": piece, "index": ch.index, "logprobs": logprobs, "finish_reason": finish}
+                    if attention is not None:
+                        out["attention"] = attention
                     yield _sse(self._chunk([out]))
             if self.req.include_usage:
                 yield _sse(self._chunk([], self.usage()))
@@ -446,8 +455,12 @@ class Reply:
             texts[ch.index] += piece
             if finish is not None:
                 finishes[ch.index] = finish
-        return [{"text": texts[ch.index], "index": ch.index, "logprobs": ch.text.final_logprobs(),
-                 "finish_reason": finishes[ch.index]} for ch in self.choices]  # fmt: skip
+        choices = [{"text": texts[ch.index], "index": ch.index, "logprobs": ch.text.final_logprobs(),
+                    "finish_reason": finishes[ch.index]} for ch in self.choices]  # fmt: skip
+        if self.req.attention is not None:
+            for out, ch in zip(choices, self.choices, strict=True):
+                out["attention"] = ch.text.final_attention()
+        return choices
 
     async def whole(self, request: Request) -> Response:
         """The whole answer; a client that leaves first cancels the work."""

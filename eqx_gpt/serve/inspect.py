@@ -10,7 +10,8 @@ And for one layer, the attention weights over the text of one head, or of all it
 (`sample.py --attention-png`'s picture, as numbers), over the `window` tokens up to the position
 if asked. The
 attention layers are found by type: every eqx_gpt `MultiHeadAttention` in the model
-records, during that prefill, the weights its `decode` attends with into the cache it returns, so
+records, during that prefill, the weights its `decode` attends with into the cache it returns
+(`eqx_gpt.serve.recording`), so
 the layers are the recorded caches in the order of the cache the model hands back, whether its
 layers run in a Python loop or a `scan`. A model without one (or whose `decode` does not hand back
 the cache its attention returned) gets `attention: null` and `attention_absent`, the reason, which
@@ -23,7 +24,6 @@ The text is cropped to its last `context_length` tokens and padded to a `prompt_
 causal mask keeps padding out of every real position), so few shapes compile.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,59 +31,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
 
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import prefill, prompt_bucket
 from eqx_gpt.generation.sampling import next_token_distribution, usable
-from eqx_gpt.model.attention import KVCache, MultiHeadAttention
 from eqx_gpt.serve.lens import LensLayout, lens_layout, lens_top
+from eqx_gpt.serve.recording import attention_layers, recorded, recording
 from eqx_gpt.serve.requests import RequestError
 
 TOP = 10  # bars shown
-
-
-class RecordedCache(KVCache):
-    """A `KVCache` that also carries the attention weights of the `decode` that wrote it:
-    `(*lead, heads, new, capacity)`."""
-
-    weights: Float[Array, "*lead heads new capacity"]
-
-
-class RecordingAttention(MultiHeadAttention):
-    """A `MultiHeadAttention` (the same weights) whose `decode` returns a `RecordedCache`."""
-
-    def __init__(self, attention: MultiHeadAttention):
-        for f in dataclasses.fields(attention):
-            setattr(self, f.name, getattr(attention, f.name))
-
-    def decode(self, x, cache, start):
-        out, updated = super().decode(x, cache, start)
-        return out, RecordedCache(updated.k, updated.v, self.decode_weights(x, cache, start))
-
-
-def _is_attention(node) -> bool:
-    return isinstance(node, MultiHeadAttention)
-
-
-def _attentions(model) -> list[MultiHeadAttention]:
-    return [n for n in jax.tree.leaves(model, is_leaf=_is_attention) if _is_attention(n)]
-
-
-def recording(model: Decoder) -> Decoder:
-    """`model` with every `MultiHeadAttention` recording its decoding weights (found by type)."""
-    found = _attentions(model)
-    if not found:
-        return model
-    return eqx.tree_at(_attentions, model, [RecordingAttention(a) for a in found])
-
-
-def _recorded(cache) -> list:
-    """The weights of every `RecordedCache` in `cache`, in its order, each `(layers, heads, new,
-    capacity)` (a stacked cache's layer axis kept, one row's batch axis dropped)."""
-    leaves = jax.tree.leaves(cache, is_leaf=lambda n: isinstance(n, RecordedCache))
-    found = [leaf.weights for leaf in leaves if isinstance(leaf, RecordedCache)]
-    return [w.reshape(-1, *w.shape[-3:]) for w in found]
 
 
 @dataclass(frozen=True)
@@ -99,13 +55,13 @@ class AttentionLayout:
 def attention_layout(model: Decoder) -> AttentionLayout:
     """The layers and heads the page can show for `model` (from shapes alone: nothing runs)."""
     name = type(model).__name__
-    if not _attentions(model):
+    if not attention_layers(model):
         return AttentionLayout(
             1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
         )
     padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
-    recorded = lambda m, p: _recorded(prefill(recording(m), p, same_cache=False)[1])
-    shapes = [s.shape for s in eqx.filter_eval_shape(recorded, model, padded)]
+    weights = lambda m, p: recorded(prefill(recording(m), p, same_cache=False)[1])
+    shapes = [s.shape for s in eqx.filter_eval_shape(weights, model, padded)]
     if not shapes:
         return AttentionLayout(
             1, 1, f"{name}.decode does not hand back the caches its MultiHeadAttention layers return"
@@ -124,7 +80,7 @@ def _inspect_pass(model: Decoder, padded, layer, position, with_attention: bool,
     logits, cache = prefill(
         recording(model) if with_attention else model, padded[None], same_cache=not with_attention
     )
-    weights = jnp.concatenate(_recorded(cache))[layer] if with_attention else None
+    weights = jnp.concatenate(recorded(cache))[layer] if with_attention else None
     lens = lens_top(model, padded[None], position) if with_lens else None
     return weights, logits[0], lens
 
