@@ -5,7 +5,7 @@ PyTorch's nanoGPT and with `transformers`, within one time budget. `bench/gpu_ch
     JAX_PLATFORMS=cpu bash bench/gpu_check.sh --dry-run     # the same stages at tiny sizes, on the CPU
 
 The stages (`bench/gpu_stages.py`) run in turn in one process, each with its own time limit, the
-budget left shared in order: peaks, tests, nanogpt, gpt2, train, determinism, profile, variants, dtype
+budget left shared in order: peaks, tests, nanogpt, gpt2, train, dtype, determinism, profile, variants
 (the targets' stages first). A stage that fails is marked
 so and the next one starts; one that outruns its limit is stopped with its process, and a new
 process runs the rest; whatever happens, one summary table is printed last and
@@ -47,11 +47,11 @@ STAGES = [
     Stage("tests", 150, "model and sampling equivalence, training exactness, the attention kernel, bf16"),
     Stage("nanogpt", 120, "the shakespeare-char step against nanoGPT's, torch.compile, bf16"),
     Stage("gpt2", 120, "GPT-2-124M's shapes against transformers: generation and a bf16 step"),
-    Stage("train", 90, "train.py --preset shakespeare-char for a fixed number of steps"),
+    Stage("train", 120, "train.py --preset shakespeare-char for a fixed number of steps"),
+    Stage("dtype", 90, "the training step at float32 (attention in our kernels, and per head) against bf16"),
     Stage("determinism", 150, "exact resume's cost: fixed-order kernels against XLA's, and the global flag"),
     Stage("profile", 60, "the top kernels by device time of the bf16 steps"),
     Stage("variants", 120, "where the bf16 step's time goes: dropout, layer loop, loss bounds, batch"),
-    Stage("dtype", 90, "the training step at compute_dtype float32 against bfloat16"),
 ]
 TARGETS = [
     # (stage, figure, how it compares, target, what)
@@ -186,7 +186,8 @@ def headline(name: str, r: dict) -> str:
     if name == "dtype":
         cases = ((case, v) for case, v in r.items() if isinstance(v, dict))
         return "; ".join(
-            f"{case} ms/step fp32 {v.get('fp32_step_ms')}, bf16 {v.get('bf16_step_ms')}: ratio "
+            f"{case} ms/step fp32 {v.get('fp32_step_ms')} (per-head attention "
+            f"{v.get('fp32_per_head_attention_step_ms')}), bf16 {v.get('bf16_step_ms')}: ratio "
             f"{v.get('bf16_over_fp32')}"
             for case, v in cases
         )

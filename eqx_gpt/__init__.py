@@ -46,6 +46,7 @@ from eqx_gpt.model.linear import Linear
 from eqx_gpt.model.lora import LoRALinear, apply_lora, lora_trainable, merge_lora
 from eqx_gpt.model.loss import chunked_cross_entropy
 from eqx_gpt.model.mlp import MLP
+from eqx_gpt.model.multi_lora import MultiLoRALinear, choose_adapter, stack_adapters
 from eqx_gpt.model.norm import LayerNorm, RMSNorm
 from eqx_gpt.model.positions import rotary_embedding, sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
@@ -113,6 +114,9 @@ __all__ = [
     "merge_lora",
     "lora_trainable",
     "load_adapters",
+    "MultiLoRALinear",
+    "stack_adapters",
+    "choose_adapter",
     "save_adapters",
     # Training: a whole run (of a GPT or any LanguageModel), and the parts of a loop of your own
     "LanguageModel",

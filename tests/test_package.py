@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -147,7 +148,9 @@ def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
     uv("build", "--wheel", "--out-dir", str(dist))
     (wheel,) = dist.glob("eqx_gpt-*.whl")
     requirements = str(tmp / "requirements.txt")
-    uv("export", "--frozen", "--no-default-groups", "--no-emit-project", "--no-hashes", "-o", requirements)
+    # With the `serve` extra: issue 57's check serves a model of one's own from the wheel.
+    uv("export", "--frozen", "--no-default-groups", "--extra", "serve", "--no-emit-project", "--no-hashes",
+       "-o", requirements)  # fmt: skip
     uv("venv", "--quiet", "--python", sys.executable, str(venv))
     python = venv / "bin" / "python"
     uv("pip", "install", "--quiet", "--python", str(python), "-r", requirements, str(wheel))
@@ -216,12 +219,48 @@ def test_a_fresh_project_trains_its_own_decoder_from_the_wheel_and_passes_pyrigh
         "-m", "eqx_gpt", "sample", "--checkpoint", "run", "--prompt", "ROMEO:", "--max-new-tokens", "9"
     )
     assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:"), sampled.stderr[-3000:]
+    served_by_the_command_line(python, work, env)
     assert command("use.py").returncode == 0
     (work / "pyrightconfig.json").write_text(json.dumps({"typeCheckingMode": "standard"}), encoding="utf-8")
     pyright = Path(sys.executable).with_name("pyright")
     proc = subprocess.run([str(pyright), "--pythonpath", str(python), "mydec.py", "use.py"], cwd=work,
                           env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "0 errors" in proc.stdout, proc.stdout[-3000:]
+
+
+def served_by_the_command_line(python: Path, work: Path, env: dict) -> None:
+    """`python -m eqx_gpt serve --checkpoint run` in the project's folder (where `mydec` imports
+    from) answers OpenAI's client, and `/v1/inspect` gives the attention it finds by type."""
+    import httpx
+    import numpy as np
+    import openai
+    from serve_fixtures import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    serve = ["-m", "eqx_gpt", "serve", "--checkpoint", "run", "--name", "mydec", "--port", str(port)]
+    process = subprocess.Popen([str(python), *serve], cwd=work, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1800):  # bounded: 180 s to import, load and answer
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        assert [m.id for m in client.models.list().data] == ["mydec"]
+        answer = client.completions.create(model="mydec", prompt="ROMEO:", max_tokens=8, seed=1)
+        assert answer.usage is not None and answer.usage.completion_tokens == 8
+        body = {"prompt": "ROMEO:", "layer": 0, "head": 0}
+        seen = httpx.post(f"{url}/v1/inspect", json=body, timeout=120).json()
+        attention = np.asarray(seen["attention"])
+        assert seen["attention_absent"] is None and attention.shape == (6, 6)
+        np.testing.assert_allclose(attention.sum(axis=1), 1.0, atol=1e-3)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 # What the docs' Python imports beside eqx_gpt and its dependencies: the client of `eqx-gpt serve`.

@@ -18,6 +18,18 @@ def test_gpt2_124m_unrolls_its_layers_on_a_gpu_only(monkeypatch):
     assert resolve_options({"preset": "gpt2-124m", "scan_unroll": 2}).model.scan_unroll == 2  # a flag wins
 
 
+def test_the_gpu_recipes_run_in_bfloat16_on_a_gpu_only(monkeypatch):
+    gpu_recipes = ("shakespeare-char", "shakespeare-char-muon", "gpt2-124m")
+    for preset in (*gpu_recipes, "cpu"):  # this suite runs on a CPU
+        assert resolve_options({"preset": preset}).model.compute_dtype == "float32"
+    monkeypatch.setattr("eqx_gpt.training.options.on_gpu", lambda: True)
+    for preset in gpu_recipes:  # as nanoGPT's, whose `dtype` is bfloat16 where the GPU has it
+        assert resolve_options({"preset": preset}).model.compute_dtype == "bfloat16"
+        given = {"preset": preset, "compute_dtype": "float32"}
+        assert resolve_options(given).model.compute_dtype == "float32"  # a flag wins
+    assert resolve_options({"preset": "cpu"}).model.compute_dtype == "float32"
+
+
 def test_gpt2_124m_resolves_to_gpt2_small_and_nanogpts_adamw():
     options = resolve_options({"preset": "gpt2-124m"})
     c = options.train

@@ -174,6 +174,19 @@ def test_the_page_finds_its_attention_by_type(client, decoder):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field
 
 
+def test_attention_through_the_api_is_found_by_type_too(client, decoder):
+    """The own decoder's attention at each generated token, through `/v1/completions`: the rows of
+    `/v1/inspect` on the whole text, and the tokens those of the same request without it."""
+    body = dict(prompt="lazy dog", max_tokens=6, seed=3, temperature=1.0)
+    plain = complete(client, **body)["choices"][0]
+    choice = complete(client, **body, attention={"layers": [1], "heads": [3, 0]})["choices"][0]
+    assert choice["text"] == plain["text"] and choice["attention"]["start"] == [0] * 6
+    seen = client.post("/v1/inspect", json={"prompt": "lazy dog" + choice["text"], "layer": 1, "head": 0})
+    for k, rows in enumerate(choice["attention"]["weights"]):
+        head_0 = rows[0][1]  # layer 1, head 0: the second head asked
+        np.testing.assert_allclose(head_0, seen.json()["attention"][8 + k - 1][: 8 + k], atol=6e-5)
+
+
 def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_reason():
     with TestClient(
         create_app(Bigram(TOKENIZER.vocab_size, key=jax.random.key(1)), TOKENIZER), base_url=LOCAL
@@ -196,6 +209,11 @@ def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_r
             "choices"
         ][0]["text"]
         assert len(text) == 5
+        asked = {"model": "eqx_gpt", "prompt": "the", "attention": {"layers": [0], "heads": [0]}}
+        error = c.post("/v1/completions", json=asked).json()["error"]
+        assert (
+            error["param"] == "attention" and "Bigram has no eqx_gpt MultiHeadAttention" in (error["message"])
+        )
 
 
 def test_a_request_whose_logits_hold_nan_fails_alone_in_openais_json(decoder):

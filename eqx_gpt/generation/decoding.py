@@ -99,12 +99,12 @@ def decode_rows(
 
 
 def decode_slot(
-    model: Decoder, token: Int[Array, ""], cache: PyTree, start: Int[Array, ""]
+    model: Decoder, token: Int[Array, ""], cache: PyTree, start: Int[Array, ""], *, same_cache: bool = True
 ) -> tuple[Float[Array, " vocab"], PyTree]:
     """Feed one sequence's `token` at position `start`, its `cache` one row's (every array
     without the batch axis): the logits of its next token and the cache. `model` in the loop's
-    form (`loop_model`)."""
-    logits, cache = checked_decode(model, token[None], cache, start)
+    form (`loop_model`); `same_cache` as in `checked_decode`."""
+    logits, cache = checked_decode(model, token[None], cache, start, same_cache=same_cache)
     return logits[0], cache
 
 

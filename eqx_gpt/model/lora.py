@@ -93,6 +93,14 @@ def check_lora(rank: int, alpha: float, dropout: float, width: int | None = None
         raise ConfigError(f"lora_dropout must be in [0, 1), got {dropout!r}")
 
 
+def low_rank_update(
+    x: Float[Array, "*rows d_in"], a: Float[Array, "d_in rank"], b: Float[Array, "rank d_out"], scale: Array
+) -> Float[Array, "*rows d_out"]:
+    """`scale * (x @ a) @ b`, LoRA's update, as every adapted projection computes it (`LoRALinear`,
+    and `MultiLoRALinear` with one adapter per sequence): `scale` a 0-d array in `x`'s dtype."""
+    return scale * linear(linear(x, a), b)
+
+
 class LoRALinear(Linear):
     """A `Linear` whose `weight` (and `bias`) are frozen and whose output adds a low-rank update:
     `x @ weight + bias + scale * (dropout(x) @ lora_a) @ lora_b`.
@@ -154,8 +162,8 @@ class LoRALinear(Linear):
         own = self.inference if inference is None else inference
         active = dropout_active(self.dropout, own, key, "LoRALinear")
         adapter_in = drop_out(x, self.dropout, key) if active else x
-        update = linear(linear(adapter_in, self.lora_a), self.lora_b)
-        return super().__call__(x) + jnp.asarray(self.scale, x.dtype) * update
+        scale = jnp.asarray(self.scale, x.dtype)
+        return super().__call__(x) + low_rank_update(adapter_in, self.lora_a, self.lora_b, scale)
 
     def columns(self, start: int, stop: int) -> "LoRALinear":
         """The projection restricted to output features `start:stop`: B is sliced with the weight."""

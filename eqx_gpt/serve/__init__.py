@@ -4,7 +4,9 @@
     steps       the batcher's jitted programs (prefill into a slot, decode every slot)
     requests    a completion request's JSON, checked field by field (`RequestError` names the field)
     completions the answer's text: stop strings, incremental decoding, logprobs in OpenAI's shape
-    inspect     the page's endpoint: attention of one layer and head, next-token top 10 before/after filters
+    inspect     the page's endpoint: a layer's attention, next-token top 10 before/after filters, the lens
+    lens        the logit lens: each block's residual stream through the model's own tail
+    follow      `--follow`: a run folder's newest checkpoint swapped in as it lands
     card        the model card: config, parameter count, the run's losses from metrics.jsonl
     api         the Starlette app (`create_app`) tying them to HTTP; page/ the static page at `/`
     metrics     the app's Prometheus metrics (`/metrics`)

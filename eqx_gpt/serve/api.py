@@ -1,11 +1,15 @@
 """The HTTP face of a served model: a Starlette app (`create_app`) speaking OpenAI's completions API.
 
-    GET  /v1/models        the one model served, in OpenAI's list shape
+    GET  /v1/models        the base and every LoRA adapter served beside it, in OpenAI's list
+                           shape (an adapter's `parent` is the base, as vLLM lists them)
     POST /v1/completions   OpenAI's legacy completions (`stream` is server-sent events ending in
-                           `data: [DONE]`); `top_k` is eqx_gpt's extension
-    POST /v1/inspect       eqx_gpt's own: attention of a layer and head, next-token top 10 before and
-                           after the filters (`eqx_gpt.serve.inspect`)
+                           `data: [DONE]`); `top_k` and `attention` (the attention weights of
+                           chosen layers and heads at every token) are eqx_gpt's extensions
+    POST /v1/inspect       eqx_gpt's own: attention of a layer's heads, next-token top 10 before and
+                           after the filters, the logit lens (`eqx_gpt.serve.inspect`)
     GET  /v1/card          eqx_gpt's own: the model card (`eqx_gpt.serve.card`)
+    GET  /v1/run           eqx_gpt's own: the step served and the run's losses so far, and whether
+                           the server follows the run (`--follow`: `eqx_gpt.serve.follow`)
     GET  /health           200 `{"status": "ok"}` while serving; 503 once draining (llama.cpp's)
     GET  /metrics          Prometheus's text format (`eqx_gpt.serve.metrics`)
     POST /tokenize         llama.cpp's: `content` (or vLLM's `prompt`) -> `tokens`, with their
@@ -13,6 +17,8 @@
     POST /detokenize       llama.cpp's: `tokens` -> `content`
     GET  /                 the page (`page/`: HTML, CSS and JS, no build step, nothing fetched)
 
+A request's `model` picks the base or one of its adapters (`create_app(adapters=...)`); requests
+for different adapters decode in the same steps (`stack_adapters`: each slot applies its own).
 Requests are decoded together by one `Batcher` (its thread starts and stops with the app). The
 ASGI side hands it `Sequence`s and reads their tokens from an `asyncio.Queue` that the batcher's
 thread fills through `loop.call_soon_threadsafe`. A client that disconnects cancels its sequences,
@@ -39,6 +45,7 @@ from collections import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from starlette.applications import Starlette
@@ -58,10 +65,13 @@ from eqx_gpt._checks import SEED_MAX
 from eqx_gpt.errors import EqxGptError, TokenizerError
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.sampling import SamplingOptions
+from eqx_gpt.model.multi_lora import choose_adapter, stack_adapters
 from eqx_gpt.serve.batcher import Batcher, Failed, Finished, QueueFull, Sequence, Token, sample_key_data
-from eqx_gpt.serve.card import model_card
+from eqx_gpt.serve.card import model_card, run_losses
 from eqx_gpt.serve.completions import ChoiceText, token_pieces
+from eqx_gpt.serve.follow import FOLLOW_EVERY_S, RunFollower
 from eqx_gpt.serve.inspect import attention_layout, inspect_text
+from eqx_gpt.serve.lens import lens_layout
 from eqx_gpt.serve.metrics import ServerMetrics
 from eqx_gpt.serve.requests import (
     BIAS_LIMIT,
@@ -137,21 +147,49 @@ class Choice:
 
 
 class Server:
-    """The app's state: the model, its tokenizer and name, the batcher decoding for it, and the
-    replies in flight (for `drain`)."""
+    """The app's state: the model, its tokenizer and name, its adapters' names, the batcher decoding
+    for them all, and the replies in flight (for `drain`)."""
 
     def __init__(self, model: Decoder, tokenizer, meta: dict, name: str, *, slots: int, queue_size: int,
-                 max_tokens_limit: int, keep: int | None, max_body_bytes: int):  # fmt: skip
+                 max_tokens_limit: int, keep: int | None, max_body_bytes: int,
+                 adapters: abc.Mapping[str, Any] | None = None):  # fmt: skip
         self.model, self.tokenizer, self.meta, self.name = model, tokenizer, meta, name
         self.max_tokens_limit, self.max_body_bytes = max_tokens_limit, max_body_bytes
-        self.batcher = Batcher(model, slots=slots, queue_size=queue_size, keep=keep)
+        self.adapters = list(adapters or {})  # adapter i + 1 of `served`
+        # The base with every adapter stacked beside it (itself when there are none): what decodes.
+        self.served = stack_adapters(model, list((adapters or {}).values()), self.adapters)
+        self.batcher = Batcher(self.served, slots=slots, queue_size=queue_size, keep=keep)
         self.layout = attention_layout(model)  # the page's attention layers, found by type
+        self.lens = lens_layout(model)  # the logit lens's blocks, found by type
+        self.follower: RunFollower | None = None  # `--follow`: the run's newest checkpoint swapped in
         self.created = int(time.time())
         self.replies: set[Reply] = set()
         self.draining = False
         self.inspecting = 0  # /v1/inspect passes running
         self.loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
         self.metrics = ServerMetrics(self.batcher, lambda: len(self.replies))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """The app's life: the batcher's thread, and the follower's (`--follow`), run while it serves."""
+        self.loop = asyncio.get_running_loop()
+        self.batcher.start()
+        if self.follower is not None:
+            self.follower.start()
+        try:
+            yield
+        finally:
+            if self.follower is not None:
+                self.follower.stop()
+            self.batcher.stop()
+
+    def swap(self, model: Decoder, meta: dict) -> None:
+        """Serve `model` (the served model's structure, new weights; `meta` its checkpoint's) from
+        now on: the page's passes at once, the batcher from its next step (`Batcher.swap`). A
+        server with adapters follows no run (`create_app`)."""
+        self.batcher.swap(model)
+        self.model = self.served = model
+        self.meta = meta
 
     def drain(self, grace_s: float) -> None:
         """Admit no more requests (503) and end every completion still running `grace_s` seconds
@@ -214,18 +252,33 @@ class Server:
 
     async def models(self, request: Request) -> Response:
         model = {"id": self.name, "object": "model", "created": self.created, "owned_by": "eqx_gpt"}
-        return JSONResponse({"object": "list", "data": [model]})
+        adapters = [{**model, "id": name, "parent": self.name} for name in self.adapters]
+        return JSONResponse({"object": "list", "data": [model, *adapters]})
 
     async def card(self, request: Request) -> Response:
         return JSONResponse(
             await run_in_threadpool(model_card, self.model, self.meta, self.name, self.layout)
         )
 
+    async def run(self, request: Request) -> Response:
+        """The step served and the run's losses so far: what the page polls while it follows a run."""
+        follower, meta = self.follower, self.meta
+        answer = {
+            "step": meta.get("step"),
+            "checkpoint": Path(meta["path"]).name if "path" in meta else None,
+            "following": follower is not None,
+            "loaded": 0 if follower is None else follower.loaded,
+            "error": None if follower is None else follower.error,
+        }
+        return JSONResponse({**answer, **await run_in_threadpool(run_losses, meta)})
+
     async def inspect(self, request: Request) -> Response:
         """A forward pass outside the batch: at most `INSPECTING_MAX` at once, beyond 429, so a flood
         of them cannot starve the decode loop."""
         body = await self.read_json(request)
-        parse = lambda: parse_inspect(body, self.layout, self.model.context_length, self.tokenizer)
+        parse = lambda: parse_inspect(
+            body, self.layout, self.model.context_length, self.tokenizer, [self.name, *self.adapters]
+        )
         args = await run_in_threadpool(parse)
         if self.inspecting >= INSPECTING_MAX:
             self.metrics.rejected.labels("inspect_busy").inc()
@@ -234,7 +287,8 @@ class Server:
                 code="inspect_busy", kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)},
             )  # fmt: skip
         self.inspecting += 1
-        answer = lambda: inspect_text(self.model, self.tokenizer, **args, layout=self.layout)
+        model = choose_adapter(self.served, args.pop("adapter"))  # base against adapter: the page's #compare
+        answer = lambda: inspect_text(model, self.tokenizer, **args, layout=self.layout, lens=self.lens)
         try:
             return JSONResponse(await run_in_threadpool(answer))
         except RequestError:
@@ -251,6 +305,8 @@ class Server:
             lambda: parse_completion(
                 body, model_name=self.name, tokenizer=self.tokenizer, vocab_size=self.model.vocab_size,
                 max_tokens_limit=self.max_tokens_limit, max_samples=self.batcher.queue_size,
+                adapters=self.adapters,
+                layout=self.layout, context_length=self.model.context_length,
             )
         )  # fmt: skip
         queue: asyncio.Queue = asyncio.Queue()
@@ -274,6 +330,7 @@ class Server:
         options = SamplingOptions(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         score_only = req.max_tokens == 0 and req.echo and req.logprobs is not None
         bias = logit_bias_array(req.logit_bias, self.model.vocab_size)
+        rows = None if req.attention is None else np.asarray(req.attention.rows, np.int32)
         choices = []
         for p, (prompt, text) in enumerate(zip(req.prompts, req.texts, strict=True)):
             for j in range(req.n):
@@ -284,9 +341,13 @@ class Server:
                     sequence = Sequence(
                         prompt, max(req.max_tokens, 1), options, sample_key_data(seed, j), emit,
                         prompt_logprobs=req.echo and req.logprobs is not None, logit_bias=bias,
+                        adapter=req.adapter,
+                        attention_rows=None if score_only else rows,
                     )  # fmt: skip
                 echo = text if req.echo else ""
-                choice_text = ChoiceText(self.tokenizer, req.stop, echo, req.logprobs)
+                choice_text = ChoiceText(
+                    self.tokenizer, req.stop, echo, req.logprobs, req.attention, prompt_tokens=len(prompt)
+                )
                 choices.append(Choice(index, sequence, choice_text, prompt, discard_first=score_only))
         return choices
 
@@ -305,8 +366,9 @@ class Reply:
         self.ending = False
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        model = ([self.server.name, *self.server.adapters])[self.req.adapter]
         chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                 "model": self.server.name, "choices": choices}  # fmt: skip
+                 "model": model, "choices": choices}  # fmt: skip
         if usage is not None:
             chunk["usage"] = usage
         return chunk
@@ -374,8 +436,11 @@ class Reply:
         try:
             async for ch, piece, finish in self.events():
                 logprobs = ch.text.last_logprobs() if finish is None else None
-                if piece or finish or logprobs:
+                attention = ch.text.last_attention() if finish is None else None
+                if piece or finish or logprobs or attention:
                     out = {"text": piece, "index": ch.index, "logprobs": logprobs, "finish_reason": finish}
+                    if attention is not None:
+                        out["attention"] = attention
                     yield _sse(self._chunk([out]))
             if self.req.include_usage:
                 yield _sse(self._chunk([], self.usage()))
@@ -390,8 +455,12 @@ class Reply:
             texts[ch.index] += piece
             if finish is not None:
                 finishes[ch.index] = finish
-        return [{"text": texts[ch.index], "index": ch.index, "logprobs": ch.text.final_logprobs(),
-                 "finish_reason": finishes[ch.index]} for ch in self.choices]  # fmt: skip
+        choices = [{"text": texts[ch.index], "index": ch.index, "logprobs": ch.text.final_logprobs(),
+                    "finish_reason": finishes[ch.index]} for ch in self.choices]  # fmt: skip
+        if self.req.attention is not None:
+            for out, ch in zip(choices, self.choices, strict=True):
+                out["attention"] = ch.text.final_attention()
+        return choices
 
     async def whole(self, request: Request) -> Response:
         """The whole answer; a client that leaves first cancels the work."""
@@ -517,6 +586,33 @@ async def _page(request: Request) -> Response:
     return FileResponse(PAGE / "index.html")
 
 
+def _routes(server: Server) -> list:
+    return [
+        Route("/", _page),
+        Route("/v1/models", server.models),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/inspect", server.inspect, methods=["POST"]),
+        Route("/v1/card", server.card),
+        Route("/v1/run", server.run),
+        Route("/health", server.health),
+        Route("/metrics", server.metrics_text),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Mount("/page", StaticFiles(directory=PAGE), name="page"),
+    ]
+
+
+def _follower(server: Server, run_dir: Path, every_s: float) -> RunFollower:
+    from eqx_gpt.checkpoint import load_model  # the checkpoints of a run, only when one is followed
+
+    if not (isinstance(every_s, int | float) and every_s > 0):
+        raise ValueError(f"follow_every_s must be a positive number of seconds, got {every_s!r}")
+    return RunFollower(
+        run_dir, sha256=server.meta.get("sha256"), load=lambda path: load_model(path, kind="LanguageModel"),
+        served=lambda: server.model, tokenizer=server.tokenizer, on_load=server.swap, every_s=every_s,
+    )  # fmt: skip
+
+
 def create_app(
     model: Decoder,
     tokenizer,
@@ -530,6 +626,9 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     api_key: str | None = None,
     allowed_hosts: abc.Sequence[str] = LOOPBACK_HOSTS,
+    follow: str | Path | None = None,
+    follow_every_s: float = FOLLOW_EVERY_S,
+    adapters: abc.Mapping[str, Any] | None = None,
 ) -> Starlette:
     """The served `model` (any `Decoder`: a `GPT`, or a model of your own) with its `tokenizer`, as an
     ASGI app (run it with uvicorn, or `eqx_gpt.serve.http_server.serve`, which adds the request
@@ -542,36 +641,29 @@ def create_app(
     `generate`'s default). A body over `max_body_bytes` is refused (413). With `api_key`, every
     path but the page and `/health` needs `Authorization: Bearer <api_key>` (else 401). A request
     whose `Host` is not in `allowed_hosts` is refused (400): the default names only this machine,
-    which a DNS-rebinding page cannot reach; `["*"]` takes any.
+    which a DNS-rebinding page cannot reach; `["*"]` takes any. With `follow`, a run folder (the
+    one `model` was loaded from), its newest checkpoint is swapped in as it lands, looked for every
+    `follow_every_s` seconds (`eqx_gpt.serve.follow`); it takes no `adapters`.
+
+    `adapters` maps a name to `model` with LoRA adapters (`apply_lora`, `load_adapters` on it): each
+    is served beside the base under its name (a request's `model`), all in the same batch
+    (`stack_adapters`; no merged copy of the model per adapter). A name that is the base's, or one
+    for another base, is a one-line error.
     """
     if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if api_key is not None and not (isinstance(api_key, str) and api_key.strip() and api_key.isprintable()):
         raise ValueError("api_key must be a non-empty string of printable characters (or None)")
+    if adapters is not None and name in adapters:
+        raise ValueError(f"adapter name {name!r} is the base model's; give the adapter another name")
+    if adapters and follow is not None:
+        raise ValueError("follow takes no adapters: a run's new base would leave them on the old one")
     server = Server(model, tokenizer, meta or {}, name, slots=slots, queue_size=queue_size,
-                    max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes)  # fmt: skip
+                    max_tokens_limit=max_tokens_limit, keep=keep, max_body_bytes=max_body_bytes,
+                    adapters=adapters)  # fmt: skip
+    if follow is not None:
+        server.follower = _follower(server, Path(follow), follow_every_s)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.loop = asyncio.get_running_loop()
-        server.batcher.start()
-        try:
-            yield
-        finally:
-            server.batcher.stop()
-
-    routes = [
-        Route("/", _page),
-        Route("/v1/models", server.models),
-        Route("/v1/completions", server.completions, methods=["POST"]),
-        Route("/v1/inspect", server.inspect, methods=["POST"]),
-        Route("/v1/card", server.card),
-        Route("/health", server.health),
-        Route("/metrics", server.metrics_text),
-        Route("/tokenize", server.tokenize, methods=["POST"]),
-        Route("/detokenize", server.detokenize, methods=["POST"]),
-        Mount("/page", StaticFiles(directory=PAGE), name="page"),
-    ]
     middleware = [
         Middleware(PlainErrorsAsJSON),
         Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
@@ -582,6 +674,7 @@ def create_app(
         )
     handlers = {RequestError: _request_error, HTTPException: _http_error, ClientDisconnect: _client_left,
                 Exception: _server_error}  # fmt: skip
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=lifespan)  # type: ignore[arg-type]
+    app = Starlette(routes=_routes(server), middleware=middleware, exception_handlers=handlers,
+                    lifespan=server.lifespan)  # type: ignore[arg-type]  # fmt: skip
     app.state.server = server
     return app

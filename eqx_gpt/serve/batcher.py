@@ -18,6 +18,10 @@ others. Every token is handed to the sequence's `emit` callback (from the loop's
 goes on with a fresh cache. A token drawn from logits with no distribution (NaN, `+inf`, all
 `-inf`) ends its own sequence with `Failed`; the others go on.
 
+A sequence that asks for attention (`attention_rows`) stays in the batch too: a step in which some
+live slot asks runs the programs' attention variant for every slot, and each asking sequence's
+`Token` carries its rows; a step in which none asks runs the programs as they were.
+
 It serves any `Decoder` (`GPT`, or a model of your own): the programs are `generate`'s steps
 (`eqx_gpt.serve.steps`), and the batched cache is the decoder's own `init_cache(batch=slots)` in
 the loop's form, every array's leading axis the slot.
@@ -37,7 +41,8 @@ from eqx_gpt.errors import EqxGptError
 from eqx_gpt.generation.decoder import Decoder, check_decoder
 from eqx_gpt.generation.decoding import empty_loop_cache, prefill, prompt_bucket
 from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
-from eqx_gpt.serve.steps import Programs
+from eqx_gpt.model.multi_lora import adapter_count
+from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS, Programs, attention_width
 
 
 class QueueFull(EqxGptError):
@@ -49,12 +54,15 @@ class Token:
     """A sampled token: its id, its log-probability under the model (temperature 1, no filters)
     and the `LOGPROBS_MAX` most likely ids with theirs. `prompt` is set on the first token of a
     sequence that asked for its prompt's log-probabilities: one `(id, logprob, top)` per prompt
-    token after the first."""
+    token after the first. `attention` is set for a sequence that asks for it (`attention_rows`):
+    the weights of the query that drew the token (the token before it) over the window the model
+    saw, one row per asked layer and head."""
 
     id: int
     logprob: float
     top: list[tuple[int, float]]
     prompt: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    attention: np.ndarray | None = None  # (pairs, window): the query row that drew it, if asked
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,8 @@ class Sequence:
     emit: Callable[[Token | Finished | Failed], None]
     prompt_logprobs: bool = False
     logit_bias: np.ndarray | None = None  # (vocab,) float32 added to the logits before sampling
+    adapter: int = 0  # the LoRA adapter it decodes with (`stack_adapters`' index; 0: the base)
+    attention_rows: np.ndarray | None = None  # (pairs,) int32: `layer * heads + head` to report
     cancelled: bool = False
     failure: str | None = None  # why the sequence ends before its tokens are drawn
     # The loop's own record, while the sequence holds a slot:
@@ -111,7 +121,9 @@ class Batcher:
         self.queue_size = queue_size
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)
         self.programs = Programs(model)
+        self.adapters = adapter_count(model)  # a sequence's `adapter` is below this
         self._model = model
+        self._swap: tuple[Programs, Decoder] | None = None  # new weights, taken between two steps
         self._cache = self._empty_cache()
         self._waiting: deque[Sequence] = deque()
         self._wake = threading.Condition()
@@ -159,6 +171,10 @@ class Batcher:
                 raise ValueError(f"a prompt is one or more token ids in [0, vocab_size={vocab})")
             if s.max_tokens < 1:
                 raise ValueError(f"a sequence draws at least one token, got max_tokens={s.max_tokens}")
+            if not 0 <= s.adapter < self.adapters:
+                raise ValueError(f"a sequence's adapter is in [0, {self.adapters}), got {s.adapter}")
+            if s.attention_rows is not None and not 1 <= len(s.attention_rows) <= ATTENTION_MAX_PAIRS:
+                raise ValueError(f"a sequence asks for 1 to {ATTENTION_MAX_PAIRS} attention rows")
             s.prompt = s.prompt[-context:]
         with self._wake:
             if len(self._waiting) + len(sequences) > self.queue_size:
@@ -168,6 +184,13 @@ class Batcher:
                 )
             self._waiting.extend(sequences)
             self._wake.notify()
+
+    def swap(self, model: Decoder) -> None:
+        """Decode with `model` (the served model's structure, new weights) from the next step on.
+        A sequence in flight goes on with the cache its earlier tokens left (`eqx_gpt.serve.follow`)."""
+        programs = Programs(model)
+        with self._wake:
+            self._swap = programs, model
 
     def cancel(self, sequence: Sequence) -> None:
         """Stop drawing for `sequence`: it frees its slot (or its place in the queue) at the next step."""
@@ -185,6 +208,8 @@ class Batcher:
                     self._wake.wait()
                 if self._stopping:
                     return
+                if self._swap is not None:  # between two steps: no step runs half on each
+                    (self.programs, self._model), self._swap = self._swap, None
                 admitted = self._admit()
             try:
                 self._step(admitted)
@@ -226,13 +251,18 @@ class Batcher:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(tokens)] = tokens
         greedy = o.temperature == 0
-        self._cache, token, chosen, prompt = self.programs.prefill(
+        rows = sequence.attention_rows
+        if rows is not None:  # padded to a power of two: few programs compile
+            rows = np.pad(rows, (0, attention_width(len(rows)) - len(rows)))
+        self._cache, token, chosen, prompt, attention = self.programs.prefill(
             self._cache, jnp.int32(slot), jnp.asarray(padded), jnp.int32(len(tokens)),
             jnp.int32(sequence.produced), jnp.asarray(sequence.key_data), jnp.float32(o.temperature),
             None if greedy or o.top_k is None else jnp.int32(o.top_k),
             None if greedy or o.top_p is None else jnp.float32(o.top_p),
             first and sequence.prompt_logprobs,
             None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
+            jnp.int32(sequence.adapter),
+            None if rows is None else jnp.asarray(rows),
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -242,8 +272,9 @@ class Batcher:
                 (tokens[i + 1], float(chosen_all[i]), _pairs(top_ids[i], top[i]))
                 for i in range(len(tokens) - 1)
             ]
+        weights = None if attention is None else _window_rows(sequence, np.asarray(attention))
         self._advance(
-            sequence, int(token), float(chosen.chosen), _pairs(chosen.top_ids, chosen.top), logprobs
+            sequence, int(token), float(chosen.chosen), _pairs(chosen.top_ids, chosen.top), logprobs, weights
         )
 
     def _decode(self) -> None:
@@ -269,13 +300,17 @@ class Batcher:
         rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
         if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
             bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
-        self._cache, chosen, logprobs = self.programs.decode(
+        asked = self._attention_rows()
+        self._cache, chosen, logprobs, attention = self.programs.decode(
             self._cache,
             *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
             bias=bias,
+            adapters=jnp.asarray([0 if s is None else s.adapter for s in self.slots], jnp.int32),
+            rows=None if asked is None else jnp.asarray(asked),
         )  # fmt: skip
+        attention = None if attention is None else np.asarray(attention)
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)
         top_ids, top = np.asarray(logprobs.top_ids), np.asarray(logprobs.top)
         self.steps += 1
@@ -283,9 +318,26 @@ class Batcher:
         for i, s in enumerate(self.slots):
             if s is not None:
                 s.window.append(s.next_token)
-                self._advance(s, int(chosen[i]), float(lp[i]), _pairs(top_ids[i], top[i]))
+                weights = None
+                if attention is not None and s.attention_rows is not None:
+                    weights = _window_rows(s, attention[i])
+                self._advance(s, int(chosen[i]), float(lp[i]), _pairs(top_ids[i], top[i]), None, weights)
 
-    def _advance(self, sequence: Sequence, token: int, logprob: float, top, prompt=None) -> None:
+    def _attention_rows(self) -> np.ndarray | None:
+        """The decode step's `rows` `(slots, width)`: each slot's asked layers and heads, zeros for
+        the others; None when no live slot asks (the step then compiles no attention output)."""
+        asking = [s.attention_rows for s in self.slots if s is not None and s.attention_rows is not None]
+        if not asking:
+            return None
+        rows = np.zeros((len(self.slots), attention_width(max(len(r) for r in asking))), np.int32)
+        for i, s in enumerate(self.slots):
+            if s is not None and s.attention_rows is not None:
+                rows[i, : len(s.attention_rows)] = s.attention_rows
+        return rows
+
+    def _advance(
+        self, sequence: Sequence, token: int, logprob: float, top, prompt=None, attention=None
+    ) -> None:
         if token == UNUSABLE:  # its slot is freed by the next `_release`
             sequence.failure = (
                 f"the model's logits for token {sequence.produced} hold NaN or +inf, or are all -inf: "
@@ -294,7 +346,7 @@ class Batcher:
             return
         sequence.next_token = token
         sequence.produced += 1
-        _deliver(sequence, Token(token, logprob, top, prompt))
+        _deliver(sequence, Token(token, logprob, top, prompt, attention))
 
     def _release(self) -> None:
         """Free the slots of sequences that are done or cancelled, telling them so."""
@@ -312,6 +364,13 @@ class Batcher:
             if s is not None:
                 self.slots[slot] = None
                 _deliver(s, Failed(message))
+
+
+def _window_rows(sequence: Sequence, attention: np.ndarray) -> np.ndarray:
+    """A slot's attention `(width, capacity)` cut to its asked rows over its window (every
+    position after its window is hidden from the query: weight 0)."""
+    assert sequence.attention_rows is not None
+    return attention[: len(sequence.attention_rows), : len(sequence.window)].copy()
 
 
 def _pairs(ids, logprobs) -> list[tuple[int, float]]:

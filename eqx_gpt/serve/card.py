@@ -53,17 +53,26 @@ def model_config(model: Decoder) -> dict[str, Any]:
     }
 
 
+def run_losses(meta: dict) -> dict[str, Any]:
+    """The training and validation losses by step (`curve`) and the final validation loss of the run
+    whose checkpoint `meta` describes, read from its `metrics.jsonl` now (a run in progress: so far)."""
+    path = Path(meta.get("path", "."))
+    records = loss_records(path if path.is_dir() else path.parent)
+    finals = [r for r in records if _finite(r.get("final_val_loss")) is not None]
+    curve = lambda key: [[r["step"], _finite(r[key])] for r in records if _finite(r.get(key)) is not None]
+    return {
+        "final_val_loss": finals[-1]["final_val_loss"] if finals else _finite(meta.get("best_val_loss")),
+        "curve": {"train": curve("loss"), "val": curve("val_loss")},
+    }
+
+
 def model_card(
     model: Decoder, meta: dict, name: str, layout: AttentionLayout | None = None
 ) -> dict[str, Any]:
     """`name`, the config, the parameter count, where the weights came from, the attention layers
     the page can draw (`layout`, found by type when not given), and (for a run) the training and
-    validation losses by step with the final validation loss."""
+    validation losses by step with the final validation loss (`run_losses`)."""
     layout = attention_layout(model) if layout is None else layout
-    path = Path(meta.get("path", "."))
-    records = loss_records(path if path.is_dir() else path.parent)
-    finals = [r for r in records if _finite(r.get("final_val_loss")) is not None]
-    curve = lambda key: [[r["step"], _finite(r[key])] for r in records if _finite(r.get(key)) is not None]
     return {
         "name": name,
         "source": meta.get("format", "eqx_gpt-checkpoint"),
@@ -71,6 +80,5 @@ def model_card(
         "config": model_config(model),
         "parameters": parameter_count(model),
         "attention": {"layers": layout.n_layers, "heads": layout.n_heads, "absent": layout.absent},
-        "final_val_loss": finals[-1]["final_val_loss"] if finals else _finite(meta.get("best_val_loss")),
-        "curve": {"train": curve("loss"), "val": curve("val_loss")},
+        **run_losses(meta),
     }

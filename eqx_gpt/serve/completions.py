@@ -9,12 +9,20 @@ and keeps the log-probabilities in OpenAI's legacy shape (`tokens`, `token_logpr
 `top_logprobs`, `text_offset`). A token whose bytes are not text on their own (a part of a UTF-8
 character) is named as OpenAI's API names it, `bytes:\\xe2\\x80`, so two such tokens never share a
 `top_logprobs` key. Log-probabilities are the model's own (temperature 1, before top-k and top-p).
+
+And the attention a request asked for (eqx_gpt's `attention`), in the same shape of lists aligned
+with the generated tokens: `start` (the text position of each token's row's first weight) and
+`weights` (per token, per layer, per head, the row), rounded to `ATTENTION_DECIMALS` decimals.
 """
 
+import numpy as np
+
 from eqx_gpt.serve.batcher import Token
+from eqx_gpt.serve.requests import AttentionRequest
 
 REPLACEMENT = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole character
 MAX_CHAR_TOKENS = 4  # a UTF-8 character is at most 4 bytes, so at most 4 tokens
+ATTENTION_DECIMALS = 6  # a row of 1,024 weights still sums to 1 within 5e-4
 
 
 def token_text(tokenizer, token: int) -> str | bytes:
@@ -80,7 +88,10 @@ class ChoiceText:
     """Accumulates the tokens of one choice. `add` returns the text released by one more token;
     `stopped` turns True at a stop string (draw no more), `finish` releases what was held back."""
 
-    def __init__(self, tokenizer, stops: list[str], echo: str = "", logprobs: int | None = None):
+    def __init__(
+        self, tokenizer, stops: list[str], echo: str = "", logprobs: int | None = None,
+        attention: AttentionRequest | None = None, prompt_tokens: int = 0,
+    ):  # fmt: skip
         self.tokenizer, self.stops, self.top_n = tokenizer, stops, logprobs
         self.decoded = Detokenizer(tokenizer)
         self.released = 0  # characters of the text handed out
@@ -91,6 +102,10 @@ class ChoiceText:
             if logprobs is None
             else {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         )
+        self.offsets: list[int] = []  # each generated token's text offset (where a stop cuts)
+        self.prompt_tokens = prompt_tokens  # the prompt's, as sent: where the generated ones begin
+        self.asked = attention
+        self.attention = None if attention is None else {"start": [], "weights": []}
 
     @property
     def text(self) -> str:
@@ -110,6 +125,15 @@ class ChoiceText:
         self.logprobs["top_logprobs"].append(alternatives)
         self.logprobs["text_offset"].append(offset)
 
+    def _record_attention(self, event: Token) -> None:
+        if self.attention is None or self.asked is None or event.attention is None:
+            return
+        rows = np.round(event.attention.astype(np.float64), ATTENTION_DECIMALS)
+        window = rows.shape[-1]  # the token's query sits at the window's last position
+        self.attention["start"].append(self.prompt_tokens + len(self.offsets) - window)
+        shape = (len(self.asked.layers), len(self.asked.heads), window)
+        self.attention["weights"].append(rows.reshape(shape).tolist())
+
     def add_prompt(self, prompt_ids: list[int], event: Token) -> None:
         """Record the prompt's own log-probabilities (for `echo` with `logprobs`): null for the first
         (and for those cropped off a prompt longer than the context)."""
@@ -128,6 +152,8 @@ class ChoiceText:
             return ""
         start = len(self.text)
         self._record(event.id, event.logprob, event.top, len(self.echo) + start)
+        self._record_attention(event)
+        self.offsets.append(len(self.echo) + start)
         if not self.decoded.add(event.id):
             return ""
         cut = self._first_stop(start)
@@ -175,11 +201,28 @@ class ChoiceText:
             None if self.logprobs is None else {name: values[-1:] for name, values in self.logprobs.items()}
         )
 
+    def _kept(self, offsets: list[int]) -> int:
+        """How many of the tokens at `offsets` begin within the released text."""
+        end = len(self.echo) + self.released
+        return sum(1 for offset in offsets if offset < end) if self.stopped else len(offsets)
+
     def final_logprobs(self) -> dict | None:
         """The log-probabilities of the tokens whose text begins within the released text."""
         if self.logprobs is None:
             return None
-        end = len(self.echo) + self.released
-        offsets = self.logprobs["text_offset"]
-        keep = sum(1 for offset in offsets if offset < end) if self.stopped else len(offsets)
+        keep = self._kept(self.logprobs["text_offset"])
         return {name: values[:keep] for name, values in self.logprobs.items()}
+
+    def _attention_of(self, start: int, end: int | None) -> dict | None:
+        if self.attention is None or self.asked is None:
+            return None
+        kept = {name: values[start:end] for name, values in self.attention.items()}
+        return {"layers": self.asked.layers, "heads": self.asked.heads, **kept}
+
+    def last_attention(self) -> dict | None:
+        """The attention of the latest token alone (a streamed chunk's)."""
+        return self._attention_of(-1, None)
+
+    def final_attention(self) -> dict | None:
+        """The attention of the generated tokens whose text begins within the released text."""
+        return self._attention_of(0, self._kept(self.offsets))

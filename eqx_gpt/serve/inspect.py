@@ -6,20 +6,24 @@ the 10 most likely next tokens twice: under the model's own distribution (`befor
 no filters) and under the one a sample is drawn from (`after`: `next_token_distribution`, the very
 distribution `sample_next_token` draws from; temperature 0 puts all the mass on the argmax).
 
-And for one layer and head, the attention weights over the text (`sample.py --attention-png`'s
-picture, as numbers). The attention layers are found by type: every eqx_gpt `MultiHeadAttention`
-in the model records, during that prefill, the weights its `decode` attends with
-(`MultiHeadAttention.decode_weights`) into the cache it returns (`RecordedCache`), so the layers
-are the recorded caches in the order of the cache the model hands back, whether its layers run in
-a Python loop or a `scan`. A model without one (or whose `decode` does not hand back the cache its
-attention returned) gets `attention: null` and `attention_absent`, the reason, which the page shows
-in place of the heatmap.
+And for one layer, the attention weights over the text of one head, or of all its heads
+(`sample.py --attention-png`'s picture, as numbers), over the `window` tokens up to the position
+if asked. The
+attention layers are found by type: every eqx_gpt `MultiHeadAttention` in the model
+records, during that prefill, the weights its `decode` attends with into the cache it returns
+(`eqx_gpt.serve.recording`), so
+the layers are the recorded caches in the order of the cache the model hands back, whether its
+layers run in a Python loop or a `scan`. A model without one (or whose `decode` does not hand back
+the cache its attention returned) gets `attention: null` and `attention_absent`, the reason, which
+the page shows in place of the heatmap.
+
+At the same position, the logit lens (`lens.py`, a prefill of its own with every block recording
+its output): each layer's top 5 next tokens, or `lens: null` and `lens_absent`, why.
 
 The text is cropped to its last `context_length` tokens and padded to a `prompt_bucket` (the
 causal mask keeps padding out of every real position), so few shapes compile.
 """
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,58 +31,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
 
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import prefill, prompt_bucket
 from eqx_gpt.generation.sampling import next_token_distribution, usable
-from eqx_gpt.model.attention import KVCache, MultiHeadAttention
+from eqx_gpt.serve.lens import LensLayout, lens_layout, lens_top
+from eqx_gpt.serve.recording import attention_layers, recorded, recording
 from eqx_gpt.serve.requests import RequestError
 
 TOP = 10  # bars shown
-
-
-class RecordedCache(KVCache):
-    """A `KVCache` that also carries the attention weights of the `decode` that wrote it:
-    `(*lead, heads, new, capacity)`."""
-
-    weights: Float[Array, "*lead heads new capacity"]
-
-
-class RecordingAttention(MultiHeadAttention):
-    """A `MultiHeadAttention` (the same weights) whose `decode` returns a `RecordedCache`."""
-
-    def __init__(self, attention: MultiHeadAttention):
-        for f in dataclasses.fields(attention):
-            setattr(self, f.name, getattr(attention, f.name))
-
-    def decode(self, x, cache, start):
-        out, updated = super().decode(x, cache, start)
-        return out, RecordedCache(updated.k, updated.v, self.decode_weights(x, cache, start))
-
-
-def _is_attention(node) -> bool:
-    return isinstance(node, MultiHeadAttention)
-
-
-def _attentions(model) -> list[MultiHeadAttention]:
-    return [n for n in jax.tree.leaves(model, is_leaf=_is_attention) if _is_attention(n)]
-
-
-def recording(model: Decoder) -> Decoder:
-    """`model` with every `MultiHeadAttention` recording its decoding weights (found by type)."""
-    found = _attentions(model)
-    if not found:
-        return model
-    return eqx.tree_at(_attentions, model, [RecordingAttention(a) for a in found])
-
-
-def _recorded(cache) -> list:
-    """The weights of every `RecordedCache` in `cache`, in its order, each `(layers, heads, new,
-    capacity)` (a stacked cache's layer axis kept, one row's batch axis dropped)."""
-    leaves = jax.tree.leaves(cache, is_leaf=lambda n: isinstance(n, RecordedCache))
-    found = [leaf.weights for leaf in leaves if isinstance(leaf, RecordedCache)]
-    return [w.reshape(-1, *w.shape[-3:]) for w in found]
 
 
 @dataclass(frozen=True)
@@ -94,13 +55,13 @@ class AttentionLayout:
 def attention_layout(model: Decoder) -> AttentionLayout:
     """The layers and heads the page can show for `model` (from shapes alone: nothing runs)."""
     name = type(model).__name__
-    if not _attentions(model):
+    if not attention_layers(model):
         return AttentionLayout(
             1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
         )
     padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
-    recorded = lambda m, p: _recorded(prefill(recording(m), p, same_cache=False)[1])
-    shapes = [s.shape for s in eqx.filter_eval_shape(recorded, model, padded)]
+    weights = lambda m, p: recorded(prefill(recording(m), p, same_cache=False)[1])
+    shapes = [s.shape for s in eqx.filter_eval_shape(weights, model, padded)]
     if not shapes:
         return AttentionLayout(
             1, 1, f"{name}.decode does not hand back the caches its MultiHeadAttention layers return"
@@ -113,33 +74,62 @@ def attention_layout(model: Decoder) -> AttentionLayout:
 
 
 @eqx.filter_jit
-def _attention_and_logits(model: Decoder, padded, layer, head, with_attention: bool):
-    model = recording(model) if with_attention else model
-    logits, cache = prefill(model, padded[None], same_cache=not with_attention)
-    if not with_attention:
-        return None, logits[0]
-    return jnp.concatenate(_recorded(cache))[layer, head], logits[0]
+def _inspect_pass(model: Decoder, padded, layer, position, with_attention: bool, with_lens: bool):
+    """One prefill of `padded` `(bucket,)`: the logits of every position, every head's attention
+    of `layer` `(heads, bucket, bucket)` and the lens's top tokens at `position`."""
+    logits, cache = prefill(
+        recording(model) if with_attention else model, padded[None], same_cache=not with_attention
+    )
+    weights = jnp.concatenate(recorded(cache))[layer] if with_attention else None
+    lens = lens_top(model, padded[None], position) if with_lens else None
+    return weights, logits[0], lens
 
 
 _distribution = eqx.filter_jit(next_token_distribution)
 
 
+def _entry(i, p, tokenizer) -> dict:
+    return {"id": int(i), "token": tokenizer.decode([int(i)]), "prob": round(float(p), 6)}
+
+
 def _top(probs: np.ndarray, tokenizer) -> list[dict]:
     ids = np.argsort(-probs, kind="stable")[:TOP]
+    return [_entry(i, probs[i], tokenizer) for i in ids]
+
+
+def _lens(lens, tokenizer) -> list[dict] | None:
+    if lens is None:
+        return None
+    probs, ids = (np.asarray(a) for a in lens)
+    probs = np.nan_to_num(probs)  # a layer with no distribution shows none (JSON has no NaN)
     return [
-        {"id": int(i), "token": tokenizer.decode([int(i)]), "prob": round(float(probs[i]), 6)} for i in ids
+        {
+            "layer": layer,
+            "top": [_entry(i, p, tokenizer) for i, p in zip(ids[layer], probs[layer], strict=True)],
+        }
+        for layer in range(len(ids))
     ]
+
+
+def _window(matrix: np.ndarray, start: int, end: int) -> list:
+    """The rows and columns `start .. end - 1` of an attention matrix (`[..., bucket, bucket]`)."""
+    return np.round(matrix[..., start:end, start:end], 4).tolist()
 
 
 def inspect_text(
     model: Decoder, tokenizer, tokens: list[int], *, layer: int, head: int, position: int | None,
-    temperature: float, top_k: int | None, top_p: float | None, layout: AttentionLayout | None = None,
+    temperature: float, top_k: int | None, top_p: float | None, all_heads: bool = False,
+    window: int | None = None, layout: AttentionLayout | None = None, lens: LensLayout | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The attention of `layer`/`head` over `tokens` (cropped to the context) and the next-token top
-    10 before and after the filters at `position` (None: the last). Arguments are checked by the
-    caller (`parse_inspect` against `layout`, `attention_layout(model)`), save `position`, which
-    must fall in the cropped text (a `RequestError` otherwise)."""
+    """The attention of `layer`/`head` over `tokens` (cropped to the context), with every head of
+    `layer` if `all_heads`, over the `window` tokens up to `position` (None: all); the next-token
+    top 10 before and after the filters at `position` (None: the last), and there the logit lens
+    (`lens.py`).
+    Arguments are checked by the caller (`parse_inspect` against `layout`,
+    `attention_layout(model)`), save `position`, which must fall in the cropped text (a
+    `RequestError` otherwise). `lens` is `lens_layout(model)` (computed when not given)."""
     layout = attention_layout(model) if layout is None else layout
+    lens = lens_layout(model) if lens is None else lens
     model = eqx.nn.inference_mode(model)
     context = model.context_length
     cropped = len(tokens) - min(len(tokens), context)
@@ -149,13 +139,13 @@ def inspect_text(
         raise RequestError(
             f"position must be in [0, {n - 1}] (the text's {n} tokens), got {position}", "position"
         )
+    position = n - 1 if position is None else position
     padded = np.zeros(prompt_bucket(n, context), np.int32)
     padded[:n] = tokens
     with_attention = layout.absent is None
-    weights, logits = _attention_and_logits(
-        model, jnp.asarray(padded), jnp.int32(layer), jnp.int32(head), with_attention
-    )
-    position = n - 1 if position is None else position
+    weights, logits, top = _inspect_pass(
+        model, jnp.asarray(padded), jnp.int32(layer), jnp.int32(position), with_attention, lens.absent is None
+    )  # fmt: skip
     at = logits[position]
     if not bool(usable(at)):
         raise ValueError(
@@ -166,6 +156,8 @@ def inspect_text(
         at, jnp.float32(temperature),
         None if top_k is None else jnp.int32(top_k), None if top_p is None else jnp.float32(top_p),
     )  # fmt: skip
+    start, end = (0, n) if window is None else (max(0, position + 1 - window), position + 1)
+    heads = None if weights is None else np.asarray(weights)
     return {
         "tokens": [tokenizer.decode([t]) for t in tokens],
         "ids": tokens,
@@ -173,10 +165,14 @@ def inspect_text(
         "position": position,
         "layer": layer,
         "head": head,
-        "attention": None if weights is None else np.round(np.asarray(weights)[:n, :n], 4).tolist(),
+        "window_start": start,
+        "attention": None if heads is None else _window(heads[head], start, end),
+        "heads": None if heads is None or not all_heads else _window(heads, start, end),
         "attention_absent": layout.absent,
         "next_token": {
-            "before": _top(np.asarray(jax.nn.softmax(at)), tokenizer),
+            "before": _top(np.asarray(_distribution(at, jnp.float32(1.0), None, None)), tokenizer),
             "after": _top(np.asarray(after), tokenizer),
         },
+        "lens": _lens(top, tokenizer),
+        "lens_absent": lens.absent,
     }

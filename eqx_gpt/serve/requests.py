@@ -1,8 +1,11 @@
 """A completion request's JSON, checked field by field before any work: `parse_completion`.
 
 Fields follow OpenAI's legacy completions API (`POST /v1/completions`); `top_k` is eqx_gpt's own
-(llama.cpp's too): sample among the `top_k` most likely tokens, 0 or null for all. Every bad value
-raises a `RequestError` naming the field, which the app answers with a 4xx and OpenAI's error JSON.
+(llama.cpp's too): sample among the `top_k` most likely tokens, 0 or null for all; so is
+`attention`, `{"layers": [...], "heads": [...]}`: the attention weights of those layers and heads
+(every pair of them, at most `ATTENTION_MAX_PAIRS`) at every generated token, at most
+`ATTENTION_MAX_WEIGHTS` weights in a reply. Every bad value raises a `RequestError` naming the
+field, which the app answers with a 4xx and OpenAI's error JSON.
 
 The body itself is read by `load_body`: strict UTF-8 JSON, integers of at most `MAX_DIGITS`
 digits, nesting at most `MAX_NESTING` deep, and no lone surrogate (`"\\ud800"`, which is not
@@ -13,11 +16,12 @@ is encoded, and stop strings are at most `MAX_STOP_CHARS` long.
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from eqx_gpt._checks import SEED_MAX
 from eqx_gpt.errors import EqxGptError, TokenizerError
-from eqx_gpt.serve.steps import LOGPROBS_MAX
+from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS, LOGPROBS_MAX
 
 MAX_STOPS = 4  # OpenAI's bound on `stop`
 MAX_STOP_CHARS = 256  # per stop string: the text held back and searched per token is this long at most
@@ -25,6 +29,7 @@ MAX_N = 16  # samples per prompt
 MAX_DIGITS = 40  # an integer field's digits (a seed is at most 19): longer is refused while parsing
 MAX_NESTING = 8  # the deepest a request nests (a list of token-id lists in a body is 3)
 SHOWN_CHARS = 60  # of a bad value, quoted in an error message
+ATTENTION_MAX_WEIGHTS = 1 << 22  # in a reply's `attention` (about 40 MB of JSON), counted before any work
 
 
 class RequestError(EqxGptError):
@@ -34,6 +39,16 @@ class RequestError(EqxGptError):
     def __init__(self, message: str, param: str | None = None, *, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.param, self.status, self.code = param, status, code
+
+
+@dataclass(frozen=True)
+class AttentionRequest:
+    """The attention a request asks for: every pair of `layers` and `heads` (in that order, layer
+    first), each pair the flat index `layer * n_heads + head` in `rows`."""
+
+    layers: list[int]
+    heads: list[int]
+    rows: list[int]
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]; -100 bans it
+    adapter: int = 0  # the model asked for: 0 the base, i the i-th LoRA adapter served beside it
+    attention: AttentionRequest | None = None  # eqx_gpt's: the attention weights to return
 
 
 def shown(value) -> str:
@@ -117,7 +134,7 @@ def _check_values(body) -> None:
 # Fields OpenAI takes that change nothing here, accepted at these values only.
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "suffix": None}
 KNOWN = {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed", "echo",
-         "logprobs", "stream", "stream_options", "user", "logit_bias", *NEUTRAL}  # fmt: skip
+         "logprobs", "stream", "stream_options", "user", "logit_bias", "attention", *NEUTRAL}  # fmt: skip
 BIAS_LIMIT = 100  # OpenAI's range of a logit bias: [-100, 100]; -100 bans a token
 
 
@@ -250,15 +267,82 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return bias
 
 
+def _attention(body: dict, layout, prompts: list[list[int]], n: int, max_tokens: int, context: int):
+    """eqx_gpt's `attention`: `{"layers": [...], "heads": [...]}` within `layout` (the model's
+    attention layers, `inspect.attention_layout`), at most `ATTENTION_MAX_PAIRS` pairs, and a
+    reply of at most `ATTENTION_MAX_WEIGHTS` weights (each token's row is at most its window)."""
+    value = body.get("attention")
+    if value is None:
+        return None
+    if layout is None or layout.absent is not None:
+        why = "this server has no attention layers to report" if layout is None else layout.absent
+        raise RequestError(
+            f"attention is not available for this model: {why}; leave attention out", "attention"
+        )
+    if not isinstance(value, dict) or set(value) != {"layers", "heads"}:
+        raise RequestError(
+            f'attention must be an object {{"layers": [...], "heads": [...]}} of layer and head indices, '
+            f"got {shown(value)}", "attention",
+        )  # fmt: skip
+    layers = _indices(value["layers"], "layers", layout.n_layers, "attention layers")
+    heads = _indices(value["heads"], "heads", layout.n_heads, "heads per layer")
+    pairs = len(layers) * len(heads)
+    if pairs > ATTENTION_MAX_PAIRS:
+        raise RequestError(
+            f"attention asks for {len(layers)} layers x {len(heads)} heads = {pairs} rows per token; at most "
+            f"{ATTENTION_MAX_PAIRS}: ask for fewer layers or heads", "attention",
+        )  # fmt: skip
+    weights = n * max_tokens * pairs * sum(min(context, len(p) + max_tokens) for p in prompts)
+    if weights > ATTENTION_MAX_WEIGHTS:
+        raise RequestError(
+            f"attention would return up to {weights} weights (samples x max_tokens x {pairs} rows x the "
+            f"window); a reply holds at most {ATTENTION_MAX_WEIGHTS}: ask for fewer tokens, samples, "
+            f"layers or heads", "attention",
+        )  # fmt: skip
+    rows = [layer * layout.n_heads + head for layer in layers for head in heads]
+    return AttentionRequest(layers, heads, rows)
+
+
+def _indices(value, name: str, count: int, what: str) -> list[int]:
+    if not (isinstance(value, list) and value and _is_ids(value) and len(set(value)) == len(value)
+            and all(0 <= i < count for i in value)):  # fmt: skip
+        raise RequestError(
+            f"attention.{name} must be a non-empty list of distinct indices in [0, {count - 1}] (this "
+            f"model's {count} {what}), got {shown(value)}", f"attention.{name}",
+        )  # fmt: skip
+    return value
+
+
 def _is_ids(items: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
 
 
+def model_index(body: dict, names: Sequence[str], *, required: bool = True) -> int:
+    """The index in `names` (the base's, then every adapter's) of the model `body` names, as vLLM
+    picks a LoRA adapter by `model`: an unknown name is 404 `model_not_found`. Without `required`, a
+    missing `model` is the base."""
+    model = body.get("model")
+    if model is None and not required:
+        return 0
+    served = ", ".join(map(repr, names))
+    if not isinstance(model, str):
+        raise RequestError(f"model must be a string naming a served model ({served})", "model")
+    if model not in names:
+        raise RequestError(
+            f"the model {shown(model)} does not exist; this server serves {served}", "model",
+            status=404, code="model_not_found",
+        )  # fmt: skip
+    return list(names).index(model)
+
+
 def parse_completion(
-    body, *, model_name: str, tokenizer, vocab_size: int, max_tokens_limit: int, max_samples: int
-) -> CompletionRequest:
+    body, *, model_name: str, tokenizer, vocab_size: int, max_tokens_limit: int, max_samples: int,
+    adapters: Sequence[str] = (), layout=None, context_length: int = 0,
+) -> CompletionRequest:  # fmt: skip
     """The checked `CompletionRequest` of a JSON `body`, or a `RequestError` naming the bad field.
-    A request asks for at most `max_samples` samples (prompts times `n`)."""
+    A request asks for at most `max_samples` samples (prompts times `n`). `model` names the base
+    (`model_name`) or one of its `adapters`. `attention` within `layout`
+    (`inspect.attention_layout`; None: refused), its rows at most `context_length` long."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - KNOWN)
@@ -267,14 +351,7 @@ def parse_completion(
     for name, neutral in NEUTRAL.items():
         if body.get(name) not in (None, neutral):
             raise RequestError(f"{name} is not supported by this server; leave it out", name)
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise RequestError(f"model must be a string naming the served model ({model_name!r})", "model")
-    if model != model_name:
-        raise RequestError(
-            f"the model {shown(model)} does not exist; this server serves {model_name!r}", "model",
-            status=404, code="model_not_found",
-        )  # fmt: skip
+    adapter = model_index(body, [model_name, *adapters])
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise RequestError("stream_options must be an object with include_usage only", "stream_options")
@@ -284,10 +361,11 @@ def parse_completion(
     stop = _stops(body)
     prompts, texts = _encoded(unencoded, tokenizer, vocab_size)
     top_k = _integer(body, "top_k", None, 0, 2**31 - 1)
+    max_tokens = _integer(body, "max_tokens", 16, 0, max_tokens_limit) or 0
     return CompletionRequest(
         prompts=prompts,
         texts=texts,
-        max_tokens=_integer(body, "max_tokens", 16, 0, max_tokens_limit) or 0,
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_top_p(body),
         top_k=top_k or None,
@@ -299,6 +377,8 @@ def parse_completion(
         stream=_flag(body, "stream"),
         include_usage=_flag(options or {}, "include_usage"),
         logit_bias=_logit_bias(body, vocab_size),
+        adapter=adapter,
+        attention=_attention(body, layout, prompts, n, max_tokens, context_length),
     )
 
 
@@ -341,13 +421,25 @@ def parse_detokenize(body, vocab_size: int) -> list[int]:
     return tokens
 
 
-INSPECT_FIELDS = {"prompt", "layer", "head", "position", "temperature", "top_k", "top_p"}
+INSPECT_FIELDS = {
+    "prompt",
+    "layer",
+    "head",
+    "position",
+    "temperature",
+    "top_k",
+    "top_p",
+    "all_heads",
+    "window",
+    "model",
+}
 
 
-def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
+def parse_inspect(body, layout, context_length: int, tokenizer, models: Sequence[str] = ()) -> dict:
     """The keyword arguments of `inspect_text` from the page's JSON `body`, or a `RequestError`:
     `layer` and `head` within `layout` (`inspect.attention_layout`), `position` within the text as
-    cropped to `context_length`."""
+    cropped to `context_length`; and `adapter`, the index in `models` (the base's name, then its
+    adapters') of the `model` named (none: the base)."""
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - INSPECT_FIELDS)
@@ -371,4 +463,7 @@ def parse_inspect(body, layout, context_length: int, tokenizer) -> dict:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_k=_integer(body, "top_k", None, 0, 2**31 - 1) or None,
         top_p=_top_p(body),
+        all_heads=_flag(body, "all_heads"),
+        window=_integer(body, "window", None, 1, 2**31 - 1),  # past the text: all of it
+        adapter=model_index(body, models, required=False) if models else 0,
     )

@@ -44,6 +44,10 @@ _GPT2_124M_MODEL = dict(
     norm="layer", bias=True, tie_embeddings=True, dropout=0.0,
 )  # fmt: skip
 
+# nanoGPT's GPU recipes run in bfloat16 (its `dtype` where the GPU has it), and so do these on a
+# GPU: the bf16 step is the one measured against nanoGPT's; float32 took 1.75x as long on an H100
+# (docs/PERFORMANCE.md). `--compute-dtype float32` still wins.
+_GPU_DTYPE = dict(compute_dtype="bfloat16")
 PRESETS = {
     "cpu": Preset(
         "the default: a 0.8M-parameter model trained with Muon, its schedule fitted to 9 minutes on a "
@@ -80,6 +84,7 @@ PRESETS = {
         "nanoGPT's GPU recipe for Tiny Shakespeare characters (val loss about 1.47)",
         model=_NANOGPT_MODEL,
         train=_NANOGPT_TRAIN,
+        gpu=_GPU_DTYPE,
     ),
     FINETUNE_PRESET: Preset(
         "fine-tune a Hugging Face GPT-2 (--init-from DIR) on the text: nanoGPT's finetune_shakespeare "
@@ -117,7 +122,7 @@ PRESETS = {
         # On a GPU the 12 layers run as straight-line code: a rolled scan slices each layer's
         # weights out of the stack and writes its gradients back into zero-filled stacks, 13% of
         # the step on an H100 (docs/PERFORMANCE.md); on a CPU, unrolling costs compile time instead.
-        gpu=dict(scan_unroll=12),
+        gpu={**_GPU_DTYPE, "scan_unroll": 12},
         train=dict(
             tokenizer="gpt2",
             optimizer="adamw",
@@ -140,5 +145,6 @@ PRESETS = {
         "nanoGPT's GPU recipe with Muon on the block matrices (not yet run on a GPU)",
         model=_NANOGPT_MODEL,
         train={**_NANOGPT_TRAIN, "optimizer": "muon", "lr": 0.02, "min_lr": 0.002, "adam_lr": 1e-3},
+        gpu=_GPU_DTYPE,
     ),
 }

@@ -2,8 +2,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, text: "", position: null, inspectTimer: null, inspectRun: 0 };
-const SHOWN = 64; // attention: the last SHOWN tokens
+// `key`: the server's API key when it asks for one (401), held in this page's memory only.
+const state = { model: null, text: "", position: null, inspectTimer: null, inspectRun: 0, key: null, step: null,
+  polling: false };
+const SHOWN = 32; // attention: the SHOWN tokens up to the position (labels stay readable)
 
 function visible(token) {
   return token.replace(/\n/g, "⏎").replace(/ /g, "␣").replace(/\t/g, "⇥");
@@ -22,13 +24,25 @@ function showSettings() {
   $("max-tokens-value").textContent = $("max-tokens").value;
 }
 
+function headers(json) {
+  const h = json ? { "content-type": "application/json" } : {};
+  if (state.key) h.authorization = `Bearer ${state.key}`;
+  return h;
+}
+
 async function api(path, body) {
-  const response = await fetch(path, body === undefined ? {} : {
-    method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
+  const response = await fetch(path, body === undefined ? { headers: headers(false) } : {
+    method: "POST", headers: headers(true), body: JSON.stringify(body),
   });
   const data = await response.json();
+  if (response.status === 401) askForKey();
   if (!response.ok) throw new Error(data.error ? data.error.message : response.statusText);
   return data;
+}
+
+function askForKey() {
+  $("key-box").hidden = false;
+  $("api-key").focus();
 }
 
 function drawBars(element, top) {
@@ -43,32 +57,112 @@ function drawBars(element, top) {
   }));
 }
 
-function drawAttention(matrix) {
-  const canvas = $("attention"), ctx = canvas.getContext("2d");
-  const n = matrix.length, from = Math.max(0, n - SHOWN), m = n - from;
-  const cell = canvas.width / Math.max(m, 1);
+// Weight -> colour: white to blue, on a square-root scale so that faint weights stay visible.
+function colour(w) {
+  const shade = Math.round(255 * (1 - Math.sqrt(Math.min(Math.max(w, 0), 1))));
+  return `rgb(${shade}, ${Math.round(shade * 0.85 + 30)}, 255)`;
+}
+
+function paint(canvas, matrix) {
+  const ctx = canvas.getContext("2d"), m = matrix.length, cell = canvas.width / Math.max(m, 1);
   ctx.fillStyle = "#ffffff";
   ctx.fillRect(0, 0, canvas.width, canvas.height);
   for (let i = 0; i < m; i++) {
-    const row = matrix[from + i];
-    for (let j = 0; j < m; j++) {
-      const w = row[from + j];
-      if (w <= 0) continue;
-      const shade = Math.round(255 * (1 - Math.sqrt(w))); // sqrt: faint weights stay visible
-      ctx.fillStyle = `rgb(${shade}, ${Math.round(shade * 0.85 + 30)}, 255)`;
+    for (let j = 0; j <= i && j < m; j++) {
+      if (matrix[i][j] <= 0) continue;
+      ctx.fillStyle = colour(matrix[i][j]);
       ctx.fillRect(j * cell, i * cell, Math.ceil(cell), Math.ceil(cell));
     }
   }
-  canvas.dataset.drawn = String(m);
+  return cell;
+}
+
+function drawLabels(tokens, cell, at) {
+  const font = `${Math.max(5, Math.min(12, cell - 1)).toFixed(1)}px`;
+  for (const [id, size] of [["attention-rows", "height"], ["attention-cols", "width"]]) {
+    $(id).replaceChildren(...tokens.map((t, i) => {
+      const span = document.createElement("span");
+      span.textContent = visible(t);
+      span.style[size] = `${cell}px`;
+      span.style.fontSize = font;
+      if (i === at) span.className = "at";
+      return span;
+    }));
+  }
+}
+
+function drawScale() {
+  const bar = $("scale-bar"), ctx = bar.getContext("2d");
+  for (let y = 0; y < bar.height; y++) { // top: weight 1; the bar is linear in sqrt(weight)
+    const s = 1 - y / (bar.height - 1);
+    ctx.fillStyle = colour(s * s);
+    ctx.fillRect(0, y, bar.width, 1);
+  }
+  $("scale-ticks").replaceChildren(...[1, 0.5, 0.25, 0.1, 0.02, 0].map((w) => {
+    const tick = document.createElement("span");
+    tick.textContent = String(w);
+    tick.style.top = `${(1 - Math.sqrt(w)) * (bar.height - 1) - 6}px`;
+    return tick;
+  }));
+}
+
+function drawAttention(seen) {
+  const canvas = $("attention"), from = seen.window_start;
+  const cell = paint(canvas, seen.attention);
+  drawLabels(seen.tokens.slice(from, from + seen.attention.length), cell, seen.position - from);
+  canvas.dataset.drawn = String(seen.attention.length);
   $("attention-absent").hidden = true;
+  $("heatmap").hidden = false;
+}
+
+function drawHeads(seen) {
+  const head = Number($("head").value || 0);
+  $("heads").replaceChildren(...seen.heads.map((matrix, h) => {
+    const figure = document.createElement("figure");
+    figure.dataset.head = String(h);
+    figure.className = h === head ? "selected" : "";
+    const canvas = document.createElement("canvas");
+    canvas.width = canvas.height = 96;
+    paint(canvas, matrix);
+    const caption = document.createElement("figcaption");
+    caption.textContent = `head ${h}`;
+    figure.append(canvas, caption);
+    figure.addEventListener("click", () => { $("head").value = String(h); inspectSoon(0); });
+    return figure;
+  }));
+}
+
+function drawLens(seen) {
+  const absent = seen.lens === null;
+  $("lens-absent").hidden = !absent;
+  if (absent) {
+    $("lens-absent").textContent = `No logit lens: ${seen.lens_absent}.`;
+    $("lens").replaceChildren();
+    return;
+  }
+  const last = seen.lens.length - 1;
+  $("lens").replaceChildren(...seen.lens.map((row) => {
+    const tr = document.createElement("tr");
+    const th = document.createElement("th");
+    th.textContent = row.layer === last ? `layer ${row.layer} (output)` : `layer ${row.layer}`;
+    tr.appendChild(th);
+    for (const t of row.top) {
+      const td = tr.insertCell();
+      td.innerHTML = '<span class="token"></span><small></small>';
+      td.querySelector(".token").textContent = visible(t.token);
+      td.querySelector("small").textContent = t.prob.toFixed(2);
+      td.style.background = `rgba(47, 111, 222, ${Math.sqrt(t.prob).toFixed(3)})`;
+      if (t.prob > 0.3) td.style.color = "#fff";
+    }
+    return tr;
+  }));
 }
 
 function showAbsent(reason) {
   // A model without eqx_gpt's MultiHeadAttention: say why there is no heatmap, in its place.
-  const canvas = $("attention"), ctx = canvas.getContext("2d");
-  ctx.fillStyle = "#ffffff";
-  ctx.fillRect(0, 0, canvas.width, canvas.height);
-  canvas.dataset.drawn = "0";
+  $("heatmap").hidden = true;
+  $("heads").replaceChildren();
+  $("attention").dataset.drawn = "0";
   $("attention-absent").textContent = `No attention heatmap: ${reason}.`;
   $("attention-absent").hidden = false;
 }
@@ -88,18 +182,50 @@ async function inspect() {
   if (!text) return;
   const run = ++state.inspectRun;
   const body = { prompt: text, layer: Number($("layer").value || 0), head: Number($("head").value || 0),
-    position: state.position, ...settings() };
+    position: state.position, all_heads: true, window: SHOWN, ...settings() };
   try {
     const seen = await api("/v1/inspect", body);
     if (run !== state.inspectRun) return; // a newer request is on its way
     drawBars($("before"), seen.next_token.before);
     drawBars($("after"), seen.next_token.after);
     if (seen.attention === null) showAbsent(seen.attention_absent);
-    else drawAttention(seen.attention);
+    else { drawAttention(seen); drawHeads(seen); }
+    drawLens(seen);
     drawTokens(seen.tokens, seen.position);
     $("position-label").textContent = `after “${visible(seen.tokens[seen.position])}” (position ${seen.position})`;
+    compare(body, seen, run);
   } catch (e) {
     $("position-label").textContent = `(${e.message})`;
+  }
+}
+
+// Base against adapter (#compare): when the server holds LoRA adapters (/v1/models lists them with
+// their base as `parent`), the base's next-token bars and the chosen adapter's, side by side, at the
+// position under the cursor. The base's are the inspection just drawn; the adapter's one more
+// /v1/inspect with its `model`, after it (the server runs at most two inspections at once).
+async function loadAdapters() {
+  const adapters = (await api("/v1/models")).data.filter((m) => m.parent);
+  if (adapters.length === 0) return;
+  $("compare-model").replaceChildren(...adapters.map((m) => new Option(m.id, m.id)));
+  $("compare-model").addEventListener("change", () => inspectSoon(0));
+  $("compare").hidden = false;
+}
+
+async function compare(body, base, run) {
+  if ($("compare").hidden) return;
+  const adapter = $("compare-model").value;
+  try {
+    const seen = await api("/v1/inspect", { ...body, position: base.position, model: adapter });
+    if (run !== state.inspectRun) return;
+    $("compare-base-name").textContent = `${state.model} (base)`;
+    $("compare-adapter-name").textContent = `${adapter} (adapter)`;
+    drawBars($("compare-base"), base.next_token.before);
+    drawBars($("compare-adapter"), seen.next_token.before);
+    $("compare").dataset.position = String(seen.position);
+    $("compare-error").hidden = true;
+  } catch (e) {
+    $("compare-error").textContent = `(${e.message})`;
+    $("compare-error").hidden = false;
   }
 }
 
@@ -120,9 +246,8 @@ async function generate() {
   const seed = $("seed").value === "" ? null : Number($("seed").value);
   const body = { model: state.model, prompt, max_tokens: Number($("max-tokens").value), stream: true, seed, ...s };
   try {
-    const response = await fetch("/v1/completions", {
-      method: "POST", headers: { "content-type": "application/json" }, body: JSON.stringify(body),
-    });
+    const response = await fetch("/v1/completions", { method: "POST", headers: headers(true), body: JSON.stringify(body) });
+    if (response.status === 401) askForKey();
     if (!response.ok) throw new Error((await response.json()).error.message);
     const reader = response.body.getReader(), decoder = new TextDecoder();
     let buffer = "";
@@ -171,7 +296,7 @@ async function loadCard() {
   $("model-name").textContent = card.name;
   const c = card.config;
   const rows = [["parameters", card.parameters.toLocaleString()], ["source", card.source],
-    ["step", card.step ?? "–"], ["final val loss", card.final_val_loss ?? "–"],
+    ["final val loss", card.final_val_loss ?? "–"],
     ...Object.entries(c).map(([k, v]) => [k, JSON.stringify(v)])];
   $("card").innerHTML = "<table></table>";
   const table = $("card").firstChild;
@@ -183,7 +308,36 @@ async function loadCard() {
   for (const [id, count] of [["layer", card.attention.layers], ["head", card.attention.heads]]) {
     $(id).replaceChildren(...Array.from({ length: count }, (_, i) => new Option(String(i), String(i))));
   }
-  drawCurve(card.curve);
+}
+
+// The run: its step and losses so far; while the server follows it (`--follow`), looked at again
+// every 1.5 s, and when a new checkpoint is served the same text's predictions are shown anew.
+async function loadRun() {
+  const run = await api("/v1/run");
+  $("run-step").textContent = run.step ?? "–";
+  $("run-state").textContent = run.following
+    ? `following the run: each new checkpoint is loaded as it lands${run.error ? ` (${run.error})` : ""}`
+    : "";
+  drawCurve(run.curve);
+  const changed = state.step !== null && run.step !== state.step;
+  state.step = run.step;
+  if (changed) inspect();
+  if (run.following && !state.polling) {
+    state.polling = true;
+    setInterval(() => loadRun().catch(() => {}), 1500);
+  }
+}
+
+async function start() {
+  try {
+    await loadCard();
+  } catch (e) {
+    $("card").textContent = e.message;
+    return;
+  }
+  $("key-box").hidden = true;
+  await loadAdapters();
+  await Promise.all([inspect(), loadRun()]);
 }
 
 for (const id of ["temperature", "top-k", "top-p", "max-tokens"]) {
@@ -193,5 +347,7 @@ for (const id of ["layer", "head"]) $(id).addEventListener("change", () => inspe
 $("prompt").addEventListener("input", () => { state.text = ""; state.position = null; inspectSoon(300); });
 $("tokens").addEventListener("mouseleave", () => { state.position = null; inspectSoon(200); });
 $("generate").addEventListener("click", generate);
+$("key-box").addEventListener("submit", (e) => { e.preventDefault(); state.key = $("api-key").value.trim() || null; start(); });
 showSettings();
-loadCard().then(inspect).catch((e) => { $("card").textContent = e.message; });
+drawScale();
+start();
