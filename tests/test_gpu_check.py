@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["peaks", "tests", "nanogpt", "gpt2", "train", "determinism", "profile", "variants", "dtype"]
+STAGES = ["peaks", "tests", "nanogpt", "gpt2", "train", "dtype", "determinism", "profile", "variants"]
 
 
 def probe_wheel(folder: Path) -> Path:
