@@ -229,19 +229,17 @@ def bench_adapters(
     print(f"adapters / base aggregate tokens/s: {rows[1][1]['tokens_s'] / rows[0][1]['tokens_s']:.2f}x")
 
 
-def batched_round(batcher: Batcher, prompts: list[list[int]], tg: int) -> tuple[float, float]:
-    """`(T_PP, T_TG)` in seconds of one llama.cpp batched-bench round: `prompts` submitted at once,
-    each drawing TG + 1 tokens (the first by its prefill)."""
-    firsts, lasts, failures, ended = [], [], [], threading.Semaphore(0)
+def token_times(batcher: Batcher, prompts: list[list[int]], tg: int, rows: np.ndarray | None = None):
+    """Submit `prompts` at once, each drawing TG + 1 tokens (the first by its prefill), sequence 0
+    asking for attention `rows` (None: nobody asks); wait for all. Returns each sequence's token
+    times (`time.perf_counter()` as each token reached its emitter)."""
+    times: list[list[float]] = [[] for _ in prompts]
+    failures, ended = [], threading.Semaphore(0)
 
-    def emitter():
-        drawn = [0]
-
+    def emitter(i):
         def emit(event):  # called from the batcher's thread
-            now = time.perf_counter()
             if isinstance(event, Token):
-                drawn[0] += 1
-                (firsts if drawn[0] == 1 else lasts).append(now)
+                times[i].append(time.perf_counter())
                 return
             if isinstance(event, Failed) or (isinstance(event, Finished) and event.reason != "length"):
                 failures.append(str(event))
@@ -251,16 +249,24 @@ def batched_round(batcher: Batcher, prompts: list[list[int]], tg: int) -> tuple[
 
     options = SamplingOptions(temperature=1.0)
     sequences = [
-        Sequence(p, tg + 1, options, sample_key_data(0, i), emitter()) for i, p in enumerate(prompts)
+        Sequence(p, tg + 1, options, sample_key_data(0, i), emitter(i), attention_rows=None if i else rows)
+        for i, p in enumerate(prompts)
     ]
-    start = time.perf_counter()
     batcher.submit(sequences)
     for _ in sequences:
         ended.acquire()
     if failures:
-        raise SystemExit(f"batched-bench round failed: {failures}")
-    prefilled = max(firsts)
-    return prefilled - start, max(lasts) - prefilled
+        raise SystemExit(f"bench round failed: {failures}")
+    return times
+
+
+def batched_round(batcher: Batcher, prompts: list[list[int]], tg: int) -> tuple[float, float]:
+    """`(T_PP, T_TG)` in seconds of one llama.cpp batched-bench round: `prompts` submitted at once,
+    each drawing TG + 1 tokens (the first by its prefill)."""
+    start = time.perf_counter()
+    times = token_times(batcher, prompts, tg)
+    prefilled = max(t[0] for t in times)
+    return prefilled - start, max(t[-1] for t in times) - prefilled
 
 
 def batched_bench(model, pp: int, tg: int, batches: list[int]) -> None:
@@ -294,30 +300,7 @@ class WithoutAttention(Batcher):
 def attention_round(batcher: Batcher, prompts: list[list[int]], tg: int, rows: np.ndarray | None) -> float:
     """The decode-phase tokens/s of sequences 1.. of `prompts` (each drawing TG + 1 tokens) while
     sequence 0 asks for attention `rows` (None: nobody asks)."""
-    times: list[list[float]] = [[] for _ in prompts]
-    failures, ended = [], threading.Semaphore(0)
-
-    def emitter(i):
-        def emit(event):  # called from the batcher's thread
-            if isinstance(event, Token):
-                times[i].append(time.perf_counter())
-                return
-            if isinstance(event, Failed) or (isinstance(event, Finished) and event.reason != "length"):
-                failures.append(str(event))
-            ended.release()
-
-        return emit
-
-    options = SamplingOptions(temperature=1.0)
-    sequences = [
-        Sequence(p, tg + 1, options, sample_key_data(0, i), emitter(i), attention_rows=None if i else rows)
-        for i, p in enumerate(prompts)
-    ]
-    batcher.submit(sequences)
-    for _ in sequences:
-        ended.acquire()
-    if failures:
-        raise SystemExit(f"attention round failed: {failures}")
+    times = token_times(batcher, prompts, tg, rows)
     prefilled = max(t[0] for t in times)
     return (len(prompts) - 1) * tg / (max(t[-1] for t in times[1:]) - prefilled)
 
