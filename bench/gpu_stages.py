@@ -259,7 +259,9 @@ def run_train(sizes: Sizes, env: dict, record: Record, prefix: str = "") -> floa
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     # The first rate read can still hold the compile; the trainer measures from after it.
     tokens_per_s = statistics.median(rates[1:] or rates)
-    config = char_config(sizes)
+    # The dtype the run took (the preset's on this device: bf16 on a GPU), as its checkpoint says.
+    ran = json.loads((out_dir / "latest.json").read_text())["model_config"]["compute_dtype"]
+    config = char_config(sizes, ran)
     flops_per_s = flops_per_token(config) * tokens_per_s
     peaks = peaks_of(record.path.parent)
     final = [r["final_val_loss"] for r in rows if "final_val_loss" in r]
@@ -567,8 +569,9 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
     for name, (make_config, batch) in cases.items():
         train_config = train_config_of(name, batch)
         steps = {}
-        # float32 twice: attention in our kernels (IEEE float32 products in Triton) and on the
-        # per-head XLA path: train.py at float32 ran 30x slower than the bf16 step on an H200.
+        # float32 twice: attention in our kernels (TF32 products, JAX's default precision) and on
+        # the per-head XLA path. With IEEE float32 products (no tensor cores in Triton) the kernels
+        # made the float32 step 30x the bf16 step on an H200; with TF32, 0.89x the per-head path's.
         variants = (("float32", "float32", None), ("float32_per_head", "float32", PER_HEAD_PATH),
                     ("bfloat16", "bfloat16", None))  # fmt: skip
         for label, dtype, patch in variants:
@@ -750,8 +753,9 @@ def stage_determinism(record: Record, sizes: Sizes, args) -> None:
     """Exact resume's cost, both ways. In one process: two trainings of the bf16 step built alike
     end with the same bits (the embedding gradient as a fixed-order product, attention in our own
     kernel), while with XLA's scatter-add instead of the product they need not; and the step time
-    of each. Then `train.py` with XLA's global `--xla_gpu_deterministic_ops`, against the train
-    stage's run without it: what the global flag cost."""
+    of each. Then `train.py` again in a new process, compiling afresh with the first's autotuning
+    results: the same losses, bit for bit? And `train.py` with XLA's global
+    `--xla_gpu_deterministic_ops`, against the train stage's run without it: what the flag cost."""
     cases = {"shakespeare-char": (char_config(sizes, "bfloat16"), sizes.char_batch),
              "gpt2-124m": (gpt2_config(sizes, "bfloat16"), sizes.gpt2_batch)}  # fmt: skip
     for name, (config, batch) in cases.items():
@@ -768,10 +772,17 @@ def stage_determinism(record: Record, sizes: Sizes, args) -> None:
         record.put(**{name: figures})
     train = record.path.parent / "train.json"
     first = json.loads(train.read_text()) if train.exists() else {}
-    # The train stage's command again in a process of its own, compiling (and autotuning) afresh:
-    # what a resumed run is, as the tests stage checks steps grouped into calls in other ways.
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    run_train(sizes, env, record, "again_")
+    # The train stage's command again in a process of its own, compiling afresh: what a resumed run
+    # is, as the tests stage checks steps grouped into calls in other ways. Its cache of programs is
+    # empty but for XLA's autotuning results of the runs before (the first's among them), as
+    # train.py's own cache keeps them: without them XLA may time other kernels faster this time.
+    cache = Path(tempfile.mkdtemp(prefix="gpu-check-again-cache-"))
+    programs = Path(os.environ.get("JAX_COMPILATION_CACHE_DIR", ""))
+    autotuned = programs / "xla_gpu_per_fusion_autotune_cache_dir"
+    if autotuned.is_dir():
+        shutil.copytree(autotuned, cache / autotuned.name)
+    record.put(again_autotune_results=len(list((cache / autotuned.name).glob("*"))))
+    run_train(sizes, dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(cache)), record, "again_")
     if first.get("out_dir"):
         record.put(
             again_same_losses=logged_losses(Path(first["out_dir"]))

@@ -28,6 +28,14 @@ from eqx_gpt.model.flash_attention import (
 ON_GPU = jax.default_backend() == "gpu"
 
 
+@pytest.fixture(autouse=True)
+def _exact_float32_products():
+    """The kernels' products follow JAX's default precision (TF32 for float32 on a GPU), and the
+    tests hold them to the exact reference: at "highest" they are IEEE float32 (on a CPU, always)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _qkv(key, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
     kq, kk, kv, kg = jax.random.split(key, 4)
     q = jax.random.normal(kq, (batch, seq, heads, d_head), dtype)
@@ -196,7 +204,6 @@ def _expected(mha, x, mask, key):
     return mha.out(out.reshape(*batch, x.shape[-2], 32))
 
 
-@jax.default_matmul_precision("highest")  # on a GPU the projections would otherwise use TF32
 def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monkeypatch):
     mha = _attention_with_kernel(monkeypatch)
     x = jax.random.normal(jax.random.key(15), (2, 32, 32))
@@ -210,6 +217,29 @@ def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monk
     np.testing.assert_allclose(
         eqx.filter_jit(jax.vmap(one))(x, keys), _expected(mha, x, mask, keys), rtol=1e-5, atol=1e-5
     )
+
+
+def _dot_precisions(jaxpr) -> set[str]:
+    """The precision of every matrix product in `jaxpr`, the kernels' bodies included."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.add(str(eqn.params["precision"]))
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found |= _dot_precisions(inner)
+    return found
+
+
+def test_the_kernels_products_follow_jax_s_default_matmul_precision():
+    # As XLA's own products do: TF32 on a GPU by default (IEEE float32 in Triton is 30 times slower
+    # there), exact where a caller asks for "highest", as this file's fixture does.
+    q = jnp.ones((1, 32, 1, 16))
+    attend = lambda q: flash_attention(q, q, q, blocks=BlockSizes.uniform(16, 16))
+    assert _dot_precisions(jax.make_jaxpr(attend)(q).jaxpr) == {"(Precision.HIGHEST, Precision.HIGHEST)"}
+    with jax.default_matmul_precision("default"):
+        assert _dot_precisions(jax.make_jaxpr(attend)(q).jaxpr) == {"(Precision.DEFAULT, Precision.DEFAULT)"}
 
 
 def test_the_kernels_lower_to_triton_without_a_gpu():

@@ -25,9 +25,7 @@ def load_cli():
 
 @pytest.fixture(scope="module")
 def cli():
-    module = load_cli()
-    module._enable_compile_cache = lambda: None  # keep the test process's JAX config untouched
-    return module
+    return load_cli()  # the compilation cache stays the session's (conftest): the environment names it
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,6 @@ def complete(client, **body):
 
 def sample_py(capsys, run, prompt, *flags) -> list[str]:
     """The texts `sample.py` prints after the prompt, one per sample."""
-    sample_command._enable_compile_cache = lambda: None  # keep the test process's JAX config
     assert sample_command.main(["--checkpoint", str(run), "--prompt", prompt, *flags]) == 0
     out = capsys.readouterr().out[:-1]  # the closing newline
     return [s[len(prompt) :] for s in out.split("\n" + "-" * 40 + "\n")]

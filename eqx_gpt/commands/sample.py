@@ -9,7 +9,6 @@ empty prompt is an error. Bad input prints one line to stderr and exits with cod
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from eqx_gpt.commands.cli import (
     seed_number,
     whole_number,
 )
+from eqx_gpt.commands.compile_cache import enable_compilation_cache
 from eqx_gpt.errors import ConfigError
 
 
@@ -69,15 +69,6 @@ def parse_args(argv=None, prog: str = "sample.py") -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _enable_compile_cache() -> None:
-    """Keep compiled programs on disk so that the second run starts generating sooner."""
-    import jax
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    jax.config.update("jax_compilation_cache_dir", str(base / "eqx_gpt" / "jax"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-
-
 def _read_prompt(args) -> str:
     if args.prompt_file is not None:
         try:
@@ -121,7 +112,7 @@ def main(argv=None, prog: str = "sample.py") -> int:
 
 
 def _sample(args) -> int:
-    _enable_compile_cache()
+    enable_compilation_cache()  # the second run starts generating sooner
     import jax
 
     from eqx_gpt.checkpoint import load_model

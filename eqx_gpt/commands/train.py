@@ -19,6 +19,7 @@ from typing import Any
 
 from eqx_gpt.checkpoint import checkpoint_paths
 from eqx_gpt.commands.cli import OneLineParser, finite_float, run_command, whole_number
+from eqx_gpt.commands.compile_cache import enable_compilation_cache
 from eqx_gpt.configs import kind
 from eqx_gpt.model.config import GPTConfig
 from eqx_gpt.training.config import TrainConfig, resume_command, spoken_as_command
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None, prog: str = "train.py") -> int:
     sample_tokens = settings.pop("sample_tokens", 300)
 
     def body() -> int:
+        # On a GPU a resumed run then compiles the step to the same kernels, so trains on the same bits.
+        enable_compilation_cache()
         try:
             with spoken_as_command(prog):  # messages name this command's flags
                 result = train(

@@ -23,9 +23,11 @@ as `attention_weights` makes it, so its blocks visit every key.
 Shapes are padded outside the kernels to whole blocks (the blocks Triton loads are powers of two)
 and the head dimension to a power of two of at least 16 (what Triton's matrix multiply takes).
 Scores, softmax statistics and accumulators are float32 whatever the inputs' dtype; matrix
-multiplies of float32 inputs are IEEE float32 (Triton would otherwise use TF32), so a float32
-kernel matches the XLA path within float32 rounding. On a CPU the kernels run in Pallas's
-interpret mode, slowly but exactly: that is how the suite tests them.
+multiplies follow JAX's default matmul precision, as XLA's do: on a GPU float32 inputs multiply in
+TF32 (tensor cores), and under `jax.default_matmul_precision("highest")` in IEEE float32, where a
+float32 kernel matches the XLA path within float32 rounding (at "highest" the char model's step
+took 30 times its bf16 step on an H200: Triton's IEEE products use no tensor cores). On a CPU the
+kernels run in Pallas's interpret mode, slowly but exactly: that is how the suite tests them.
 """
 
 import concurrent.futures
@@ -110,11 +112,12 @@ def reference_attention(
     seeds: UInt[Array, "batch 2"] | None = None,
 ) -> Float[Array, "batch seq heads d_head"]:
     """What `flash_attention` computes, on XLA, for the tests and the bench: each head as
-    `head_attention` runs it (the softmax of `attention_weights`: float32 scores, a hidden key at
-    the most negative float32), dropped out with the kernel's mask (`dropout_keep`). Not imported
-    from `attention`, which dispatches to this module; a test holds it equal to
-    `multi_head_attention`. Its float32 products are exact (`Precision.HIGHEST`), as the kernels'.
-    `flash_attention` takes the same arguments."""
+        `head_attention` runs it (the softmax of `attention_weights`: float32 scores, a hidden key at
+        the most negative float32), dropped out with the kernel's mask (`dropout_keep`). Not imported
+        from `attention`, which dispatches to this module; a test holds it equal to
+        `multi_head_attention`. Its float32 products are exact (`Precision.HIGHEST`), as the kernels' are
+    under `jax.default_matmul_precision("highest")`.
+        `flash_attention` takes the same arguments."""
     seq, kv_seq, n_heads = q.shape[1], k.shape[1], q.shape[2]
     scale = jnp.asarray(1.0 / keep_probability(rate), jnp.float32)
     q_idx, k_idx = jnp.arange(seq)[:, None], jnp.arange(kv_seq)[None, :]
@@ -167,7 +170,6 @@ class _Plan:
     rate: float
     has_mask: bool
     mask_batched: bool  # a mask per sequence, not one for all
-    precision: lax.Precision | None
     interpret: bool
 
     @property
@@ -181,9 +183,10 @@ class _Plan:
 
 def _dot(a, b, plan: _Plan, contract: tuple[int, int] = (1, 1)):
     """A 2-D matrix product contracting axis `contract[0]` of `a` with `contract[1]` of `b`
-    (`(1, 1)`: `a @ b.T`), accumulated in float32."""
+    (`(1, 1)`: `a @ b.T`), accumulated in float32, at JAX's default matmul precision as XLA's
+    own products are (float32 in TF32 on a GPU unless `jax.default_matmul_precision("highest")`)."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _block_scores(q, k, mask_block, k_start, plan: _Plan):
@@ -544,7 +547,6 @@ def _plans(q, kv_seq: int, mask, rate: float, blocks: BlockSizes, interpret: boo
         rate=float(rate),
         has_mask=mask is not None,
         mask_batched=mask is not None and mask.ndim == 3 and mask.shape[0] > 1,
-        precision=lax.Precision.HIGHEST if q.dtype == jnp.float32 else None,
         interpret=interpret,
     )
     return tuple(dataclasses.replace(base, block_q=bq, block_k=bk) for bq, bk in pairs)
@@ -684,9 +686,10 @@ def _kernel_failure(dtype_name: str, d_head: int, interpret: bool | None) -> str
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return [a.astype(jnp.float32) for a in (out, *grads)]
 
-    try:
-        got = output_and_grads(functools.partial(flash_attention, interpret=interpret))
-        want = output_and_grads(reference_attention)
+    try:  # at exact products on both sides: the trial is of the kernels' arithmetic, not TF32's
+        with jax.default_matmul_precision("highest"):
+            got = output_and_grads(functools.partial(flash_attention, interpret=interpret))
+            want = output_and_grads(reference_attention)
     except Exception as failure:  # any failure to lower or run: the vmap path still works
         return (str(failure).strip().splitlines() or [type(failure).__name__])[0]
     error = max(
