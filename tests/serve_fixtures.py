@@ -6,7 +6,10 @@ import threading
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
 
@@ -32,6 +35,21 @@ def make_run(out: Path) -> Path:
     ]
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return out
+
+
+@eqx.filter_jit
+def _attention_weights(model, tokens):
+    return model.attention_weights(tokens)
+
+
+def query_rows(model, tokens: list[int], start: int, query: int) -> np.ndarray:
+    """`(layers, heads, query - start + 1)`: what a full forward pass over `tokens[start : query + 1]`
+    attends with at its last position. Computed as row `query - start` of a pass over the window
+    padded to the model's context with token 0, which a causal model's earlier rows never see: one
+    compiled program for every window, where each window's own length would compile its own."""
+    window = tokens[start : query + 1]
+    padded = jnp.asarray(window + [0] * (model.context_length - len(window)))
+    return np.asarray(_attention_weights(model, padded))[:, :, len(window) - 1, : len(window)]
 
 
 def app_for(run: Path, **options):

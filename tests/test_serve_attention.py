@@ -7,12 +7,11 @@ attention output; bad values are a 400 naming the field."""
 import json
 import threading
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
-from serve_fixtures import CONTEXT, app_for, make_run  # noqa: E402
+from serve_fixtures import CONTEXT, app_for, make_run, query_rows  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from eqx_gpt import load_model  # noqa: E402
@@ -74,8 +73,7 @@ def check_rows(model, tokenizer, prompt: str, choice: dict, ask: dict) -> None:
     assert len(attention["weights"]) == len(attention["start"]) == len(generated)
     for k, (start, rows) in enumerate(zip(attention["start"], attention["weights"], strict=True)):
         query = len(text) - len(generated) + k - 1  # the position fed when token k was drawn
-        window = text[start : query + 1]
-        full = np.asarray(model.attention_weights(jnp.asarray(window)))[:, :, -1]  # (layers, heads, window)
+        full = query_rows(model, text, start, query)  # (layers, heads, window)
         expected = full[np.ix_(ask["layers"], ask["heads"])]
         np.testing.assert_allclose(np.asarray(rows), expected, atol=2e-6)
         np.testing.assert_allclose(np.asarray(rows).sum(-1), 1.0, atol=1e-4)
