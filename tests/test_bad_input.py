@@ -149,6 +149,7 @@ def test_the_smallest_legal_model_generates_with_both_generators():
         assert fn(model, [0], 5, key=jax.random.key(0)).tolist() == [0] * 5
 
 
+@pytest.mark.slow  # three commands (train, resume, sample); the smallest model generates in the test above
 def test_a_run_at_the_smallest_legal_sizes_trains_samples_and_resumes(tmp_path, capsys):
     data = tmp_path / "tiny.txt"
     data.write_text("ab" * 20)

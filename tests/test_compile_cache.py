@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 import eqx_gpt.commands.sample as sample_command
 import eqx_gpt.commands.train as train_command
 
@@ -28,6 +30,7 @@ def _run(env_changes: dict, tmp_path) -> str:
     return run.stdout.strip()
 
 
+@pytest.mark.slow  # three new Python processes, each importing JAX; the next test is the quick one
 def test_programs_go_to_the_user_s_cache_folder_unless_the_environment_names_one(tmp_path):
     xdg, named = tmp_path / "xdg", tmp_path / "named"
     assert _run({"XDG_CACHE_HOME": str(xdg)}, tmp_path) == str(xdg / "eqx_gpt" / "jax")

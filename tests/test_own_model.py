@@ -124,6 +124,8 @@ def test_train_stopped_by_a_callback_and_resumed_gives_the_losses_of_one_run(myd
         load_model(tmp_path / "whole")
 
 
+@pytest.mark.slow  # five commands end to end (train, sample, evaluate, resume, a LoRA run); the bad-model
+# refusals below and test_train_cli.py's quick runs check the command line in the quick suite
 def test_a_model_built_by_module_function_trains_samples_and_evaluates_from_the_command_line(
     project, mydec, tmp_path, monkeypatch, capsys
 ):

@@ -109,9 +109,10 @@ def test_a_run_that_ends_with_a_sample_keeps_time_back_for_it(tmp_path, corpus, 
 
 @pytest.mark.parametrize(
     ("step_s", "capped"),
-    # The slow machine's case is test_max_minutes_fits_the_schedule_to_the_steps_that_fit's run again,
-    # checking its time plan's line: kept for the slow pass.
-    [pytest.param(0.1, False, marks=pytest.mark.slow), (0.02, True)],
+    # Each case is a whole run of 350 to 400 steps. The slow machine's is
+    # test_max_minutes_fits_the_schedule_to_the_steps_that_fit's run again, checking its time plan's
+    # line; the fast machine's is that run capped by max_steps. Both kept for the slow pass.
+    [pytest.param(0.1, False, marks=pytest.mark.slow), pytest.param(0.02, True, marks=pytest.mark.slow)],
 )
 def test_the_budget_decides_whether_time_or_max_steps_ends_the_schedule(
     tmp_path, corpus, monkeypatch, step_s, capped

@@ -234,6 +234,7 @@ TINY_GPT2 = Path(__file__).resolve().parent / "fixtures" / "tiny-gpt2"
 PEFT_FIXTURE = TINY_GPT2.parent / "tiny-gpt2-lora"  # written by Hugging Face PEFT itself
 
 
+@pytest.mark.slow  # a LoRA training run of GPT-2, then two servers; the tests above serve adapters quickly
 def test_a_lora_run_and_a_peft_folder_served_on_their_gpt2_and_the_run_alone_as_today(gpt2_corpus, tmp_path):
     """`--adapter` takes a LoRA run's folder and a folder PEFT wrote, on the GPT-2 folder they adapt:
     each seeded request gives its adapter's model alone (`load_model(run, lora="separate")`,

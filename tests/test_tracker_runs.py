@@ -42,6 +42,8 @@ def wandb_rows(records: list[dict]) -> list[dict]:
     return [rows[step] for step in sorted(rows)]
 
 
+@pytest.mark.slow  # a whole train.py run with both trackers, then refused resumes; test_trackers.py checks
+# each tracker's records against metrics.jsonl quickly
 def test_both_trackers_hold_the_records_of_metrics_jsonl(offline_wandb, corpus, monkeypatch, capsys):
     out = offline_wandb
     drawn = []
@@ -93,6 +95,7 @@ def test_a_missing_extra_or_an_unknown_tracker_is_one_line_and_writes_nothing(
     assert not out.exists()
 
 
+@pytest.mark.slow  # three train.py runs; test_trackers.py's tensorboard_added_on_resume is the quick one
 def test_a_tracker_added_on_resume_starts_with_the_kept_records(tmp_path, corpus):
     out = tmp_path / "run"
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--log-interval", "4"]

@@ -281,8 +281,19 @@ def _snapshot(folder):
     return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("minutes", ["0", "30"])
-@pytest.mark.parametrize("max_steps", [1, 7, 8, 9, 20, 24, 25])
+# 14 whole runs: three in the quick suite (one step; several, with and without a time limit), all
+# 14 in the slow one.
+QUICK_STOPS = {(1, "0"), (9, "30"), (24, "0")}
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "minutes"),
+    [
+        pytest.param(steps, minutes, marks=[] if (steps, minutes) in QUICK_STOPS else pytest.mark.slow)
+        for minutes in ("0", "30")
+        for steps in (1, 7, 8, 9, 20, 24, 25)
+    ],
+)
 def test_a_run_stops_at_exactly_max_steps_with_and_without_a_time_limit(tmp_path, corpus, max_steps, minutes):
     out = tmp_path / "run"
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--max-minutes", minutes]
