@@ -48,6 +48,11 @@ def _chunked(model, batch, weight=None, block=7):
     return total / targets.size if weight is None else total
 
 
+# Compiled whole: run op by op, each of their dozens of operations compiles on its own per shape.
+_plain_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_plain))
+_chunked_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_chunked))
+
+
 def _close(a, b, rtol):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=rtol)
@@ -59,8 +64,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
     # A perturbed head, so that the softmax is far from uniform and the softcap bites.
     model = eqx.tree_at(lambda m: m.embed, model, model.embed * 8.0)
     batch = _batch(2, config=CASES[name])
-    plain, g_plain = eqx.filter_jit(eqx.filter_value_and_grad(_plain))(model, batch)
-    chunked, g_chunked = eqx.filter_jit(eqx.filter_value_and_grad(_chunked))(model, batch)
+    plain, g_plain = _plain_and_grad(model, batch)
+    chunked, g_chunked = _chunked_and_grad(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
     _close(g_chunked, g_plain, 2e-5)
     # Gradients are not all zero (the comparison would be empty).
@@ -71,10 +76,10 @@ def test_weighted_sum_and_blocks_of_any_width():
     model = GPT(BASE, key=jax.random.key(3))
     batch = _batch(4)
     weight = jax.random.uniform(jax.random.key(5), batch[:, 1:].shape)
-    plain, g_plain = eqx.filter_value_and_grad(_plain)(model, batch, weight)
+    plain, g_plain = _plain_and_grad(model, batch, weight)
     # One column per block (319 padding-free blocks, then one), uneven blocks, and the whole head.
     for block in (1, 16, 57, 1000):
-        chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch, weight, block)
+        chunked, g_chunked = _chunked_and_grad(model, batch, weight, block)
         assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
         _close(g_chunked, g_plain, 2e-5)
 
@@ -82,8 +87,8 @@ def test_weighted_sum_and_blocks_of_any_width():
 def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
     model = GPT(dataclasses.replace(BASE, compute_dtype="bfloat16"), key=jax.random.key(6))
     batch = _batch(7)
-    plain, g_plain = eqx.filter_value_and_grad(_plain)(model, batch)
-    chunked, g_chunked = eqx.filter_value_and_grad(_chunked)(model, batch)
+    plain, g_plain = _plain_and_grad(model, batch)
+    chunked, g_chunked = _chunked_and_grad(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-2 * float(plain)
     assert g_chunked.embed.dtype == jnp.float32
     scale = float(jnp.abs(g_plain.embed).max())
