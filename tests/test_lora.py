@@ -236,6 +236,7 @@ def test_the_run_folder_holds_its_adapters_in_pefts_format(lora_run):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # a run killed and resumed; test_callbacks.py stops and resumes a run in the quick suite
 def test_a_killed_lora_run_resumes_to_the_losses_of_one_never_stopped(
     tmp_path, gpt2_corpus, lora_run, monkeypatch
 ):

@@ -364,7 +364,6 @@ def test_a_resume_on_another_corpus_is_refused_in_one_line_with_no_progress_line
 
 def test_a_path_the_log_cannot_print_is_refused_before_any_work(tmp_path, monkeypatch, capsys):
     import io
-    import subprocess
     import sys
 
     strict = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict")
@@ -373,7 +372,14 @@ def test_a_path_the_log_cannot_print_is_refused_before_any_work(tmp_path, monkey
     assert train_cli.main(["--out-dir", str(out)]) == 2
     _one_line(capsys, "run\\udcff': its name is not valid utf-8, so the run's log cannot print it; rename it")
     assert not out.exists()
-    # The same from the command line, with the locale's strict output rather than a replaced stream.
+
+
+@pytest.mark.slow  # a new Python process; the test above checks the same refusal in this one
+def test_a_path_the_log_cannot_print_is_refused_by_train_py_under_a_strict_locale(tmp_path):
+    import subprocess
+    import sys
+
+    # With the locale's strict output rather than a replaced stream.
     env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONIOENCODING": "utf-8", "HOME": str(tmp_path)}
     done = subprocess.run(
         [sys.executable, "-X", "utf8=0", str(ROOT / "train.py"), "--out-dir", b"run\xff"],

@@ -148,6 +148,7 @@ def test_bad_input_is_one_line_exit_2(cli, capsys, run_dir, tmp_path, args, need
     assert err.count("\n") == 1 and needle in err, err
 
 
+@pytest.mark.slow  # a new Python process; the refusals above run sample.py's main in this one
 def test_no_checkpoint_says_to_train_first_from_a_real_process(tmp_path):
     # A real interpreter, to check the exit code and that no stack trace reaches the user.
     result = subprocess.run(

@@ -153,6 +153,7 @@ print(c.prepared, len(c.tokens), c.identity)
 """
 
 
+@pytest.mark.slow  # two new Python processes; the tests below prepare caches in this one
 def test_two_processes_preparing_one_corpus_leave_one_valid_cache(tmp_path):
     data, cache = tmp_path / "corpus.txt", tmp_path / "cache"
     data.write_text(TEXT * 20)

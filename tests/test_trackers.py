@@ -170,7 +170,8 @@ def _killed_run(out_dir: Path) -> None:
     assert done.returncode == -signal.SIGKILL, done.stderr
 
 
-@pytest.mark.parametrize("end", ["sigkill", "closed"])
+# "sigkill" is a new Python process, killed: in the slow pass.
+@pytest.mark.parametrize("end", [pytest.param("sigkill", marks=pytest.mark.slow), "closed"])
 def test_tensorboard_after_a_kill_and_resume_shows_each_step_once_in_order(tmp_path, end):
     if end == "sigkill":
         _killed_run(tmp_path)
