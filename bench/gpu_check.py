@@ -48,7 +48,7 @@ STAGES = [
     Stage("nanogpt", 120, "the shakespeare-char step against nanoGPT's, torch.compile, bf16"),
     Stage("gpt2", 120, "GPT-2-124M's shapes against transformers: generation and a bf16 step"),
     Stage("train", 120, "train.py --preset shakespeare-char for a fixed number of steps"),
-    Stage("dtype", 90, "the training step at float32 (attention in our kernels, and per head) against bf16"),
+    Stage("dtype", 110, "the char step at float32 (attention in our kernels, and per head) against bf16"),
     Stage("determinism", 150, "exact resume's cost: fixed-order kernels against XLA's, and the global flag"),
     Stage("profile", 60, "the top kernels by device time of the bf16 steps"),
     Stage("variants", 120, "where the bf16 step's time goes: dropout, layer loop, loss bounds, batch"),

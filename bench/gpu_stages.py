@@ -561,10 +561,9 @@ def stage_dtype(record: Record, sizes: Sizes, args) -> None:
 
     from eqx_gpt import GPT
 
-    cases = {
-        "shakespeare-char": (lambda dtype: char_config(sizes, dtype), sizes.char_batch),
-        "gpt2-124m": (lambda dtype: gpt2_config(sizes, dtype), sizes.gpt2_batch),
-    }
+    # The char model alone: its three first steps take about 70 s to compile on an H200, and GPT-2's
+    # three more would outrun the stage (its bf16 step is the gpt2 stage's).
+    cases = {"shakespeare-char": (lambda dtype: char_config(sizes, dtype), sizes.char_batch)}
     peaks = peaks_of(record.path.parent)
     for name, (make_config, batch) in cases.items():
         train_config = train_config_of(name, batch)

@@ -242,6 +242,26 @@ def test_logits_with_no_distribution_are_refused_where_concrete_and_unusable_und
         assert int(drawn) == UNUSABLE  # never id 0 or any real id
 
 
+def test_sample_rows_marks_each_row_without_a_distribution_and_draws_the_others():
+    from eqx_gpt.generation.sampling import UNUSABLE, sample_rows
+
+    inf, nan = jnp.inf, jnp.nan
+    logits = jnp.asarray([
+        [0.0, 3.0, 1.0, 2.0],     # usable: argmax 1
+        [5.0, nan, 1.0, 2.0],     # a NaN below the row's largest value
+        [-nan, 0.0, 1.0, 2.0],    # a NaN with the sign bit set
+        [0.0, 1.0, inf, 2.0],     # +inf
+        [-inf, -inf, -inf, -inf], # nothing above -inf
+        [-inf, -inf, 0.5, -inf],  # one id left: usable, always id 2
+    ])  # fmt: skip
+    want_unusable = [False, True, True, True, True, False]
+    rows = jax.jit(sample_rows)
+    for temperature in (0.0, 1.0):
+        drawn = np.asarray(rows(logits, jax.random.key(3), 0, jnp.float32(temperature), None, None))
+        assert list(drawn == UNUSABLE) == want_unusable
+        assert drawn[5] == 2 and (temperature > 0 or drawn[0] == 1)
+
+
 def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
     logits = jnp.asarray([2.0, -1.0, jnp.nan, 0.5]).at[2].set(-jnp.nan)  # a NaN a filter could drop
     for name, f in (

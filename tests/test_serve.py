@@ -217,6 +217,7 @@ def test_the_page_its_inspect_endpoint_and_the_model_card(client):
     card = client.get("/v1/card").json()
     assert card["final_val_loss"] == 3.41 and card["config"]["context_length"] == 32
     assert card["parameters"] > 0 and card["curve"]["val"] == [[10, 3.8], [20, 3.4]]
+    assert card["adapters"] == []
 
 
 def test_the_official_openai_client_streamed_and_not(run):

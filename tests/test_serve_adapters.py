@@ -98,6 +98,7 @@ def test_models_lists_the_base_and_every_adapter_and_an_unknown_model_is_404(cli
     listed = client.get("/v1/models").json()["data"]
     assert [m["id"] for m in listed] == ["tiny", "poet", "lawyer"]
     assert [m.get("parent") for m in listed] == [None, "tiny", "tiny"]
+    assert client.get("/v1/card").json()["adapters"] == ["poet", "lawyer"]  # the page's card too
     for path in ("/v1/completions", "/v1/inspect"):
         answer = client.post(path, json={"model": "novelist", "prompt": "A"})
         error = answer.json()["error"]

@@ -134,9 +134,9 @@ UNUSABLE = -1  # the id drawn under `jit` from logits with no distribution (see 
 
 
 def usable(logits: Float[Array, "*rows vocab"]) -> Bool[Array, "*rows"]:
-    """Whether each row of logits is a distribution: no NaN, no `+inf`, and some value above `-inf`."""
-    broken = jnp.isnan(logits) | (logits == jnp.inf)
-    return ~jnp.any(broken, axis=-1) & jnp.any(logits > -jnp.inf, axis=-1)
+    """Whether each row of logits is a distribution: no NaN, no `+inf`, and some value above `-inf`.
+    One reduction: the row's maximum is finite exactly then (a NaN propagates through `max`)."""
+    return jnp.isfinite(jnp.max(logits, axis=-1))
 
 
 def _refuse_unusable(logits, what: str) -> None:
@@ -291,8 +291,7 @@ def _sample_next_token(
     top_p: Float[Array, ""] | float | int | None,
 ) -> Int[Array, ""]:
     greedy = jnp.argmax(logits)
-    drawn = _draw(key, filtered_logits(logits, temperature, top_k, top_p))
-    token = jnp.where(temperature > 0, drawn, greedy)
+    token = jnp.where(temperature > 0, _draw(key, filtered_logits(logits, temperature, top_k, top_p)), greedy)
     return jnp.where(usable(logits), token, UNUSABLE).astype(jnp.int32)
 
 
@@ -326,14 +325,17 @@ def sample_rows(logits, key, index, temperature, top_k, top_p):
     index)`; `UNUSABLE` for a row with no distribution.
 
     At `temperature == 0` only the argmax runs: the filters and the draw are skipped by a `cond`
-    outside the `vmap`, where it stays a branch."""
+    outside the `vmap`, where it stays a branch. Each row's `usable` is taken once, after it: in a
+    small model's decode step every extra reduction shows (checked in both branches, per row, it
+    made `generate`'s compiled decode loop 144 fusions on a CPU instead of 135)."""
     keys = jax.vmap(lambda r: row_key(key, r, index))(jnp.arange(logits.shape[0]))
-    sample = lambda lg, k: _sample_next_token(lg, k, temperature, top_k, top_p)
-
-    def greedy():
-        return jnp.where(usable(logits), jnp.argmax(logits, axis=-1), UNUSABLE).astype(jnp.int32)
-
-    return jax.lax.cond(jnp.asarray(temperature) > 0, lambda: jax.vmap(sample)(logits, keys), greedy)
+    draw = lambda lg, k: _draw(k, filtered_logits(lg, temperature, top_k, top_p)).astype(jnp.int32)
+    token = jax.lax.cond(
+        jnp.asarray(temperature) > 0,
+        lambda: jax.vmap(draw)(logits, keys),
+        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+    )
+    return jnp.where(usable(logits), token, UNUSABLE)
 
 
 def sampling_arrays(options: SamplingOptions) -> dict:

@@ -257,7 +257,7 @@ class Server:
 
     async def card(self, request: Request) -> Response:
         return JSONResponse(
-            await run_in_threadpool(model_card, self.model, self.meta, self.name, self.layout)
+            await run_in_threadpool(model_card, self.model, self.meta, self.name, self.layout, self.adapters)
         )
 
     async def run(self, request: Request) -> Response:

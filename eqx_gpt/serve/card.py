@@ -67,14 +67,20 @@ def run_losses(meta: dict) -> dict[str, Any]:
 
 
 def model_card(
-    model: Decoder, meta: dict, name: str, layout: AttentionLayout | None = None
+    model: Decoder,
+    meta: dict,
+    name: str,
+    layout: AttentionLayout | None = None,
+    adapters: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """`name`, the config, the parameter count, where the weights came from, the attention layers
-    the page can draw (`layout`, found by type when not given), and (for a run) the training and
+    """`name`, the names of the LoRA `adapters` served beside it (each a `model` a request may
+    name), the config, the parameter count, where the weights came from, the attention layers the
+    page can draw (`layout`, found by type when not given), and (for a run) the training and
     validation losses by step with the final validation loss (`run_losses`)."""
     layout = attention_layout(model) if layout is None else layout
     return {
         "name": name,
+        "adapters": list(adapters),
         "source": meta.get("format", "eqx_gpt-checkpoint"),
         "step": meta.get("step"),
         "config": model_config(model),
