@@ -1,5 +1,5 @@
 """The commands' cache of compiled programs (`eqx_gpt/commands/compile_cache.py`): where it lives,
-and that `train` and `sample` keep their programs in it (on a GPU, what makes a resumed run compile
+and that `train`, `sample` and `serve` keep their programs in it (on a GPU, what makes a resumed run compile
 the step to the same kernels)."""
 
 import os
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 import eqx_gpt.commands.sample as sample_command
+import eqx_gpt.commands.serve as serve_command
 import eqx_gpt.commands.train as train_command
 
 # Enables the cache, compiles a program worth keeping, prints the folder enable_compilation_cache named.
@@ -47,14 +48,16 @@ def test_programs_go_to_the_user_s_cache_folder_unless_the_environment_names_one
     assert not elsewhere.exists() or not any(elsewhere.iterdir())
 
 
-def test_train_and_sample_enable_it_before_they_compile(tmp_path, monkeypatch, capsys):
+def test_train_sample_and_serve_enable_it_before_they_compile(tmp_path, monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(train_command, "enable_compilation_cache", lambda: calls.append("train"))
     monkeypatch.setattr(sample_command, "enable_compilation_cache", lambda: calls.append("sample"))
+    monkeypatch.setattr(serve_command, "enable_compilation_cache", lambda: calls.append("serve"))
     # Each refuses its input after enabling it (a missing corpus, a missing checkpoint): nothing compiled.
     assert (
         train_command.main(["--data", str(tmp_path / "missing.txt"), "--out-dir", str(tmp_path / "run")]) == 2
     )
     assert sample_command.main(["--checkpoint", str(tmp_path / "no-run")]) == 2
-    assert calls == ["train", "sample"]
+    assert serve_command.main(["--checkpoint", str(tmp_path / "no-run")]) == 2
+    assert calls == ["train", "sample", "serve"]
     capsys.readouterr()

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from eqx_gpt.commands.cli import OneLineParser, add_checkpoint_argument, run_command, whole_number
+from eqx_gpt.commands.compile_cache import enable_compilation_cache
 from eqx_gpt.errors import CheckpointError, ConfigError, EqxGptError
 
 INSTALL = "pip install 'eqx_gpt[serve]' (in a clone: uv sync --extra serve)"
@@ -189,6 +190,7 @@ def _serve(args, prog: str) -> int:
     check_extra()
     if args.api_key is not None and not (args.api_key.strip() and args.api_key.isprintable()):
         raise ConfigError(f"--api-key (or ${API_KEY_VARIABLE}) must be printable characters, not blank")
+    enable_compilation_cache()  # a restarted server compiles its prefill and decode programs no more
     from eqx_gpt.checkpoint import holds_run, load_model
     from eqx_gpt.generation.decoder import check_decoder
     from eqx_gpt.serve.api import create_app
