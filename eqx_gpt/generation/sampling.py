@@ -291,7 +291,8 @@ def _sample_next_token(
     top_p: Float[Array, ""] | float | int | None,
 ) -> Int[Array, ""]:
     greedy = jnp.argmax(logits)
-    token = jnp.where(temperature > 0, _draw(key, filtered_logits(logits, temperature, top_k, top_p)), greedy)
+    drawn = _draw(key, filtered_logits(logits, temperature, top_k, top_p))
+    token = jnp.where(temperature > 0, drawn, greedy)
     return jnp.where(usable(logits), token, UNUSABLE).astype(jnp.int32)
 
 

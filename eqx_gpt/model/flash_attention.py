@@ -112,12 +112,11 @@ def reference_attention(
     seeds: UInt[Array, "batch 2"] | None = None,
 ) -> Float[Array, "batch seq heads d_head"]:
     """What `flash_attention` computes, on XLA, for the tests and the bench: each head as
-        `head_attention` runs it (the softmax of `attention_weights`: float32 scores, a hidden key at
-        the most negative float32), dropped out with the kernel's mask (`dropout_keep`). Not imported
-        from `attention`, which dispatches to this module; a test holds it equal to
-        `multi_head_attention`. Its float32 products are exact (`Precision.HIGHEST`), as the kernels' are
-    under `jax.default_matmul_precision("highest")`.
-        `flash_attention` takes the same arguments."""
+    `head_attention` runs it (the softmax of `attention_weights`: float32 scores, a hidden key at
+    the most negative float32), dropped out with the kernel's mask (`dropout_keep`). Not imported
+    from `attention`, which dispatches to this module; a test holds it equal to
+    `multi_head_attention`. Its float32 products are exact (`Precision.HIGHEST`), as the kernels'
+    are under `jax.default_matmul_precision("highest")`. `flash_attention` takes the same arguments."""
     seq, kv_seq, n_heads = q.shape[1], k.shape[1], q.shape[2]
     scale = jnp.asarray(1.0 / keep_probability(rate), jnp.float32)
     q_idx, k_idx = jnp.arange(seq)[:, None], jnp.arange(kv_seq)[None, :]
@@ -181,7 +180,7 @@ class _Plan:
         return self.kv_padded // self.block_k
 
 
-def _dot(a, b, plan: _Plan, contract: tuple[int, int] = (1, 1)):
+def _dot(a, b, contract: tuple[int, int] = (1, 1)):
     """A 2-D matrix product contracting axis `contract[0]` of `a` with `contract[1]` of `b`
     (`(1, 1)`: `a @ b.T`), accumulated in float32, at JAX's default matmul precision as XLA's
     own products are (float32 in TF32 on a GPU unless `jax.default_matmul_precision("highest")`)."""
@@ -193,7 +192,7 @@ def _block_scores(q, k, mask_block, k_start, plan: _Plan):
     """Scores `(block_q, block_k)` in base 2: `q k^T / sqrt(d_head) * log2(e)`, `_HIDDEN` where
     the mask hides a key, -inf at the keys that padding to whole blocks added; and the mask as
     booleans (None without one)."""
-    s = _dot(q, k, plan) * (plan.scale * _LOG2E)
+    s = _dot(q, k) * (plan.scale * _LOG2E)
     visible = None
     if mask_block is not None:
         visible = mask_block != 0
@@ -236,7 +235,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, seed_ref, range_ref, mask_ref, o_ref, m
         if keep is not None:
             p = jnp.where(keep, p, 0.0)
         v = v_ref[keys, :]
-        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, plan, (1, 0))
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, (1, 0))
         return acc, max_next, row_sum
 
     start = (
@@ -256,7 +255,7 @@ def _gradient_terms(q, k, v, do, row_max, row_sum, delta, mask_block, keep, k_st
     `dP = dropout(dO V^T)` and `dS = P * (dP - rowsum(dO * O))` (FlashAttention-2, algorithm 2)."""
     s, visible = _block_scores(q, k, mask_block, k_start, plan)
     p = jnp.exp2(s - row_max[:, None]) / row_sum[:, None]
-    dp = _dot(do, v, plan)
+    dp = _dot(do, v)
     pd = p
     if keep is not None:
         inverse = 1.0 / keep_probability(plan.rate)
@@ -285,7 +284,7 @@ def _dq_kernel(
         _, ds = _gradient_terms(
             q, k, v_ref[keys, :], do, row_max, row_sum, delta, mask_block, keep, k_start, plan
         )
-        return dq + _dot(ds.astype(k.dtype), k, plan, (1, 0))
+        return dq + _dot(ds.astype(k.dtype), k, (1, 0))
 
     dq = lax.fori_loop(range_ref[0], range_ref[1], body, jnp.zeros((bq, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
@@ -321,8 +320,8 @@ def _dkv_kernel(
         keep = _keep_block(seed_ref, head, q_start, k_start, plan)
         row_max, row_sum, delta = max_ref[rows], sum_ref[rows], delta_ref[rows]
         pd, ds = _gradient_terms(q, k, v, do, row_max, row_sum, delta, mask_block, keep, k_start, plan)
-        dv = dv + _dot(pd.astype(do.dtype), do, plan, (0, 0))
-        dk = dk + _dot(ds.astype(q.dtype), q, plan, (0, 0))
+        dv = dv + _dot(pd.astype(do.dtype), do, (0, 0))
+        dk = dk + _dot(ds.astype(q.dtype), q, (0, 0))
         return dk, dv
 
     zeros = jnp.zeros((bk, k.shape[-1]), jnp.float32)
