@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_serve_own_decoder import TOKENIZER, Bigram, OwnDecoder
+from test_serve_own_decoder import TOKENIZER, Bigram, GatedBlock, OwnDecoder
 
-from eqx_gpt import GPT, CharTokenizer, GPTConfig
-from eqx_gpt.serve.inspect import inspect_text
+from eqx_gpt import GPT, CharTokenizer, GPTConfig, KVCache, MultiHeadAttention
+from eqx_gpt.serve.inspect import attention_layout, inspect_text
 from eqx_gpt.serve.lens import LENS_TOP, lens_layout
 
 pytestmark = pytest.mark.xdist_group("serve")
@@ -96,6 +96,45 @@ def test_a_model_without_blocks_gets_no_lens_and_the_reason():
     )  # fmt: skip
     assert seen["lens"] is None and "no block the lens can walk" in seen["lens_absent"]
     assert len(seen["next_token"]["before"]) == 10  # the rest of the page still works
+
+
+class PairBlock(eqx.Module):
+    """A `GatedBlock` whose cache is a `(k, v)` pair: its attention's `KVCache` is not handed back."""
+
+    inner: GatedBlock
+    attn: MultiHeadAttention
+
+    def decode(self, x, cache, start):
+        x, kv = self.inner.decode(x, KVCache(*cache), start)
+        return x, (kv.k, kv.v)
+
+
+class PairDecoder(OwnDecoder):
+    """An `OwnDecoder` of `PairBlock`s, its cache a tuple of pairs."""
+
+    def __init__(self, vocab_size: int, *, key):
+        super().__init__(vocab_size, key=key)
+        self.blocks = tuple(PairBlock(b, b.attn) for b in self.blocks)  # pyright: ignore[reportAttributeAccessIssue]
+
+    def init_cache(self, *, batch: int):
+        return tuple((c.k, c.v) for c in super().init_cache(batch=batch))
+
+
+def test_a_model_whose_blocks_hide_their_caches_gets_neither_view_and_the_reasons():
+    """What the page cannot show is said, found from shapes alone: no recorded attention comes
+    back, and the lens cannot record its streams."""
+    model = PairDecoder(TOKENIZER.vocab_size, key=jax.random.key(0))
+    layout = attention_layout(model)
+    assert (
+        layout.absent
+        == "PairDecoder.decode does not hand back the caches its MultiHeadAttention layers return"
+    )
+    lens = lens_layout(model)
+    assert lens.n_layers == 0 and lens.absent is not None
+    assert lens.absent.startswith(
+        "PairDecoder's blocks cannot be finished by its own tail (TypeError: PairBlock.decode hands back a "
+        "tuple, not a KVCache)"
+    )
 
 
 def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_before_bars():

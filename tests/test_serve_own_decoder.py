@@ -276,3 +276,29 @@ class NewCache(Bigram):
 def test_a_decoder_breaking_the_contract_is_refused_when_the_app_is_made(decoder, match):
     with pytest.raises(TypeError, match=match):
         create_app(decoder(TOKENIZER.vocab_size, key=jax.random.key(0)), TOKENIZER)
+
+
+class Traced(OwnDecoder):
+    """An `OwnDecoder` that counts the times its `decode` is traced, in `TRACED`."""
+
+    def decode(self, tokens, cache, start):
+        TRACED.append(tokens.shape)
+        return super().decode(tokens, cache, start)
+
+
+TRACED: list[tuple[int, ...]] = []
+
+
+def test_a_start_traces_each_check_once_and_a_second_start_of_the_same_structure_none():
+    """A server's start traces the decode once per check (the batcher's contract, the attention
+    layers, the lens's streams and its tail), and a second server of a model of the same structure
+    (other weights) none again, with the same layouts: JAX keeps the traces."""
+    first = create_app(Traced(TOKENIZER.vocab_size, key=jax.random.key(5)), TOKENIZER, slots=3)
+    assert len(TRACED) == 4
+    TRACED.clear()
+    second = create_app(Traced(TOKENIZER.vocab_size, key=jax.random.key(6)), TOKENIZER, slots=3)
+    assert TRACED == []
+    for app in (first, second):
+        server = app.state.server
+        assert (server.layout.n_layers, server.layout.n_heads, server.layout.absent) == (2, 4, None)
+        assert (server.lens.n_layers, server.lens.absent) == (2, None)

@@ -44,6 +44,11 @@ from eqx_gpt.generation.sampling import UNUSABLE, SamplingOptions
 from eqx_gpt.model.multi_lora import adapter_count
 from eqx_gpt.serve.steps import ATTENTION_MAX_PAIRS, Programs, attention_width
 
+# Jitted only so that JAX keeps its trace, per model structure: a batcher of a model of the same
+# structure (a server started again in this process) learns the model meets the contract without
+# tracing its prefill again. Nothing is compiled: it is only ever traced, by `filter_eval_shape`.
+_checked_prefill = eqx.filter_jit(prefill)
+
 
 class QueueFull(EqxGptError):
     """The waiting queue cannot take the sequences of a request now: retry later."""
@@ -116,7 +121,7 @@ class Batcher:
         self.context_length, self.vocab_size = model.context_length, model.vocab_size
         # A decode that breaks the contract is refused here, in one line, not at the first request.
         one_prompt = jax.ShapeDtypeStruct((1, prompt_bucket(1, self.context_length)), jnp.int32)
-        eqx.filter_eval_shape(prefill, eqx.nn.inference_mode(model), one_prompt)
+        eqx.filter_eval_shape(_checked_prefill, eqx.nn.inference_mode(model), one_prompt)
         self.slots: list[Sequence | None] = [None] * slots
         self.queue_size = queue_size
         self.keep = SamplingOptions(keep=keep).window_keep(model.context_length)

@@ -31,6 +31,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Int
 
 from eqx_gpt.generation.decoder import Decoder
 from eqx_gpt.generation.decoding import prefill, prompt_bucket
@@ -52,16 +53,21 @@ class AttentionLayout:
     absent: str | None = None
 
 
+@eqx.filter_jit  # only traced (by `attention_layout`), jitted so that JAX keeps the trace per structure
+def _recorded_weights(model: Decoder, padded: Int[Array, "1 bucket"]) -> list[Array]:
+    return recorded(prefill(recording(model), padded, same_cache=False)[1])
+
+
 def attention_layout(model: Decoder) -> AttentionLayout:
-    """The layers and heads the page can show for `model` (from shapes alone: nothing runs)."""
+    """The layers and heads the page can show for `model` (from shapes alone: nothing runs; a model
+    of a structure seen before in this process is not even traced again)."""
     name = type(model).__name__
     if not attention_layers(model):
         return AttentionLayout(
             1, 1, f"{name} has no eqx_gpt MultiHeadAttention, whose weights the page draws"
         )
     padded = jax.ShapeDtypeStruct((1, prompt_bucket(1, model.context_length)), jnp.int32)
-    weights = lambda m, p: recorded(prefill(recording(m), p, same_cache=False)[1])
-    shapes = [s.shape for s in eqx.filter_eval_shape(weights, model, padded)]
+    shapes = [s.shape for s in eqx.filter_eval_shape(_recorded_weights, model, padded)]
     if not shapes:
         return AttentionLayout(
             1, 1, f"{name}.decode does not hand back the caches its MultiHeadAttention layers return"

@@ -117,8 +117,12 @@ def lens_top(
 ) -> tuple[Float[Array, "layers top"], Int[Array, "layers top"]]:
     """The `LENS_TOP` most likely next tokens after `position` of the text `padded`, as each
     layer's residual stream would have them: probabilities and ids, one row per layer."""
-    streams = jnp.concatenate(recorded_streams(model, padded))[:, position]
-    logits = finish(model, streams)
+    return _top_of_streams(model, recorded_streams(model, padded), position)
+
+
+def _top_of_streams(model: Decoder, streams: list, position: Int[Array, ""] | int):
+    """`lens_top` of the streams `recorded_streams` gave."""
+    logits = finish(model, jnp.concatenate(streams)[:, position])
     probs = jax.vmap(lambda row: next_token_distribution(row, jnp.float32(1.0)))(logits)
     return jax.lax.top_k(probs, LENS_TOP)
 
@@ -131,12 +135,15 @@ class LensLayout:
     absent: str | None = None
 
 
+@eqx.filter_jit  # only traced (by `lens_layout`), jitted so that JAX keeps the trace per structure
 def _lens_shapes(model: Decoder, padded):
-    return lens_top(model, padded, 0) if recorded_streams(model, padded) else None
+    streams = recorded_streams(model, padded)  # traced once: both the test and the lens's input
+    return _top_of_streams(model, streams, 0) if streams else None
 
 
 def lens_layout(model: Decoder) -> LensLayout:
-    """Whether the lens can walk `model`'s blocks, from shapes alone (nothing runs)."""
+    """Whether the lens can walk `model`'s blocks, from shapes alone (nothing runs; a model of a
+    structure seen before in this process is not even traced again)."""
     name = type(model).__name__
     if not blocks(model):
         return LensLayout(
