@@ -177,21 +177,28 @@ def test_a_prompt_longer_than_the_context_keeps_its_last_tokens(client):
 
 
 def test_a_full_queue_answers_429_with_retry_after_then_serves_again(run):
-    with TestClient(app_for(run, slots=1, queue_size=1), base_url=LOCAL) as c:
+    # 4 slots, as the other tests' servers have: their compiled programs serve this one too.
+    with TestClient(app_for(run, slots=4, queue_size=1), base_url=LOCAL) as c:
         batcher = c.app.state.server.batcher  # type: ignore[attr-defined]
         hog = lambda i: Sequence([1, 2], 10**6, SamplingOptions(), sample_key_data(0, i), lambda e: None)
-        first, second = hog(0), hog(1)
-        batcher.submit([first])
-        for _ in range(600):  # bounded: until the first holds the slot
-            if batcher.live:
+        first, second = [hog(i) for i in range(4)], hog(4)
+        batcher.submit(first[:1])
+        for sequence in first[1:]:  # one at a time: the queue holds one
+            for _ in range(600):  # bounded: until the queue is empty again (a slot took the last)
+                if not batcher.waiting:
+                    break
+                time.sleep(0.05)
+            batcher.submit([sequence])
+        for _ in range(600):  # bounded: until the four hold every slot
+            if batcher.live == 4:
                 break
             time.sleep(0.05)
         batcher.submit([second])  # waits: the queue is full
         response = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
         assert response.status_code == 429 and response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "queue_full"
-        batcher.cancel(first)
-        batcher.cancel(second)
+        for sequence in [*first, second]:
+            batcher.cancel(sequence)
         assert complete(c, prompt="x", max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
@@ -240,7 +247,7 @@ def test_the_official_openai_client_streamed_and_not(run):
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(run):
     httpx = pytest.importorskip("httpx")
-    with LiveServer(app_for(run, slots=2)) as live:
+    with LiveServer(app_for(run, slots=4)) as live:
         batcher = live.app.state.server.batcher
         body = {"model": "tiny", "prompt": "x", "max_tokens": 4000, "stream": True}
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as r:

@@ -157,13 +157,18 @@ def test_sequences_for_different_adapters_share_every_decode_step(client, models
         assert drawn[i] == [int(t) for t in generate(models[name], prompt, tokens, key=key, temperature=0.0)]
 
 
+@eqx.filter_jit  # one program for every adapter index (a jit made per call would compile it per call)
+def _adapter_logits(model, tokens, index):
+    return prefill(choose_adapter(model, index), tokens)[0]
+
+
 def test_an_adapter_stacked_computes_its_model_alone_and_merged_within_rounding(models):
     """Adapter i of the stack: the very logits of its model with the adapters apart (the same
     arithmetic), and those of its merged model within float32 rounding."""
     names = list(ADAPTERS)
     stacked = eqx.nn.inference_mode(stack_adapters(models["tiny"], [models[n] for n in names], names))
     tokens = jnp.asarray(TOKENIZER.encode("To be, or not to be"))[None]
-    run = lambda m, i: eqx.filter_jit(lambda m, t, i: prefill(choose_adapter(m, i), t)[0])(m, tokens, i)
+    run = lambda m, i: _adapter_logits(m, tokens, i)
     for i, name in enumerate(["tiny", *names]):
         own = eqx.nn.inference_mode(models[name])
         logits = np.asarray(run(stacked, jnp.int32(i)))

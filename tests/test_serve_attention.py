@@ -123,18 +123,17 @@ def test_streamed_attention_comes_one_token_per_chunk_and_equals_the_whole_reply
 def test_past_the_context_each_row_covers_the_window_the_model_saw(run, model_and_tokenizer):
     """40 tokens after a 6-token prompt slide a 32-token window: the rows then start later."""
     model, tokenizer = model_and_tokenizer
-    ask = {"layers": [0, 1], "heads": [2]}
-    body = dict(prompt="HAMLET", max_tokens=40, temperature=1.0, seed=9, attention=ask)
-    with TestClient(app_for(run, slots=2), base_url=LOCAL) as client:
+    body = dict(prompt="HAMLET", max_tokens=40, temperature=1.0, seed=9, attention=ASK)
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
         choice = post(client, body)["choices"][0]
         inspected = client.post("/v1/inspect", json={"prompt": "HAMLET" + choice["text"][:10], "layer": 1,
                                                       "head": 2}).json()  # fmt: skip
     starts, weights = choice["attention"]["start"], choice["attention"]["weights"]
     assert starts[0] == 0 and starts[-1] > 0 and max(len(rows[0][0]) for rows in weights) == CONTEXT
-    check_rows(model, tokenizer, "HAMLET", choice, ask)
+    check_rows(model, tokenizer, "HAMLET", choice, ASK)
     # /v1/inspect (4 decimals) shows the same rows: token k's is the inspected text's row 6 + k - 1.
     for k in range(10):
-        row = choice["attention"]["weights"][k][1][0]
+        row = choice["attention"]["weights"][k][0][2]  # ASK's layer 1 (first), head 2 (third)
         np.testing.assert_allclose(row, inspected["attention"][6 + k - 1][: len(row)], atol=6e-5)
 
 
@@ -162,7 +161,7 @@ def test_no_request_asking_runs_the_decode_step_without_attention(run):
     ],
 )
 def test_a_bad_attention_is_a_400_naming_the_field(run, attention, param, says):
-    with TestClient(app_for(run, slots=2), base_url=LOCAL) as client:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
         body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "attention": attention}
         response = client.post("/v1/completions", json=body)
         assert response.status_code == 400
@@ -174,7 +173,7 @@ def test_a_bad_attention_is_a_400_naming_the_field(run, attention, param, says):
 def test_what_a_request_may_ask_is_bounded_before_any_work(run, monkeypatch):
     from eqx_gpt.serve import requests
 
-    with TestClient(app_for(run, slots=2), base_url=LOCAL) as client:
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
         body = {"model": "tiny", "prompt": "x", "attention": {"layers": [0, 1], "heads": [0, 1, 2]}}
         many = client.post("/v1/completions", json={**body, "n": 16, "max_tokens": 4096}).json()["error"]
         assert many["param"] == "attention" and f"at most {requests.ATTENTION_MAX_WEIGHTS}" in many["message"]

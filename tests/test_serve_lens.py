@@ -17,6 +17,8 @@ from eqx_gpt.serve.lens import LENS_TOP, lens_layout
 pytestmark = pytest.mark.xdist_group("serve")
 TEXT = "ROMEO: what light through yonder window breaks"
 CHARS = CharTokenizer.from_text(TEXT)
+# Every GPT here has this shape (with settings): a model of one shape compiles its programs once.
+SHAPE = dict(vocab_size=CHARS.vocab_size, context_length=64, d_model=32, n_heads=4, n_layers=3)
 
 
 class Skip(eqx.Module):
@@ -71,9 +73,7 @@ def assert_lens_is(lens: list[dict], manual: list[np.ndarray]) -> None:
     ids=["default", "gpt2-shape", "post-norm-softcap"],
 )
 def test_the_lens_of_a_gpt_is_its_forward_pass_with_the_later_blocks_left_out(settings):
-    config = GPTConfig(vocab_size=CHARS.vocab_size, context_length=64, d_model=32, n_heads=4, n_layers=3,
-                       **settings)  # fmt: skip
-    model = GPT(config, key=jax.random.key(1))
+    model = GPT(GPTConfig(**SHAPE, **settings), key=jax.random.key(1))
     tokens, position = CHARS.encode(TEXT), 17
     lens = lens_of(model, CHARS, TEXT, position)
     assert_lens_is(lens, [gpt_through(model, layer, tokens)[position] for layer in range(3)])
@@ -138,8 +138,7 @@ def test_a_model_whose_blocks_hide_their_caches_gets_neither_view_and_the_reason
 
 
 def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_before_bars():
-    config = GPTConfig(vocab_size=CHARS.vocab_size, context_length=64, d_model=32, n_heads=4, n_layers=2)
-    model = GPT(config, key=jax.random.key(3))
+    model = GPT(GPTConfig(**SHAPE), key=jax.random.key(3))
     tokens = CHARS.encode(TEXT)
     n = len(tokens)
     seen = inspect_text(
