@@ -37,6 +37,14 @@ def make_run(out: Path) -> Path:
     return out
 
 
+def zero_gpt(config: GPTConfig) -> GPT:
+    """A GPT of `config` whose weights are NumPy zeros, built from its shapes alone: for a test that
+    needs a model of another shape, not its values (nothing is compiled to make it)."""
+    shapes = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
+    zeros = lambda s: np.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+    return jax.tree.map(zeros, shapes)
+
+
 @eqx.filter_jit
 def _attention_weights(model, tokens):
     return model.attention_weights(tokens)

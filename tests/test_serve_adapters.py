@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
-from serve_fixtures import SHAKESPEARE, query_rows  # noqa: E402
+from serve_fixtures import SHAKESPEARE, query_rows, zero_gpt  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from eqx_gpt import (  # noqa: E402
@@ -231,7 +231,7 @@ def test_the_command_refuses_bad_adapters_in_one_line(folders, tmp_path, capsys)
     # Adapters of a wider model, and of a deeper one: for another base.
     wider, deeper = dataclasses.replace(CONFIG, d_model=64), dataclasses.replace(CONFIG, n_layers=3)
     for other, phrase in ((wider, "another model"), (deeper, "layer 2")):
-        model = adapted(GPT(other, key=jax.random.key(1)), 5, 4, 16.0, "c_attn")
+        model = adapted(zero_gpt(other), 5, 4, 16.0, "c_attn")
         save_adapters(model, tmp_path / "other", base="other")
         refused([*base, "--adapter", f"other={tmp_path / 'other'}"], capsys, "--adapter other=", phrase)
 

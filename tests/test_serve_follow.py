@@ -10,7 +10,7 @@ import jax
 import pytest
 
 pytest.importorskip("starlette")
-from serve_fixtures import app_for, make_run  # noqa: E402
+from serve_fixtures import app_for, make_run, zero_gpt  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from eqx_gpt import GPT, generate, load_model, save_checkpoint  # noqa: E402
@@ -68,8 +68,7 @@ def test_follow_swaps_in_each_new_checkpoint_without_dropping_a_request(tmp_path
         assert after != before
 
         # Another model written into the folder is not swapped in; the reason is told.
-        # (test_serve_adapters' wider model: the process has compiled its initialisation)
-        other = GPT(dataclasses.replace(served.config, d_model=64), key=jax.random.key(2))
+        other = zero_gpt(dataclasses.replace(served.config, d_model=64))  # test_serve_adapters' wider one
         write(run, other, 40, tokenizer)
         assert not server.follower.check()
         state = c.get("/v1/run").json()
