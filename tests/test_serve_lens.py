@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import Array, Float, Int
 from test_serve_own_decoder import TOKENIZER, Bigram, GatedBlock, OwnDecoder
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, KVCache, MultiHeadAttention
@@ -28,20 +29,35 @@ class Skip(eqx.Module):
         return x
 
 
-def gpt_through(model: GPT, layer: int, tokens: list[int]) -> np.ndarray:
-    """The next-token probabilities of `model` run with its blocks after `layer` left out."""
+# The references below are jitted, each model's layers in one program: run eagerly, every
+# operation of every layer compiled a program of its own.
+
+
+@eqx.filter_jit
+def gpt_through(model: GPT, tokens: Int[Array, " n"]) -> Float[Array, "layers n vocab"]:
+    """For each layer, the next-token probabilities of `model` run with its blocks after that
+    layer left out."""
     unstacked = model.unstack()
     layers = unstacked.blocks.layers
-    kept = (*layers[: layer + 1], *(Skip() for _ in layers[layer + 1 :]))
-    truncated = eqx.tree_at(lambda m: m.blocks.layers, unstacked, kept)
-    return np.asarray(jax.nn.softmax(truncated(jnp.asarray(tokens), inference=True), axis=-1))
+    through = []
+    for layer in range(len(layers)):
+        kept = (*layers[: layer + 1], *(Skip() for _ in layers[layer + 1 :]))
+        truncated = eqx.tree_at(lambda m: m.blocks.layers, unstacked, kept)
+        through.append(jax.nn.softmax(truncated(tokens, inference=True), axis=-1))
+    return jnp.stack(through)
 
 
-def own_through(model: OwnDecoder, layer: int, tokens: list[int]) -> np.ndarray:
-    x = model.embed[jnp.asarray(tokens)][None]
-    for block, cache in zip(model.blocks[: layer + 1], model.init_cache(batch=1), strict=False):
+@eqx.filter_jit
+def own_through(model: OwnDecoder, tokens: Int[Array, " n"]) -> Float[Array, "layers n vocab"]:
+    """`gpt_through` of a decoder of one's own, through its blocks' `decode`."""
+    x, through = model.embed[tokens][None], []
+    for block, cache in zip(model.blocks, model.init_cache(batch=1), strict=True):
         x, _ = block.decode(x, cache, 0)
-    return np.asarray(jax.nn.softmax(model.head(model.norm(x))[0], axis=-1))
+        through.append(jax.nn.softmax(model.head(model.norm(x))[0], axis=-1))
+    return jnp.stack(through)
+
+
+_attention_weights = eqx.filter_jit(lambda model, tokens: model.attention_weights(tokens))
 
 
 def lens_of(model, tokenizer, text: str, position: int) -> list[dict]:
@@ -76,7 +92,7 @@ def test_the_lens_of_a_gpt_is_its_forward_pass_with_the_later_blocks_left_out(se
     model = GPT(GPTConfig(**SHAPE, **settings), key=jax.random.key(1))
     tokens, position = CHARS.encode(TEXT), 17
     lens = lens_of(model, CHARS, TEXT, position)
-    assert_lens_is(lens, [gpt_through(model, layer, tokens)[position] for layer in range(3)])
+    assert_lens_is(lens, list(np.asarray(gpt_through(model, jnp.asarray(tokens)))[:, position]))
     # The last layer's lens is the model's own next-token distribution, the "before filters" bars.
     assert lens_layout(model).n_layers == 3
 
@@ -86,7 +102,7 @@ def test_the_lens_of_a_decoder_of_ones_own_finds_its_blocks_by_type():
     text, position = "the lazy dog", 9
     tokens = TOKENIZER.encode(text)
     lens = lens_of(model, TOKENIZER, text, position)
-    assert_lens_is(lens, [own_through(model, layer, tokens)[position] for layer in range(3)])
+    assert_lens_is(lens, list(np.asarray(own_through(model, jnp.asarray(tokens)))[:, position]))
 
 
 def test_a_model_without_blocks_gets_no_lens_and_the_reason():
@@ -147,7 +163,7 @@ def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_be
     )  # fmt: skip
     heads = np.array(seen["heads"])
     assert heads.shape == (4, 10, 10) and seen["window_start"] == n - 10
-    whole = np.asarray(model.attention_weights(jnp.asarray(tokens)))[1]  # (heads, n, n)
+    whole = np.asarray(_attention_weights(model, jnp.asarray(tokens)))[1]  # (heads, n, n)
     assert np.allclose(heads, whole[:, n - 10 :, n - 10 :], atol=1e-3)
     assert np.allclose(seen["attention"], heads[2])
     at = inspect_text(
