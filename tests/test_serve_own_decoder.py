@@ -154,6 +154,14 @@ def test_requests_share_the_slots_and_each_gets_its_own_tokens(client, decoder):
     assert client.app.state.server.batcher.steps > 0  # type: ignore[attr-defined]
 
 
+@eqx.filter_jit  # one program: run eagerly, each of its operations compiled one of its own
+def layer_1_weights(decoder: OwnDecoder, tokens):
+    """`(heads, n, n)`: the attention weights of `decoder`'s layer 1 on its own input, by its parts."""
+    x = decoder.blocks[0].decode(decoder.embed[tokens], KVCache.zeros((), 4, 8, 16), 0)[0]
+    block = decoder.blocks[1]
+    return block.attn.weights(block.attn_norm(x), mask=jnp.tril(jnp.ones((len(tokens),) * 2, bool)))
+
+
 def test_the_page_finds_its_attention_by_type(client, decoder):
     card = client.get("/v1/card").json()
     assert card["attention"] == {"layers": 2, "heads": 4, "absent": None}
@@ -164,10 +172,7 @@ def test_the_page_finds_its_attention_by_type(client, decoder):
     np.testing.assert_allclose(attention.sum(axis=1), 1.0, atol=1e-3)
     assert np.all(np.triu(attention, 1) == 0)  # causal
     # The weights are layer 1's, head 3's: those of its attention on its own input.
-    x = decoder.embed[jnp.asarray(TOKENIZER.encode("lazy dog"))]
-    x = decoder.blocks[0].decode(x, KVCache.zeros((), 4, 8, 16), 0)[0]
-    block = decoder.blocks[1]
-    expected = block.attn.weights(block.attn_norm(x), mask=jnp.tril(jnp.ones((8, 8), bool)))[3]
+    expected = layer_1_weights(decoder, jnp.asarray(TOKENIZER.encode("lazy dog")))[3]
     np.testing.assert_allclose(attention, np.asarray(expected), atol=2e-4)
     for field, value in (("layer", 2), ("position", 8)):  # 2 layers; 8 tokens, positions 0..7
         bad = client.post("/v1/inspect", json={"prompt": "lazy dog", field: value})
