@@ -1,5 +1,6 @@
 """Next-token choice: greedy, temperature, top-k and nucleus (top-p) semantics."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,13 +291,18 @@ def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
 def test_the_page_shows_the_distribution_tokens_are_drawn_from():
     from eqx_gpt.generation.sampling import filtered_logits, next_token_distribution
 
-    logits = random_logits(4, scale=1.0)  # VOCAB ids, as the tests above: their programs serve
-    shown = next_token_distribution(logits, 0.7, 5, 0.8)
+    # Jitted, as the server computes what its page shows (eqx_gpt/serve/inspect.py): one program
+    # each, where the eager calls compiled every primitive.
+    distribution = eqx.filter_jit(next_token_distribution)
+    softmax_of_filtered = eqx.filter_jit(lambda *settings: jax.nn.softmax(filtered_logits(*settings)))
+    logits = random_logits(4, scale=1.0)
+    settings = jnp.float32(0.7), jnp.int32(5), jnp.float32(0.8)
+    shown = distribution(logits, *settings)
     assert 1 < int(jnp.sum(shown > 0)) <= 5
-    assert int(jnp.sum(next_token_distribution(logits, 0.7, None, 0.8) > 0)) > 5  # top_k does cut here
-    np.testing.assert_allclose(shown, jax.nn.softmax(filtered_logits(logits, 0.7, 5, 0.8)), rtol=1e-6)
+    assert len(nucleus_reference(np.asarray(logits, np.float64) / 0.7, 0.8)) > 5  # top_k does cut here
+    np.testing.assert_allclose(shown, softmax_of_filtered(logits, *settings), rtol=1e-6)
     counts = np.bincount(draws(logits, 400, temperature=0.7, top_k=5, top_p=0.8), minlength=VOCAB)
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(np.asarray(shown)))
     np.testing.assert_allclose(counts / 400, shown, atol=0.08)
-    greedy = next_token_distribution(logits, 0.0)
+    greedy = distribution(logits, jnp.float32(0.0))
     assert float(greedy[int(jnp.argmax(logits))]) == 1.0 and float(greedy.sum()) == 1.0
