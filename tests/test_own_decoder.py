@@ -40,6 +40,11 @@ def _last_logits(model, window, length):
     return model(window)[length - 1]
 
 
+@eqx.filter_jit
+def _sampled(logits, key, temperature):
+    return sample_next_token(logits, key, temperature=temperature)  # one program, not one per primitive
+
+
 def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) -> np.ndarray:
     """Tokens from rerunning `model.__call__` on the whole window for every token, with
     `generate`'s sliding policy (past `context_length`, keep the last `keep` tokens) and its
@@ -54,7 +59,7 @@ def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) 
             token = int(jnp.argmax(logits))
         else:
             token_key = jax.random.fold_in(jax.random.fold_in(key, 0), i)
-            token = int(sample_next_token(logits, token_key, temperature=temperature))
+            token = int(_sampled(logits, token_key, jnp.float32(temperature)))
         out.append(token)
         window.append(token)
         if len(window) > model.context_length:
