@@ -11,29 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, loss_plot_undrawn
 
 import eqx_gpt.training.run
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.data import load_text
 from eqx_gpt.training.run import train
 
+pytestmark = GROUP
+__all__ = ["corpus", "loss_plot_undrawn"]  # fixtures, used by name
 evaluate_module = importlib.import_module("eqx_gpt.evaluation")
-MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
 
 
 def _config(corpus, **changes) -> TrainConfig:
     values = dict(
-        data=str(corpus), batch_size=4, eval_batches=2, warmup_steps=5, log_interval=1, max_steps=100_000,
-        eval_interval=50, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=4e-3,
+        data=str(corpus), batch_size=BATCH_SIZE, eval_batches=2, warmup_steps=5, log_interval=1,
+        max_steps=100_000, eval_interval=50, **API_RECIPE,
     )  # fmt: skip
     return TrainConfig(**{**values, **changes})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
-    path.write_text(load_text()[:30_000], encoding="utf-8")
-    return path
 
 
 class SimulatedClock:
