@@ -1,13 +1,14 @@
 """What the test files of whole training runs share (train(), train.py, evaluate.py, sample.py on a
 run): one xdist group, so they run in one process and compile each program once; one corpus and
 one model shape, so every run of one recipe reuses the same compiled training step, evaluation and
-sampler; and a loss plot left undrawn where a test does not look at it.
+sampler; and runs spared the work no test of theirs looks at (`quick_runs`).
 
 Two recipes run on the shape: the `cpu` preset's (train.py's default, and train()'s) and the
 dataclass defaults' Muon at fixed rates (`preset=None` with `API_RECIPE`, for tests that assert
 the rates). Each compiles its training step once per process (`training/setup.py` keys the step by
 the settings it reads, the batch size among them)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -40,16 +41,19 @@ def corpus(tmp_path_factory):
 
 def _no_plot(records, path):
     """`plot_losses` for runs whose picture no test looks at: matplotlib's drawing of `loss.png` at
-    each evaluation is most of a small run's time (0.3 s a drawing)."""
+    each evaluation was most of a small run's time (0.3 s a drawing)."""
     return path
 
 
 @pytest.fixture(scope="module", autouse=True)
-def loss_plot_undrawn():
-    """Runs of the module draw no `loss.png` (autouse where imported): the tests that look at it
-    ask for `loss_plot_drawn`, and tests/test_loss_plot.py tests the drawing itself."""
+def quick_runs():
+    """The module's runs (autouse where imported) skip two costs no test of theirs can see: the
+    drawing of `loss.png` (the tests that look at it ask for `loss_plot_drawn`; tests/test_loss_plot.py
+    tests the drawing itself), and `fsync`, which makes a written file survive a power cut (about
+    8 ms a file on a disk: a checkpoint is several files, and a small run writes a dozen)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(eqx_gpt.visualize, "plot_losses", _no_plot)
+        patch.setattr(os, "fsync", lambda fd: None)
         yield
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import equinox as eqx
 import optax
 import pytest
-from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, loss_plot_undrawn
+from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from eqx_gpt import (
@@ -33,7 +33,7 @@ from eqx_gpt import (
 )
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_undrawn"]  # fixtures, used by name
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 RUN = dict(
     **MODEL, batch_size=BATCH_SIZE, eval_batches=2, eval_tokens=2048, warmup_steps=2, log_interval=1,
     max_steps=12, eval_interval=4, max_minutes=0, **API_RECIPE,

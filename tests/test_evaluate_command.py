@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs_family import BATCH_SIZE, GROUP, MODEL, loss_plot_undrawn, write_corpus
+from runs_family import BATCH_SIZE, GROUP, MODEL, quick_runs, write_corpus
 
 from eqx_gpt import load_model
 from eqx_gpt.checkpoint import LATEST, checkpoint_file
@@ -23,7 +23,7 @@ from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run import train
 
 pytestmark = GROUP
-__all__ = ["loss_plot_undrawn"]  # a fixture, used by name
+__all__ = ["quick_runs"]  # a fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(**MODEL, batch_size=BATCH_SIZE, eval_batches=1)

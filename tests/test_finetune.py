@@ -7,14 +7,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from runs_family import GROUP, loss_plot_undrawn
+from runs_family import GROUP, MODEL, quick_runs
 
 from eqx_gpt import load_model
 from eqx_gpt.gpt2 import load_gpt2
 from eqx_gpt.tokenizer import GPT2Tokenizer
 
 pytestmark = GROUP
-__all__ = ["loss_plot_undrawn"]  # a fixture, used by name
+__all__ = ["quick_runs"]  # a fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
@@ -85,9 +85,7 @@ def test_a_character_model_is_not_exported(tmp_path, capsys):
     from eqx_gpt import GPT, CharTokenizer, GPTConfig, save_checkpoint
 
     tokenizer = CharTokenizer("abc")
-    model = GPT(
-        GPTConfig(vocab_size=3, context_length=8, d_model=16, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
+    model = GPT(GPTConfig(vocab_size=3, **MODEL), key=jax.random.key(0))  # the family's block shapes
     save_checkpoint(tmp_path, "best", model, None, step=0, tokenizer=tokenizer, train_config={})
     assert export_cli.main(["--checkpoint", str(tmp_path), "--out-dir", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err

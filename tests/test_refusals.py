@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, loss_plot_undrawn
+from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 from eqx_gpt import (
     GPT,
@@ -36,7 +36,7 @@ from eqx_gpt.training.run import train
 from eqx_gpt.training.run_dir import TrainingError, check_run_dir, kept_records
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_undrawn"]  # fixtures, used by name
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"

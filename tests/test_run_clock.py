@@ -11,14 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, loss_plot_undrawn
+from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 import eqx_gpt.training.run
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.run import train
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_undrawn"]  # fixtures, used by name
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 evaluate_module = importlib.import_module("eqx_gpt.evaluation")
 
 

@@ -10,7 +10,7 @@ import sys
 
 import jax
 import pytest
-from runs_family import GROUP, corpus, loss_plot_drawn, loss_plot_undrawn
+from runs_family import GROUP, corpus, loss_plot_drawn, quick_runs
 from test_trackers import (
     expected,
     offline_wandb,
@@ -29,7 +29,7 @@ from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.trackers import TAGS
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_drawn", "loss_plot_undrawn", "offline_wandb"]  # fixtures, used by name
+__all__ = ["corpus", "loss_plot_drawn", "quick_runs", "offline_wandb"]  # fixtures, used by name
 
 SHORT = ["--max-steps", "12", "--eval-interval", "6"]
 

@@ -9,14 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, loss_plot_undrawn
+from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 import eqx_gpt.training.run as run_module
 from eqx_gpt import EqxGptError, TrainConfig, train
 from eqx_gpt.training import run_dir
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_undrawn"]  # fixtures, used by name
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli_arguments", ROOT / "train.py")

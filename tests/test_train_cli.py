@@ -14,7 +14,7 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import pytest
-from runs_family import GROUP, MODEL, corpus, loss_plot_drawn, loss_plot_undrawn
+from runs_family import GROUP, MODEL, corpus, loss_plot_drawn, quick_runs
 
 import eqx_gpt.training.run as run_module
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TrainResult, load_model, save_checkpoint, train
@@ -23,7 +23,7 @@ from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
 
 pytestmark = GROUP
-__all__ = ["corpus", "loss_plot_drawn", "loss_plot_undrawn"]  # fixtures, used by name
+__all__ = ["corpus", "loss_plot_drawn", "quick_runs"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
