@@ -18,8 +18,10 @@ from eqx_gpt.training.data import load_text
 
 GROUP = pytest.mark.xdist_group("runs")
 
-# The model every run of the family trains: 2 layers of 32, 2 heads, a context of 16 characters.
-MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
+# The model every run of the family trains: 2 layers of 32, 2 heads, a context of 16 characters,
+# and the cpu preset's scan_unroll, which is part of a compiled program's identity: with it, runs of
+# either recipe and the models tests build directly evaluate and sample with the same programs.
+MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16, scan_unroll=4)
 BATCH_SIZE = 4
 # Muon at fixed rates over the dataclass defaults (`preset=None`).
 API_RECIPE = dict(optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=4e-3)
