@@ -68,7 +68,7 @@ def test_follow_swaps_in_each_new_checkpoint_without_dropping_a_request(tmp_path
         assert after != before
 
         # Another model written into the folder is not swapped in; the reason is told.
-        other = zero_gpt(dataclasses.replace(served.config, d_model=64))  # test_serve_adapters' wider one
+        other = zero_gpt(dataclasses.replace(served.config, d_model=64))  # its shape is what counts
         write(run, other, 40, tokenizer)
         assert not server.follower.check()
         state = c.get("/v1/run").json()
