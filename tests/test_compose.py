@@ -8,8 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from train_family import FAMILY
 
 from eqx_gpt import MLP, MultiHeadAttention, RMSNorm, sinusoidal_positions
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 
 class TinyEncoderClassifier(eqx.Module):

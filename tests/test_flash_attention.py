@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_family import FAMILY
 
 from eqx_gpt.model import attention as attention_module
 from eqx_gpt.model import flash_attention as flash_module
@@ -24,6 +25,8 @@ from eqx_gpt.model.flash_attention import (
     reference_attention,
     sequence_seeds,
 )
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 ON_GPU = jax.default_backend() == "gpu"
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxtyping import Array, Float, Int
+from train_family import FAMILY
 
 from eqx_gpt import (
     GPT,
@@ -25,6 +26,8 @@ from eqx_gpt import (
     lora_trainable,
     merge_lora,
 )
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 
 class SmallDecoder(eqx.Module):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.loss import (
@@ -20,6 +21,8 @@ from eqx_gpt.model.loss import (
     next_token_loss,
 )
 from eqx_gpt.training.presets import PRESETS
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 # 300 ids padded to 320: the padding columns must take no probability.
 BASE = GPTConfig(vocab_size=300, context_length=16, d_model=32, n_heads=4, n_layers=2)

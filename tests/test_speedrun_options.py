@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig, MultiHeadAttention
 from eqx_gpt.training.config import TrainConfig
@@ -20,6 +21,8 @@ from eqx_gpt.training.step import (
     matrix_axes,
     split_qkv,
 )
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
 TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])

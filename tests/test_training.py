@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
@@ -18,6 +19,8 @@ from eqx_gpt.training.step import (
     make_train_steps,
     muon_labels,
 )
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
 
@@ -46,25 +49,44 @@ def _step(config: TrainConfig, model_config=CONFIG):
     return model, init_optimizer_state(optimizer, model), step
 
 
-def test_loss_falls_when_overfitting_one_batch():
-    config = TrainConfig(batch_size=4, lr=3e-3, weight_decay=0.0)
-    model, opt_state, step = _step(config)
-    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, CONFIG.vocab_size)
-    first = float(loss_fn(model, batch))
-    assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
-    for i in range(60):
-        model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
-    assert float(loss_fn(model, batch)) < 0.3 * first
-
-
 DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
 BATCH = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab_size)
+# One compiled program for the loss and its gradient at BATCH's shape, shared by the tests below.
+loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+# Clipped to 0.01, far below the gradient's norm (AdamW's update hardly changes: it divides the
+# clipped gradient's scale out again): the steps without dropout that the tests below share.
+CLIPPED = TrainConfig(batch_size=8, grad_clip=0.01)
 
 
 @pytest.fixture(scope="module")
 def dropout_step():
     """One compiled step with dropout, shared by the tests below (compiling is the slow part)."""
     return _step(TrainConfig(batch_size=8), DROPOUT_CONFIG)[2]
+
+
+@pytest.fixture(scope="module")
+def dropout_steps():
+    """The same step, several per call (`make_train_steps`): one compiled program for the module."""
+    config = TrainConfig(batch_size=8)
+    return make_train_steps(make_optimizer(config), config, dropout=True)
+
+
+@pytest.fixture(scope="module")
+def clipped_steps():
+    """Steps without dropout under `CLIPPED`, several per call: one compiled program for the module."""
+    return make_train_steps(make_optimizer(CLIPPED), CLIPPED, dropout=False)
+
+
+def test_loss_falls_when_overfitting_one_batch(clipped_steps):
+    model = GPT(CONFIG, key=jax.random.key(0))
+    opt_state = init_optimizer_state(make_optimizer(CLIPPED), model)
+    first = float(loss_and_grads(model, BATCH)[0])
+    assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
+    batches, lrs = jnp.stack([BATCH, BATCH]), np.full(2, 3e-3, np.float32)
+    for i in range(30):  # 60 steps, two per call
+        steps = np.arange(2 * i, 2 * i + 2, dtype=np.int32)
+        model, opt_state, _ = clipped_steps(model, opt_state, batches, steps, lrs, np.int32(2))
+    assert float(loss_and_grads(model, BATCH)[0]) < 0.3 * first
 
 
 def _fresh_state():
@@ -95,12 +117,11 @@ def _leaves(model):
     return jax.tree.leaves(eqx.filter(model, eqx.is_array))
 
 
-def test_steps_grouped_into_calls_any_way_give_the_same_bits():
+def test_steps_grouped_into_calls_any_way_give_the_same_bits(dropout_steps):
     # What resume relies on: every step runs one compiled program (a loop with a traced count),
     # so how steps are grouped into calls, and where a process started, cannot change a bit.
     # This holds by construction on any CPU: it compares one program with itself.
-    config = TrainConfig(batch_size=8)
-    steps_fn = make_train_steps(make_optimizer(config), config, dropout=True)
+    steps_fn = dropout_steps
     batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     results = []
@@ -129,8 +150,8 @@ def test_steps_grouped_into_calls_any_way_give_the_same_bits():
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
 
 
-def test_several_steps_per_call_match_as_many_single_steps(dropout_step):
-    steps_fn = make_train_steps(make_optimizer(TrainConfig()), TrainConfig(batch_size=8), dropout=True)
+def test_several_steps_per_call_match_as_many_single_steps(dropout_step, dropout_steps):
+    steps_fn = dropout_steps
     batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     for n in (4, 3):  # all of the stack, and fewer (the rest is ignored); one compiled program
@@ -256,12 +277,11 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
 
 
-def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
+def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss(clipped_steps):
     # Clipped to 0.01, far below the gradient's norm: the figure is the norm before clipping.
-    config = TrainConfig(batch_size=8, grad_clip=0.01)
-    steps_fn = make_train_steps(make_optimizer(config), config, dropout=False)
+    config, steps_fn = CLIPPED, clipped_steps
     model = GPT(CONFIG, key=jax.random.key(0))
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, BATCH)  # one program
+    loss, grads = loss_and_grads(model, BATCH)
     expected, loss = float(optax.tree.norm(grads)), float(loss)
     batches = jnp.stack([BATCH, BATCH])
     _, _, figures = steps_fn(
