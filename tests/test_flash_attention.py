@@ -39,12 +39,17 @@ def _exact_float32_products():
         yield
 
 
-def _qkv(key, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
-    kq, kk, kv, kg = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (batch, seq, heads, d_head), dtype)
-    k = jax.random.normal(kk, (batch, kv_seq, heads, d_head), dtype)
-    v = jax.random.normal(kv, (batch, kv_seq, heads, d_head), dtype)
-    return q, k, v, jax.random.normal(kg, (batch, seq, heads, d_head), jnp.float32)
+def _normal(rng, shape, dtype=jnp.float32):
+    # Drawn by NumPy: jax.random would compile a program for every shape (and dtype) drawn.
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = _normal(rng, (batch, seq, heads, d_head), dtype)
+    k = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
+    v = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
+    return q, k, v, _normal(rng, (batch, seq, heads, d_head))
 
 
 def _padded_causal(seq: int, lengths) -> jax.Array:
@@ -90,7 +95,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_outputs_and_gradients_equal_the_xla_path_given_the_same_mask(case):
     seq, lengths, rate, block = CASES[case]
-    q, k, v, cotangent = _qkv(jax.random.key(1), 2, seq, seq, 2, 16)
+    q, k, v, cotangent = _qkv(1, 2, seq, seq, 2, 16)
     mask = causal_mask(seq) if lengths is None else _padded_causal(seq, lengths)
     seeds = sequence_seeds(jax.random.key(2), (2,))
     out = _assert_matches(
@@ -104,7 +109,7 @@ def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
     # 50 queries over 40 keys, d_head 8: padded to whole blocks (of 32, the largest of the kernels')
     # and to 16 features within. The second sequence has no key at all (length 0): its rows
     # attend uniformly, as the XLA path's do.
-    q, k, v, cotangent = _qkv(jax.random.key(3), 2, 50, 40, 2, 8)
+    q, k, v, cotangent = _qkv(3, 2, 50, 40, 2, 8)
     mask = jnp.broadcast_to((jnp.arange(40)[None, :] < jnp.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
     seeds = sequence_seeds(jax.random.key(4), (2,))
     blocks = BlockSizes(forward=(32, 16), dq=(16, 32), dkv=(16, 16))  # each kernel its own grid
@@ -112,7 +117,7 @@ def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
 
 
 def test_bfloat16_inputs_match_within_bfloat16_rounding():
-    q, k, v, cotangent = _qkv(jax.random.key(5), 2, 64, 64, 2, 16, jnp.bfloat16)
+    q, k, v, cotangent = _qkv(5, 2, 64, 64, 2, 16, jnp.bfloat16)
     seeds = sequence_seeds(jax.random.key(6), (2,))
     blocks = BlockSizes.uniform(32, 32)
     out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, blocks=blocks)
@@ -174,14 +179,14 @@ def test_sequence_seeds_of_one_key_are_those_of_its_split_keys():
 
 
 def test_the_reference_is_the_per_head_xla_path_of_attention():
-    q, k, v, _ = _qkv(jax.random.key(12), 2, 24, 24, 3, 8)
+    q, k, v, _ = _qkv(12, 2, 24, 24, 3, 8)
     mask = _padded_causal(24, [24, 10])
     got = reference_attention(q, k, v, mask).reshape(2, 24, 24)
     np.testing.assert_allclose(got, multi_head_attention(q, k, v, mask)[0], rtol=1e-6, atol=1e-6)
 
 
 def test_bad_calls_are_refused_in_one_line():
-    q, k, v, _ = _qkv(jax.random.key(13), 2, 16, 16, 1, 16)
+    q, k, v, _ = _qkv(13, 2, 16, 16, 1, 16)
     with pytest.raises(ValueError, match="needs seeds="):
         flash_attention(q, k, v, rate=0.1)
     with pytest.raises(ValueError, match="power of two"):
@@ -209,7 +214,7 @@ def _expected(mha, x, mask, key):
 
 def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monkeypatch):
     mha = _attention_with_kernel(monkeypatch)
-    x = jax.random.normal(jax.random.key(15), (2, 32, 32))
+    x = _normal(np.random.default_rng(15), (2, 32, 32))
     key = jax.random.key(16)
     mask = causal_mask(32)
     got = eqx.filter_jit(lambda m, x: m(x, mask=mask, key=key))(mha, x)
