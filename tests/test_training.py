@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from train_family import FAMILY
+from train_family import CONFIG, FAMILY
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
@@ -21,8 +21,6 @@ from eqx_gpt.training.step import (
 )
 
 pytestmark = FAMILY  # one process for the family: programs compiled once
-
-CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
 
 
 def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():

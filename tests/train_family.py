@@ -9,7 +9,13 @@ once for the whole family.
 import equinox as eqx
 import pytest
 
+from eqx_gpt import GPTConfig
+
 FAMILY = pytest.mark.xdist_group("train")  # the files' `pytestmark`
+
+# The family's small GPT, for tests whose assertions do not depend on its size: one set of weight
+# shapes, so one set of initialising programs (and steps, and forwards) for all of them.
+CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
 
 
 @eqx.filter_jit
