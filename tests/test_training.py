@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from train_family import CONFIG, FAMILY
+from train_family import CONFIG, FAMILY, MUON, train_step
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
@@ -175,9 +175,6 @@ def test_invalid_train_configs_are_rejected():
         TrainConfig(lr=1e-4, min_lr=1e-3)
 
 
-MUON = TrainConfig(batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=3e-3, weight_decay=0.0)
-
-
 def test_muon_takes_the_block_matrices_and_adamw_the_embedding_head_and_norm_scales():
     labels = muon_labels(eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array))
     blocks = labels.blocks.layers
@@ -218,7 +215,7 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
         model = GPT(CONFIG, key=jax.random.key(0))
         return model, init_optimizer_state(make_optimizer(MUON), model)
 
-    model, opt_state, step = _step(MUON)
+    step = train_step(MUON, dropout=False)  # test_speedrun_options.py's step too: compiled once
     model, opt_state = fresh()
     losses = []
     for i in range(3):

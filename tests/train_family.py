@@ -6,10 +6,14 @@ closure each time); called through `forward`, a model of one structure and input
 once for the whole family.
 """
 
+import functools
+
 import equinox as eqx
 import pytest
 
 from eqx_gpt import GPTConfig
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.step import make_optimizer, make_train_step
 
 FAMILY = pytest.mark.xdist_group("train")  # the files' `pytestmark`
 
@@ -23,3 +27,17 @@ def forward(model, tokens, **kwargs):
     """`model(tokens, **kwargs)`, compiled whole: arrays among `kwargs` (a key) are traced, the
     rest (`inference=True`) are static."""
     return model(tokens, **kwargs)
+
+
+# Muon at the speedrun's rates, no clipping or weight decay: what the files' Muon steps train with.
+MUON = TrainConfig(
+    batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=3e-3, weight_decay=0.0, grad_clip=0.0,
+    warmup_steps=0,
+)  # fmt: skip
+
+
+@functools.cache
+def train_step(config: TrainConfig, *, dropout: bool):
+    """`make_train_step` for `config` (and its optimiser), built once per process, so that every
+    test stepping alike shares one compiled step."""
+    return make_train_step(make_optimizer(config), config, dropout=dropout)
