@@ -46,8 +46,10 @@ RUN = dict(
     warmup_steps=1, lr=1e-2, min_lr=1e-3,
 )  # fmt: skip
 # With LoRA dropout, so that the run tests below (step 0 is the base, resume is bit-exact, PEFT's
-# folder) hold with the adapters' input dropped out in training.
-LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn,c_proj", lora_dropout=0.1)
+# folder) hold with the adapters' input dropped out in training. The targets are the PEFT
+# fixture's (PEFT's "c_attn,c_proj"), so that a run continuing it with this dropout steps alike:
+# one compiled step for the module's LoRA runs.
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="attn.c_attn,attn.c_proj,mlp.c_proj", lora_dropout=0.1)
 
 
 def _cli(name: str):
@@ -315,7 +317,11 @@ def test_resuming_on_a_changed_base_is_refused(tmp_path, gpt2_corpus):
 
 def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, gpt2_corpus):
     out = tmp_path / "run"
-    _train(out, gpt2_corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6)
+    # The run's own LoRA dropout (the folder's is 0): the step `lora_run` compiled serves this run.
+    dropout = LORA["lora_dropout"]
+    _train(
+        out, gpt2_corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6, lora_dropout=dropout
+    )
     meta = read_metadata(checkpoint_file(out, LATEST))
     train_config = meta["train_config"]
     assert (train_config["init_from"], train_config["lora_adapters"]) == (str(TINY_GPT2), str(PEFT_FIXTURE))
