@@ -9,6 +9,7 @@ once for the whole family.
 import functools
 
 import equinox as eqx
+import optax
 import pytest
 
 from eqx_gpt import GPTConfig
@@ -37,7 +38,20 @@ MUON = TrainConfig(
 
 
 @functools.cache
+def optimizer_of(config: TrainConfig) -> optax.GradientTransformation:
+    """`make_optimizer(config)`, built once per process: its compiled `update` is shared."""
+    return make_optimizer(config)
+
+
+@functools.cache
 def train_step(config: TrainConfig, *, dropout: bool):
     """`make_train_step` for `config` (and its optimiser), built once per process, so that every
     test stepping alike shares one compiled step."""
-    return make_train_step(make_optimizer(config), config, dropout=dropout)
+    return make_train_step(optimizer_of(config), config, dropout=dropout)
+
+
+@eqx.filter_jit
+def update(optimizer: optax.GradientTransformation, grads, state, params):
+    """`optimizer.update(grads, state, params)` compiled whole (one program per optimiser and
+    tree): run op by op, Muon's Newton-Schulz loops compile afresh on every call."""
+    return optimizer.update(grads, state, params)
