@@ -8,8 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from train_family import FAMILY
 
 from eqx_gpt import MLP, MultiHeadAttention, RMSNorm, sinusoidal_positions
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 
 class TinyEncoderClassifier(eqx.Module):
@@ -67,4 +70,5 @@ def test_public_modules_train_and_round_trip_through_serialisation(tmp_path):
     eqx.tree_serialise_leaves(path, model)
     like = eqx.filter_eval_shape(TinyEncoderClassifier, 6, 16, 2, key=jax.random.key(9))
     restored = eqx.tree_deserialise_leaves(path, like)
-    np.testing.assert_array_equal(jax.vmap(restored)(tokens), jax.vmap(model)(tokens))
+    logits = eqx.filter_jit(lambda model, tokens: jax.vmap(model)(tokens))  # one program for both
+    np.testing.assert_array_equal(logits(restored, tokens), logits(model, tokens))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_family import FAMILY
 
 from eqx_gpt.model import attention as attention_module
 from eqx_gpt.model import flash_attention as flash_module
@@ -25,6 +26,8 @@ from eqx_gpt.model.flash_attention import (
     sequence_seeds,
 )
 
+pytestmark = FAMILY  # one process for the family: programs compiled once
+
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -36,18 +39,28 @@ def _exact_float32_products():
         yield
 
 
-def _qkv(key, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
-    kq, kk, kv, kg = jax.random.split(key, 4)
-    q = jax.random.normal(kq, (batch, seq, heads, d_head), dtype)
-    k = jax.random.normal(kk, (batch, kv_seq, heads, d_head), dtype)
-    v = jax.random.normal(kv, (batch, kv_seq, heads, d_head), dtype)
-    return q, k, v, jax.random.normal(kg, (batch, seq, heads, d_head), jnp.float32)
+def _normal(rng, shape, dtype=jnp.float32):
+    # Drawn by NumPy: jax.random would compile a program for every shape (and dtype) drawn.
+    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+
+
+def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    q = _normal(rng, (batch, seq, heads, d_head), dtype)
+    k = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
+    v = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
+    return q, k, v, _normal(rng, (batch, seq, heads, d_head))
 
 
 def _padded_causal(seq: int, lengths) -> jax.Array:
-    """Causal self-attention over sequences padded at the end to `seq`: `(batch, seq, seq)`."""
-    keys = jnp.arange(seq)[None, :] < jnp.asarray(lengths)[:, None]
-    return causal_mask(seq)[None] & keys[:, None, :]
+    """Causal self-attention over sequences padded at the end to `seq`: `(batch, seq, seq)`. (Built
+    in NumPy, as the test's inputs are: JAX run op by op compiles a program per operation and shape.)"""
+    keys = np.arange(seq)[None, :] < np.asarray(lengths)[:, None]
+    return jnp.asarray(np.tril(np.ones((seq, seq), bool))[None] & keys[:, None, :])
+
+
+# The XLA path without dropout, compiled whole (one program per shape, not one per operation).
+_reference = jax.jit(reference_attention)
 
 
 def _value_and_grads(attend, q, k, v, cotangent):
@@ -87,29 +100,31 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_outputs_and_gradients_equal_the_xla_path_given_the_same_mask(case):
     seq, lengths, rate, block = CASES[case]
-    q, k, v, cotangent = _qkv(jax.random.key(1), 2, seq, seq, 2, 16)
+    q, k, v, cotangent = _qkv(1, 2, seq, seq, 2, 16)
     mask = causal_mask(seq) if lengths is None else _padded_causal(seq, lengths)
     seeds = sequence_seeds(jax.random.key(2), (2,))
     out = _assert_matches(
         q, k, v, cotangent, mask, rate, seeds, 1e-5, blocks=BlockSizes.uniform(block, block)
     )
     if rate:  # the mask made a difference: without dropout the output is another
-        assert not np.allclose(out, reference_attention(q, k, v, mask), atol=1e-3)
+        assert not np.allclose(out, _reference(q, k, v, mask), atol=1e-3)
 
 
 def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
     # 50 queries over 40 keys, d_head 8: padded to whole blocks (of 32, the largest of the kernels')
     # and to 16 features within. The second sequence has no key at all (length 0): its rows
     # attend uniformly, as the XLA path's do.
-    q, k, v, cotangent = _qkv(jax.random.key(3), 2, 50, 40, 2, 8)
-    mask = jnp.broadcast_to((jnp.arange(40)[None, :] < jnp.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
+    q, k, v, cotangent = _qkv(3, 2, 50, 40, 2, 8)
+    mask = jnp.asarray(
+        np.broadcast_to((np.arange(40)[None, :] < np.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
+    )
     seeds = sequence_seeds(jax.random.key(4), (2,))
     blocks = BlockSizes(forward=(32, 16), dq=(16, 32), dkv=(16, 16))  # each kernel its own grid
     _assert_matches(q, k, v, cotangent, mask, 0.3, seeds, 1e-5, blocks=blocks)
 
 
 def test_bfloat16_inputs_match_within_bfloat16_rounding():
-    q, k, v, cotangent = _qkv(jax.random.key(5), 2, 64, 64, 2, 16, jnp.bfloat16)
+    q, k, v, cotangent = _qkv(5, 2, 64, 64, 2, 16, jnp.bfloat16)
     seeds = sequence_seeds(jax.random.key(6), (2,))
     blocks = BlockSizes.uniform(32, 32)
     out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, blocks=blocks)
@@ -121,9 +136,12 @@ def _kernel_mask(seeds, seq: int, heads: int, rate: float) -> np.ndarray:
     all-zero queries every weight is `1 / seq`, and with `v` the identity each output row is the
     row of kept weights, scaled by `1 / (seq * keep_probability)`."""
     batch = seeds.shape[0]
-    q = jnp.zeros((batch, seq, heads, seq))
-    eye = jnp.broadcast_to(jnp.eye(seq)[None, :, None, :], (batch, seq, heads, seq))
-    out = flash_attention(q, q, eye, rate=rate, seeds=seeds, blocks=BlockSizes.uniform(16, 16))
+    q = np.zeros((batch, seq, heads, seq), np.float32)
+    eye = np.broadcast_to(np.eye(seq, dtype=np.float32)[None, :, None, :], (batch, seq, heads, seq))
+    attend = lambda q, eye, seeds: flash_attention(
+        q, q, eye, rate=rate, seeds=seeds, blocks=BlockSizes.uniform(16, 16)
+    )
+    out = jax.jit(attend)(q, eye, seeds)  # one program (run op by op: one per operation)
     return np.moveaxis(np.asarray(out) * seq * keep_probability(rate), 2, 1)
 
 
@@ -133,7 +151,9 @@ def test_the_kernel_draws_dropout_keep_s_mask_per_sequence_and_head():
     np.testing.assert_allclose(drawn, np.round(drawn), atol=1e-4)  # each weight kept whole or dropped
     idx = jnp.arange(32)
     per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], 0.25)
-    expected = jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None))(seeds, jnp.arange(2))
+    expected = jax.jit(jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None)))(
+        seeds, jnp.arange(2)
+    )
     np.testing.assert_array_equal(np.round(drawn).astype(bool), np.asarray(expected))
     assert (drawn[0] != drawn[1]).any() and (drawn[:, 0] != drawn[:, 1]).any()  # sequences, heads differ
 
@@ -143,7 +163,7 @@ def test_the_mask_keeps_one_minus_rate_independently_of_its_neighbours(rate):
     seeds = sequence_seeds(jax.random.key(8), (3,))
     idx = jnp.arange(128)
     per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], rate)
-    heads = jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None))
+    heads = jax.jit(jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None)))
     keep = np.asarray(heads(seeds, jnp.arange(4)))  # (sequence, head, query, key)
     p = keep_probability(rate)
     assert abs(keep.mean() - p) < 0.01 * p, keep.mean()
@@ -156,7 +176,9 @@ def test_the_mask_keeps_one_minus_rate_independently_of_its_neighbours(rate):
 
 def test_another_key_draws_another_mask_and_the_same_key_the_same():
     idx = jnp.arange(64)
-    draw = lambda key: dropout_keep(sequence_seeds(key, ())[None][0], 0, idx[:, None], idx[None, :], 0.2)
+    draw = jax.jit(
+        lambda key: dropout_keep(sequence_seeds(key, ())[None][0], 0, idx[:, None], idx[None, :], 0.2)
+    )
     a, b = draw(jax.random.key(9)), draw(jax.random.key(10))
     p = keep_probability(0.2)
     assert abs(float((a != b).mean()) - 2 * p * (1 - p)) < 0.03
@@ -171,14 +193,15 @@ def test_sequence_seeds_of_one_key_are_those_of_its_split_keys():
 
 
 def test_the_reference_is_the_per_head_xla_path_of_attention():
-    q, k, v, _ = _qkv(jax.random.key(12), 2, 24, 24, 3, 8)
+    q, k, v, _ = _qkv(12, 2, 24, 24, 3, 8)
     mask = _padded_causal(24, [24, 10])
-    got = reference_attention(q, k, v, mask).reshape(2, 24, 24)
-    np.testing.assert_allclose(got, multi_head_attention(q, k, v, mask)[0], rtol=1e-6, atol=1e-6)
+    got = _reference(q, k, v, mask).reshape(2, 24, 24)
+    per_head = jax.jit(lambda q, k, v, mask: multi_head_attention(q, k, v, mask)[0])
+    np.testing.assert_allclose(got, per_head(q, k, v, mask), rtol=1e-6, atol=1e-6)
 
 
 def test_bad_calls_are_refused_in_one_line():
-    q, k, v, _ = _qkv(jax.random.key(13), 2, 16, 16, 1, 16)
+    q, k, v, _ = _qkv(13, 2, 16, 16, 1, 16)
     with pytest.raises(ValueError, match="needs seeds="):
         flash_attention(q, k, v, rate=0.1)
     with pytest.raises(ValueError, match="power of two"):
@@ -194,6 +217,7 @@ def _attention_with_kernel(monkeypatch):
     return MultiHeadAttention(32, 2, dropout=0.2, key=jax.random.key(14))
 
 
+@eqx.filter_jit  # one program (run op by op: one per operation)
 def _expected(mha, x, mask, key):
     """What attention computes with the kernel's mask, on the XLA path."""
     batch = x.shape[:-2]
@@ -206,7 +230,7 @@ def _expected(mha, x, mask, key):
 
 def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monkeypatch):
     mha = _attention_with_kernel(monkeypatch)
-    x = jax.random.normal(jax.random.key(15), (2, 32, 32))
+    x = _normal(np.random.default_rng(15), (2, 32, 32))
     key = jax.random.key(16)
     mask = causal_mask(32)
     got = eqx.filter_jit(lambda m, x: m(x, mask=mask, key=key))(mha, x)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_family import FAMILY, forward
 
 from eqx_gpt import (
     CheckpointError,
@@ -35,6 +36,8 @@ from eqx_gpt.model.dropout import dropout
 from eqx_gpt.training import run as run_module
 from eqx_gpt.training.step import loss_fn
 
+pytestmark = FAMILY  # one process for the family: programs compiled once
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
 PEFT_FIXTURE = ROOT / "tests" / "fixtures" / "tiny-gpt2-lora"
@@ -43,8 +46,10 @@ RUN = dict(
     warmup_steps=1, lr=1e-2, min_lr=1e-3,
 )  # fmt: skip
 # With LoRA dropout, so that the run tests below (step 0 is the base, resume is bit-exact, PEFT's
-# folder) hold with the adapters' input dropped out in training.
-LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="c_attn,c_proj", lora_dropout=0.1)
+# folder) hold with the adapters' input dropped out in training. The targets are the PEFT
+# fixture's (PEFT's "c_attn,c_proj"), so that a run continuing it with this dropout steps alike:
+# one compiled step for the module's LoRA runs.
+LORA = dict(lora_rank=4, lora_alpha=8.0, lora_targets="attn.c_attn,attn.c_proj,mlp.c_proj", lora_dropout=0.1)
 
 
 def _cli(name: str):
@@ -71,6 +76,8 @@ def lora_run(tmp_path_factory, gpt2_corpus):
     _train(out, gpt2_corpus, **LORA)
     return out
 
+
+_loss = eqx.filter_jit(loss_fn)  # one program per model structure, not a scan per call
 
 # -- the module --------------------------------------------------------------------------------
 
@@ -99,15 +106,15 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
     assert isinstance(layers.attn.qkv, Linear) and layers.attn.qkv.lora_a.shape == (2, 32, 4)
     batch = jnp.arange(2 * 17).reshape(2, 17) % 512
     # Step 0 is the base model: B is zero.
-    assert float(loss_fn(model, batch)) == pytest.approx(float(loss_fn(base, batch)), rel=1e-6)
+    assert float(_loss(model, batch)) == pytest.approx(float(_loss(base, batch)), rel=1e-6)
     adapted = eqx.nn.inference_mode(_random_b(model, jax.random.key(1)))
     merged = merge_lora(adapted)
     assert not any(
         isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
     )
     x = jnp.arange(12)
-    np.testing.assert_allclose(merged(x), adapted(x), atol=2e-5)
-    assert float(jnp.abs(adapted(x) - eqx.nn.inference_mode(base)(x)).max()) > 1e-2
+    np.testing.assert_allclose(forward(merged, x), forward(adapted, x), atol=2e-5)
+    assert float(jnp.abs(forward(adapted, x) - forward(eqx.nn.inference_mode(base), x)).max()) > 1e-2
     # Only the adapters are trainable.
     params = eqx.filter(model, lora_trainable(model))
     assert sum(x.size for x in jax.tree.leaves(params)) == 2 * (
@@ -141,14 +148,19 @@ def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
     for targets in ("c_attn", "attn.out", "c_fc", "mlp.down"):
         model = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
         model = _random_b(model, jax.random.key(1))
-        plain = model(tokens, inference=True)
-        one, two = model(tokens, key=jax.random.key(2)), model(tokens, key=jax.random.key(3))
+        plain = forward(model, tokens, inference=True)
+        one, two = (
+            forward(model, tokens, key=jax.random.key(2)),
+            forward(model, tokens, key=jax.random.key(3)),
+        )
         assert not np.allclose(one, plain) and not np.allclose(one, two), targets
-        np.testing.assert_array_equal(one, model(tokens, key=jax.random.key(2)))
+        np.testing.assert_array_equal(one, forward(model, tokens, key=jax.random.key(2)))
         undropped = apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0))
         undropped = _random_b(undropped, jax.random.key(1))
         # another program than `plain`'s (it traces the unused keys), so equal within rounding
-        np.testing.assert_allclose(undropped(tokens, key=jax.random.key(2)), plain, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            forward(undropped, tokens, key=jax.random.key(2)), plain, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
@@ -157,7 +169,7 @@ def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
     assert isinstance(layers.attn.qkv, LoRALinear) and isinstance(layers.mlp.down, LoRALinear)
     assert not isinstance(layers.mlp.up, LoRALinear) and layers.attn.qkv.scale == 2.0
     expected = np.load(PEFT_FIXTURE / "expected.npz")
-    logits = eqx.nn.inference_mode(model)(jnp.asarray(expected["prompt"]))
+    logits = forward(eqx.nn.inference_mode(model), jnp.asarray(expected["prompt"]))
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
 
 
@@ -210,7 +222,7 @@ def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone
     merged, _, _ = load_model(lora_run)
     x = jnp.arange(20) % 512
     np.testing.assert_allclose(
-        eqx.nn.inference_mode(merged)(x), eqx.nn.inference_mode(separate)(x), atol=1e-5
+        forward(eqx.nn.inference_mode(merged), x), forward(eqx.nn.inference_mode(separate), x), atol=1e-5
     )
 
 
@@ -305,7 +317,11 @@ def test_resuming_on_a_changed_base_is_refused(tmp_path, gpt2_corpus):
 
 def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, gpt2_corpus):
     out = tmp_path / "run"
-    _train(out, gpt2_corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6)
+    # The run's own LoRA dropout (the folder's is 0): the step `lora_run` compiled serves this run.
+    dropout = LORA["lora_dropout"]
+    _train(
+        out, gpt2_corpus, init_from=str(PEFT_FIXTURE), max_steps=1, lr=1e-6, min_lr=1e-6, lora_dropout=dropout
+    )
     meta = read_metadata(checkpoint_file(out, LATEST))
     train_config = meta["train_config"]
     assert (train_config["init_from"], train_config["lora_adapters"]) == (str(TINY_GPT2), str(PEFT_FIXTURE))
@@ -374,10 +390,10 @@ def test_export_writes_a_lora_run_merged_or_its_adapters_alone(tmp_path, lora_ru
     export = _cli("export")
     assert export.main(["--checkpoint", str(lora_run), "--out-dir", str(tmp_path / "merged")]) == 0
     x = jnp.arange(20) % 512
-    want = eqx.nn.inference_mode(merged)(x)
-    got = eqx.nn.inference_mode(load_gpt2(tmp_path / "merged"))(x)
+    want = forward(eqx.nn.inference_mode(merged), x)
+    got = forward(eqx.nn.inference_mode(load_gpt2(tmp_path / "merged")), x)
     np.testing.assert_array_equal(got, want)  # the merged weights, written as they are
     argv = ["--checkpoint", str(lora_run), "--out-dir", str(tmp_path / "adapters"), "--adapters-only"]
     assert export.main(argv) == 0
     adapted = load_adapters(load_gpt2(TINY_GPT2, context_length=32), tmp_path / "adapters")
-    np.testing.assert_allclose(eqx.nn.inference_mode(adapted)(x), want, atol=1e-5)
+    np.testing.assert_allclose(forward(eqx.nn.inference_mode(adapted), x), want, atol=1e-5)

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxtyping import Array, Float, Int
+from train_family import CONFIG, FAMILY
 
 from eqx_gpt import (
     GPT,
     Block,
     ConfigError,
-    GPTConfig,
     Linear,
     LoRALinear,
     RMSNorm,
@@ -25,6 +25,8 @@ from eqx_gpt import (
     lora_trainable,
     merge_lora,
 )
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 
 class SmallDecoder(eqx.Module):
@@ -109,9 +111,7 @@ def test_the_adapters_train_and_merge_back_to_the_models_type():
 
 
 def test_a_gpt_keeps_pefts_default_and_a_transformer_adapts_every_linear():
-    gpt = GPT(
-        GPTConfig(vocab_size=20, context_length=8, d_model=16, n_heads=2, n_layers=2), key=jax.random.key(0)
-    )
+    gpt = GPT(CONFIG, key=jax.random.key(0))
     assert _adapted_paths(apply_lora(gpt, 2, key=jax.random.key(1))) == ["blocks.layers.attn.qkv"]
     t_config = TransformerConfig(src_vocab_size=12, tgt_vocab_size=14, max_len=8, d_model=16, n_heads=2,
                                n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.loss import (
@@ -20,6 +21,8 @@ from eqx_gpt.model.loss import (
     next_token_loss,
 )
 from eqx_gpt.training.presets import PRESETS
+
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 # 300 ids padded to 320: the padding columns must take no probability.
 BASE = GPTConfig(vocab_size=300, context_length=16, d_model=32, n_heads=4, n_layers=2)
@@ -185,7 +188,10 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
 def test_features_then_logits_is_the_call():
     model = GPT(CASES["tied"], key=jax.random.key(14))
     batch = _batch(15, config=model.config)[:, :-1]
-    assert bool(jnp.array_equal(model.logits(model.features(batch)), model(batch)))
+    # Both in one program (run op by op, each op would compile on its own): the same computation
+    # gives the same bits; another (a call that is not features then logits) would not.
+    both = eqx.filter_jit(lambda model, batch: (model.logits(model.features(batch)), model(batch)))
+    assert bool(jnp.array_equal(*both(model, batch)))
 
 
 def test_bad_shapes_and_vocab_size_are_refused():

@@ -7,13 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from train_family import CONFIG, FAMILY
 
-from eqx_gpt import GPT, GPTConfig, MultiHeadAttention, causal_mask
+from eqx_gpt import GPT, MultiHeadAttention, causal_mask
 from eqx_gpt.model.attention import fused_attention
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_train_step
 
-FP32 = GPTConfig(vocab_size=65, context_length=32, d_model=64, n_heads=4, n_layers=2)
+pytestmark = FAMILY  # one process for the family: programs compiled once
+
+FP32 = CONFIG  # the family's small GPT: its initialising programs are compiled already
 BF16 = dataclasses.replace(FP32, compute_dtype="bfloat16")
 
 

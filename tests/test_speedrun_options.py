@@ -9,36 +9,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from train_family import CONFIG, FAMILY, MUON, train_step
 
-from eqx_gpt import GPT, GPTConfig, MultiHeadAttention
+from eqx_gpt import GPT, MultiHeadAttention
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.step import (
     init_optimizer_state,
     make_optimizer,
-    make_train_step,
     matrix_axes,
     split_qkv,
 )
 
-CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
-TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
-MUON = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, batch_size=4, grad_clip=0.0, warmup_steps=0)
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
-
-def model_with(**options) -> GPT:
-    return GPT(dataclasses.replace(CFG, **options), key=jax.random.key(0))
+CFG = CONFIG  # the family's: its step (Muon, MUON) is test_training's too, compiled once
 
 
 def first_qkv_update(config: TrainConfig) -> np.ndarray:
     """The first layer's `w_qkv` update of one training step at the peak rate, from init."""
     model = GPT(CFG, key=jax.random.key(0))
     before = np.array(model.blocks.layers.attn.qkv.weight[0])
-    optimizer = make_optimizer(config)
-    step = make_train_step(optimizer, config, dropout=False)
-    batch = jax.random.randint(jax.random.key(1), (config.batch_size, CFG.context_length + 1), 0, 50)
+    step = train_step(config, dropout=False)
+    batch = jax.random.randint(
+        jax.random.key(1), (config.batch_size, CFG.context_length + 1), 0, CFG.vocab_size
+    )
     model, _, _ = step(
-        model, init_optimizer_state(optimizer, model), batch, jnp.int32(0), jnp.float32(config.lr)
+        model,
+        init_optimizer_state(make_optimizer(config), model),
+        batch,
+        jnp.int32(0),
+        jnp.float32(config.lr),
     )
     return np.asarray(model.blocks.layers.attn.qkv.weight[0]) - before
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_family import CONFIG, FAMILY, MUON, optimizer_of, train_step, update
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
@@ -19,7 +20,7 @@ from eqx_gpt.training.step import (
     muon_labels,
 )
 
-CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
+pytestmark = FAMILY  # one process for the family: programs compiled once
 
 
 def test_weight_decay_applies_to_matrices_not_to_stacked_norm_scales():
@@ -46,25 +47,44 @@ def _step(config: TrainConfig, model_config=CONFIG):
     return model, init_optimizer_state(optimizer, model), step
 
 
-def test_loss_falls_when_overfitting_one_batch():
-    config = TrainConfig(batch_size=4, lr=3e-3, weight_decay=0.0)
-    model, opt_state, step = _step(config)
-    batch = jax.random.randint(jax.random.key(1), (4, 17), 0, CONFIG.vocab_size)
-    first = float(loss_fn(model, batch))
-    assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
-    for i in range(60):
-        model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
-    assert float(loss_fn(model, batch)) < 0.3 * first
-
-
 DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
 BATCH = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab_size)
+# One compiled program for the loss and its gradient at BATCH's shape, shared by the tests below.
+loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+# Clipped to 0.01, far below the gradient's norm (AdamW's update hardly changes: it divides the
+# clipped gradient's scale out again): the steps without dropout that the tests below share.
+CLIPPED = TrainConfig(batch_size=8, grad_clip=0.01)
 
 
 @pytest.fixture(scope="module")
 def dropout_step():
     """One compiled step with dropout, shared by the tests below (compiling is the slow part)."""
     return _step(TrainConfig(batch_size=8), DROPOUT_CONFIG)[2]
+
+
+@pytest.fixture(scope="module")
+def dropout_steps():
+    """The same step, several per call (`make_train_steps`): one compiled program for the module."""
+    config = TrainConfig(batch_size=8)
+    return make_train_steps(make_optimizer(config), config, dropout=True)
+
+
+@pytest.fixture(scope="module")
+def clipped_steps():
+    """Steps without dropout under `CLIPPED`, several per call: one compiled program for the module."""
+    return make_train_steps(make_optimizer(CLIPPED), CLIPPED, dropout=False)
+
+
+def test_loss_falls_when_overfitting_one_batch(clipped_steps):
+    model = GPT(CONFIG, key=jax.random.key(0))
+    opt_state = init_optimizer_state(make_optimizer(CLIPPED), model)
+    first = float(loss_and_grads(model, BATCH)[0])
+    assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
+    batches, lrs = jnp.stack([BATCH, BATCH]), np.full(2, 3e-3, np.float32)
+    for i in range(30):  # 60 steps, two per call
+        steps = np.arange(2 * i, 2 * i + 2, dtype=np.int32)
+        model, opt_state, _ = clipped_steps(model, opt_state, batches, steps, lrs, np.int32(2))
+    assert float(loss_and_grads(model, BATCH)[0]) < 0.3 * first
 
 
 def _fresh_state():
@@ -95,12 +115,11 @@ def _leaves(model):
     return jax.tree.leaves(eqx.filter(model, eqx.is_array))
 
 
-def test_steps_grouped_into_calls_any_way_give_the_same_bits():
+def test_steps_grouped_into_calls_any_way_give_the_same_bits(dropout_steps):
     # What resume relies on: every step runs one compiled program (a loop with a traced count),
     # so how steps are grouped into calls, and where a process started, cannot change a bit.
     # This holds by construction on any CPU: it compares one program with itself.
-    config = TrainConfig(batch_size=8)
-    steps_fn = make_train_steps(make_optimizer(config), config, dropout=True)
+    steps_fn = dropout_steps
     batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     results = []
@@ -129,8 +148,8 @@ def test_steps_grouped_into_calls_any_way_give_the_same_bits():
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
 
 
-def test_several_steps_per_call_match_as_many_single_steps(dropout_step):
-    steps_fn = make_train_steps(make_optimizer(TrainConfig()), TrainConfig(batch_size=8), dropout=True)
+def test_several_steps_per_call_match_as_many_single_steps(dropout_step, dropout_steps):
+    steps_fn = dropout_steps
     batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     for n in (4, 3):  # all of the stack, and fewer (the rest is ignored); one compiled program
@@ -156,9 +175,6 @@ def test_invalid_train_configs_are_rejected():
         TrainConfig(lr=1e-4, min_lr=1e-3)
 
 
-MUON = TrainConfig(batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=3e-3, weight_decay=0.0)
-
-
 def test_muon_takes_the_block_matrices_and_adamw_the_embedding_head_and_norm_scales():
     labels = muon_labels(eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array))
     blocks = labels.blocks.layers
@@ -177,9 +193,9 @@ def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
     config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0})
     model = GPT(CONFIG, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_inexact_array)
-    optimizer = make_optimizer(config)
+    optimizer = optimizer_of(config)
     grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    updates, _ = update(optimizer, grads, optimizer.init(params), params)
     for name in ("qkv", "out"):
         stacked = getattr(updates.blocks.layers.attn, name).weight
         fan_in, fan_out = stacked.shape[-2:]
@@ -199,7 +215,7 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
         model = GPT(CONFIG, key=jax.random.key(0))
         return model, init_optimizer_state(make_optimizer(MUON), model)
 
-    model, opt_state, step = _step(MUON)
+    step = train_step(MUON, dropout=False)  # test_speedrun_options.py's step too: compiled once
     model, opt_state = fresh()
     losses = []
     for i in range(3):
@@ -224,9 +240,9 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
 def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_but_not_norm_scales():
     config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "adam_weight_decay": 0.5})
     params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
-    optimizer = make_optimizer(config)
+    optimizer = optimizer_of(config)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+    updates, _ = update(optimizer, zeros, optimizer.init(params), params)
     ratio = 3e-3 / 0.02  # the AdamW group's share of the scheduled rate
     np.testing.assert_allclose(updates.embed, -ratio * 0.5 * params.embed, rtol=1e-5)
     np.testing.assert_allclose(updates.head.weight, -ratio * 0.5 * params.head.weight, rtol=1e-5)
@@ -243,26 +259,25 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
     )
 
     def second_update(momentum):
-        optimizer = make_optimizer(
+        optimizer = optimizer_of(
             TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": momentum})
         )
-        _, state = optimizer.update(g1, optimizer.init(params), params)
-        return optimizer.update(g2, state, params)[0].blocks.layers.mlp.up.weight, optimizer
+        _, state = update(optimizer, g1, optimizer.init(params), params)
+        return update(optimizer, g2, state, params)[0].blocks.layers.mlp.up.weight, optimizer
 
     memoryless, optimizer = second_update(0.0)
-    alone = optimizer.update(g2, optimizer.init(params), params)[0].blocks.layers.mlp.up.weight
+    alone = update(optimizer, g2, optimizer.init(params), params)[0].blocks.layers.mlp.up.weight
     np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
     remembering, _ = second_update(0.95)
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
 
 
-def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
+def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss(clipped_steps):
     # Clipped to 0.01, far below the gradient's norm: the figure is the norm before clipping.
-    config = TrainConfig(batch_size=8, grad_clip=0.01)
-    steps_fn = make_train_steps(make_optimizer(config), config, dropout=False)
+    config, steps_fn = CLIPPED, clipped_steps
     model = GPT(CONFIG, key=jax.random.key(0))
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model, BATCH)  # one program
-    expected, loss = float(optax.tree.norm(grads)), float(loss)
+    loss, grads = loss_and_grads(model, BATCH)
+    expected, loss = float(jax.jit(optax.tree.norm)(grads)), float(loss)  # one program, not one per leaf
     batches = jnp.stack([BATCH, BATCH])
     _, _, figures = steps_fn(
         model, init_optimizer_state(make_optimizer(config), model), batches, np.arange(2, dtype=np.int32),

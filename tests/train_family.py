@@ -1,0 +1,57 @@
+"""What the training family's test files share: they run in one xdist group (`FAMILY`), so one
+process, and a program compiled here for one of them serves every other.
+
+A model called op by op (eagerly) compiles its layer scan afresh on every call (its body is a new
+closure each time); called through `forward`, a model of one structure and input shape compiles
+once for the whole family.
+"""
+
+import functools
+
+import equinox as eqx
+import optax
+import pytest
+
+from eqx_gpt import GPTConfig
+from eqx_gpt.training.config import TrainConfig
+from eqx_gpt.training.step import make_optimizer, make_train_step
+
+FAMILY = pytest.mark.xdist_group("train")  # the files' `pytestmark`
+
+# The family's small GPT, for tests whose assertions do not depend on its size: one set of weight
+# shapes, so one set of initialising programs (and steps, and forwards) for all of them.
+CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
+
+
+@eqx.filter_jit
+def forward(model, tokens, **kwargs):
+    """`model(tokens, **kwargs)`, compiled whole: arrays among `kwargs` (a key) are traced, the
+    rest (`inference=True`) are static."""
+    return model(tokens, **kwargs)
+
+
+# Muon at the speedrun's rates, no clipping or weight decay: what the files' Muon steps train with.
+MUON = TrainConfig(
+    batch_size=8, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=3e-3, weight_decay=0.0, grad_clip=0.0,
+    warmup_steps=0,
+)  # fmt: skip
+
+
+@functools.cache
+def optimizer_of(config: TrainConfig) -> optax.GradientTransformation:
+    """`make_optimizer(config)`, built once per process: its compiled `update` is shared."""
+    return make_optimizer(config)
+
+
+@functools.cache
+def train_step(config: TrainConfig, *, dropout: bool):
+    """`make_train_step` for `config` (and its optimiser), built once per process, so that every
+    test stepping alike shares one compiled step."""
+    return make_train_step(optimizer_of(config), config, dropout=dropout)
+
+
+@eqx.filter_jit
+def update(optimizer: optax.GradientTransformation, grads, state, params):
+    """`optimizer.update(grads, state, params)` compiled whole (one program per optimiser and
+    tree): run op by op, Muon's Newton-Schulz loops compile afresh on every call."""
+    return optimizer.update(grads, state, params)
