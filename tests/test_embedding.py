@@ -1,14 +1,18 @@
 """The embedding lookup's fixed-order gradient (eqx_gpt/model/embedding.py): the one-hot product a
 GPU takes instead of XLA's atomic scatter-add, checked here on the CPU by forcing it."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import SMALL_GPT, gpt, in_family
 
-from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.embedding import embedding_lookup, exact_bf16_parts, one_hot_scatter_add
+
+pytestmark = in_family
 
 
 @pytest.mark.parametrize("dtype, parts", [(jnp.float32, 3), (jnp.bfloat16, 1)])
@@ -49,12 +53,10 @@ def test_the_lookup_gradient_matches_the_plain_one():
     "positions, compute_dtype", [("learned", "bfloat16"), ("sinusoidal", "float32"), ("rope", "bfloat16")]
 )
 def test_a_gpt_gradient_is_the_same_either_way(monkeypatch, positions, compute_dtype):
-    config = GPTConfig(
-        vocab_size=37, context_length=16, d_model=32, n_heads=2, n_layers=1, positions=positions,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-    model = GPT(config, key=jax.random.key(6))
-    tokens = jax.random.randint(jax.random.key(7), (3, 16), 0, 37)
+    # One layer: a scan of one step differentiates into a much smaller program than one of two.
+    config = dataclasses.replace(SMALL_GPT, n_layers=1, positions=positions, compute_dtype=compute_dtype)
+    model = gpt(config, seed=6)
+    tokens = jax.random.randint(jax.random.key(7), (3, config.context_length), 0, config.vocab_size)
     loss = lambda m, tokens: jnp.mean(m(tokens).astype(jnp.float32) ** 2)
     grads = {}
     for on_gpu in (False, True):  # the GPU's choice, forced on the CPU
