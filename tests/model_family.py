@@ -15,6 +15,7 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from eqx_gpt import GPT, GPTConfig, Transformer, TransformerConfig
@@ -27,6 +28,12 @@ in_family = pytest.mark.xdist_group(FAMILY)  # each file's `pytestmark`: one pro
 SMALL_GPT = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
 TINY_GPT = GPTConfig(vocab_size=9, context_length=8, d_model=16, n_heads=2, n_layers=2)
 TINY_TRANSFORMER = TransformerConfig(src_vocab_size=9, tgt_vocab_size=9, max_len=8, d_model=16, n_heads=2)
+
+
+def token_ids(seed: int, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
+    """Random token ids `shape` in `[0, vocab_size)` (int32), drawn by NumPy: `jax.random.randint`
+    compiles a program for every shape it draws."""
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab_size, shape), jnp.int32)
 
 
 @functools.cache

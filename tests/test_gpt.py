@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
-from model_family import SMALL_GPT, call, decode, gpt, in_family, vmapped
+from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids, vmapped
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
@@ -29,7 +29,7 @@ def model():
 
 
 def test_changing_token_t_never_changes_earlier_logits(model):
-    tokens = jax.random.randint(jax.random.key(1), (CFG.context_length,), 0, CFG.vocab_size)
+    tokens = token_ids(1, (CFG.context_length,), CFG.vocab_size)
     base = np.asarray(logits_of(model, tokens))
     for t in (0, 5, CFG.context_length - 1):
         changed = tokens.at[t].set((tokens[t] + 7) % CFG.vocab_size)
@@ -73,14 +73,14 @@ def test_dropout_needs_a_key_in_training_mode():
 
 
 def test_batched_and_jitted_call(model):
-    batch = jax.random.randint(jax.random.key(2), (3, 12), 0, CFG.vocab_size)
+    batch = token_ids(2, (3, 12), CFG.vocab_size)
     out = vmapped(model, batch)
     assert out.shape == (3, 12, CFG.vocab_size)
     np.testing.assert_allclose(out[1], logits_of(model, batch[1]), atol=1e-5)
 
 
 def test_kv_cached_decode_matches_full_forward(model):
-    tokens = jax.random.randint(jax.random.key(3), (12,), 0, CFG.vocab_size)
+    tokens = token_ids(3, (12,), CFG.vocab_size)
     full = logits_of(model, tokens)
     cache = model.init_cache()
     prefix, cache = decode(model, tokens[:8], cache, 0)
@@ -93,7 +93,7 @@ def test_kv_cached_decode_matches_full_forward(model):
 
 
 def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
-    tokens = jax.random.randint(jax.random.key(4), (3, 10), 0, CFG.vocab_size)
+    tokens = token_ids(4, (3, 10), CFG.vocab_size)
     cache = model.init_cache(batch=3)
     assert cache.k.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.d_head, CFG.context_length)
     assert cache.v.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.context_length, CFG.d_head)
@@ -110,7 +110,7 @@ def test_an_unstacked_model_is_the_same_function(model):
     np.testing.assert_array_equal(
         unstacked.blocks.layers[1].mlp.up.weight, model.blocks.layers.mlp.up.weight[1]
     )
-    tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
+    tokens = token_ids(5, (12,), CFG.vocab_size)
     np.testing.assert_allclose(logits_of(unstacked, tokens), logits_of(model, tokens), atol=1e-6)
     np.testing.assert_allclose(
         attention_weights(unstacked, tokens), attention_weights(model, tokens), atol=1e-6
@@ -188,7 +188,7 @@ def test_unrolling_the_layer_scan_changes_neither_loss_nor_gradients(unroll):
     # The presets unroll the scan for speed (shakespeare-char: all 6 layers); dropout included,
     # so each layer must still draw its own masks.
     config = dataclasses.replace(CFG, n_layers=3, dropout=0.2)
-    batch = jax.random.randint(jax.random.key(7), (2, CFG.context_length + 1), 0, CFG.vocab_size)
+    batch = token_ids(7, (2, CFG.context_length + 1), CFG.vocab_size)
     keys = jax.random.split(jax.random.key(8), 2)
 
     def loss_and_grads_of(scan_unroll):
@@ -210,7 +210,7 @@ def test_gpt_rejects_a_scalar_token(model):
 
 def test_a_batch_gives_what_vmap_over_its_sequences_gives():
     dropout_model = gpt(DROPPING)
-    tokens = jax.random.randint(jax.random.key(1), (3, 8), 0, CFG.vocab_size)
+    tokens = token_ids(1, (3, 8), CFG.vocab_size)
     keys = jax.random.split(jax.random.key(2), 3)
     inference = eqx.nn.inference_mode(dropout_model)
     np.testing.assert_allclose(logits_of(inference, tokens), vmapped(inference, tokens), rtol=0, atol=1e-5)
@@ -232,25 +232,25 @@ def test_gpt_rejects_sequences_longer_than_the_context(model):
 
 
 def test_attention_rejects_a_mask_of_the_wrong_size_under_jit():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"mask has shape \(6, 6\).*shape \(5, 5\)"):
-        jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 8)), causal_mask(6))
+        jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 16)), causal_mask(6))
 
 
 def test_modules_reject_a_wrong_feature_size():
-    x = jnp.zeros((4, 9))
-    with pytest.raises(ValueError, match="d_model=8"):
-        MultiHeadAttention(8, 2, key=jax.random.key(0))(x)
-    with pytest.raises(ValueError, match="d_model=8"):
-        MLP(8, 16, key=jax.random.key(0))(x)
-    with pytest.raises(ValueError, match="dim=8"):
-        RMSNorm(8)(x)
+    x = jnp.zeros((4, 17))
+    with pytest.raises(ValueError, match="d_model=16"):
+        MultiHeadAttention(16, 2, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="d_model=16"):
+        MLP(16, 32, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="dim=16"):
+        RMSNorm(16)(x)
 
 
 def test_modules_reject_a_missing_sequence_axis():
     with pytest.raises(TypeCheckError) as error:
-        MLP(8, 16, key=jax.random.key(0))(jnp.zeros((8,)))
-    assert str(error.value) == "MLP.__call__: x is f32[8]; pass Float[Array, '*batch seq d_model']"
+        MLP(16, 32, key=jax.random.key(0))(jnp.zeros((16,)))
+    assert str(error.value) == "MLP.__call__: x is f32[16]; pass Float[Array, '*batch seq d_model']"
 
 
 def test_a_wrong_argument_type_is_one_line_naming_it_and_what_to_pass(model):

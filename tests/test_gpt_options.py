@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import SMALL_GPT, call, decode, gpt, in_family
+from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids
 
 from eqx_gpt import GPT, load_model
 from eqx_gpt.model.positions import rotary_embedding
@@ -173,7 +173,7 @@ def test_a_gpt2_shaped_model_trains():
     optimizer = make_optimizer(train)
     opt_state = init_optimizer_state(optimizer, model)
     step = make_train_step(optimizer, train, dropout=False)
-    batch = jax.random.randint(jax.random.key(3), (4, CFG.context_length + 1), 0, CFG.vocab_size)
+    batch = token_ids(3, (4, CFG.context_length + 1), CFG.vocab_size)
     losses = []
     for i in range(8):
         model, opt_state, loss = step(model, opt_state, batch, jnp.int32(i), jnp.float32(train.lr))
