@@ -1,19 +1,19 @@
 """Callbacks and the history of a run, as a user writes them: this file imports only `eqx_gpt`'s
-public names (and TensorBoard's reader). A callback hears of every step (with its gradient norm),
-evaluation, record, checkpoint and the end, in order, with a view of the run (its model, optimiser
-state, settings); it logs figures of its own into the run's records; `TrainResult.history` holds
-the run's records by kind; a callback stops a run as Ctrl-C does, and the resumed run ends with the
-losses of one never stopped; `EarlyStopping` and its state across a resume; a tracker of the
-user's own hears every record the built-in ones do."""
+public names (and TensorBoard's reader, and the family's settings, tests/runs_family.py). A callback
+hears of every step (with its gradient norm), evaluation, record, checkpoint and the end, in order,
+with a view of the run (its model, optimiser state, settings); it logs figures of its own into the
+run's records; `TrainResult.history` holds the run's records by kind; a callback stops a run as
+Ctrl-C does, and the resumed run ends with the losses of one never stopped; `EarlyStopping` and its
+state across a resume; a tracker of the user's own hears every record the built-in ones do."""
 
 import json
 import math
-import random
 from pathlib import Path
 
 import equinox as eqx
 import optax
 import pytest
+from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 from eqx_gpt import (
@@ -32,21 +32,12 @@ from eqx_gpt import (
     train,
 )
 
+pytestmark = GROUP
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 RUN = dict(
-    d_model=32, n_layers=2, n_heads=2, context_length=16, batch_size=4, eval_batches=2, eval_tokens=2048,
-    warmup_steps=2, log_interval=1, max_steps=12, eval_interval=4, max_minutes=0, optimizer="muon", lr=0.02,
-    min_lr=0.002, adam_lr=4e-3,
+    **MODEL, batch_size=BATCH_SIZE, eval_batches=2, eval_tokens=2048, warmup_steps=2, log_interval=1,
+    max_steps=12, eval_interval=4, max_minutes=0, **API_RECIPE,
 )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    words = "the king my lord thou art so sweet a rose and yet we speak of love".split()
-    rng = random.Random(0)
-    lines = [" ".join(rng.choices(words, k=rng.randint(4, 12))).capitalize() + "." for _ in range(800)]
-    path = tmp_path_factory.mktemp("data") / "verse.txt"
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
 
 
 class Recorder(Callback):

@@ -1,5 +1,7 @@
 """The evaluation budget is priced by cost: a larger head reads fewer tokens, a character model all it did."""
 
+from runs_family import GROUP, MODEL
+
 from eqx_gpt import GPTConfig
 from eqx_gpt.evaluation import periodic_plan
 from eqx_gpt.tokenizer import GPT2_VOCAB_SIZE
@@ -12,6 +14,8 @@ from eqx_gpt.training.time_plan import (
     eval_train_windows,
     forward_cost,
 )
+
+pytestmark = GROUP
 
 CPU = PRESETS["cpu"].model
 TINY_SHAKESPEARE_VAL = 111_540  # tokens of the bundled text's validation split
@@ -81,7 +85,7 @@ def test_a_runs_train_loss_reads_the_first_of_its_fixed_windows(tmp_path):
     alphabet = [chr(0x4E00 + i) for i in range(600)]
     text = tmp_path / "wide.txt"
     text.write_text("".join(random.Random(0).choices(alphabet, k=60_000)), encoding="utf-8")
-    options = resolve_options({"data": str(text), "batch_size": 4, "eval_batches": 3})
+    options = resolve_options({"data": str(text), "batch_size": 4, "eval_batches": 3, **MODEL})
     setup, _ = set_up(options, tmp_path / "out", log=lambda line: None)
     c, model = setup.config, setup.model_config
     assert model.padded_vocab_size > REFERENCE_VOCAB

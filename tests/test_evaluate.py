@@ -1,5 +1,6 @@
 """`evaluate`: the loss over a whole text, against a brute-force computation."""
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -9,18 +10,23 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from gen_models import GROUP
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TokenizerError
 from eqx_gpt.evaluation import evaluate, evaluate_text, plan_whole
 
+pytestmark = pytest.mark.xdist_group(GROUP)
+
 CONTEXT = 8
+ROWS = 64  # `_losses_at`'s rows, padded: one program for every text length
 
 
 @functools.cache
 def _model() -> GPT:
     """The tests' model, built once, by the process that runs them (not by every one that collects)."""
     return GPT(
-        GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=2),
+        # The family's widths (tests/gen_models.py), so that building it compiles little new.
+        GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=32, n_heads=4, n_layers=2),
         key=jax.random.key(0),
     )
 
@@ -47,11 +53,15 @@ def _mean_loss_by_hand(ids, contexts):
 def _mean_loss_by_hand_of(model, ids, contexts):
     """Mean loss of predicting each `ids[t]` from `contexts[t - 1]` (a slice of ids before t), the
     model in inference mode."""
-    windows = np.zeros((len(contexts), CONTEXT), np.int32)
+    n = len(contexts)
+    assert n <= ROWS
+    windows = np.zeros((ROWS, CONTEXT), np.int32)  # rows past n: a 1-token window, their loss unused
+    lengths, targets = np.ones(ROWS, np.int32), np.zeros(ROWS, np.int32)
     for i, c in enumerate(contexts):
         windows[i, : len(c)] = c
-    lengths = np.array([len(c) for c in contexts])
-    return float(np.mean(_losses_at(eqx.nn.inference_mode(model), windows, lengths, ids[1:])))
+        lengths[i] = len(c)
+    targets[:n] = ids[1:]
+    return float(np.mean(_losses_at(eqx.nn.inference_mode(model), windows, lengths, targets)[:n]))
 
 
 def _window_start(t, n, stride):
@@ -149,7 +159,7 @@ def test_evaluate_refuses_what_is_not_a_model_or_text():
 
 
 def test_evaluation_runs_the_model_without_dropout():
-    config = GPTConfig(vocab_size=7, context_length=CONTEXT, d_model=16, n_heads=2, n_layers=1, dropout=0.5)
+    config = dataclasses.replace(_model().config, dropout=0.5)  # the same shapes: no new programs to build it
     model = GPT(config, key=jax.random.key(1))
     ids = np.random.default_rng(1).integers(0, 7, 30)
     by_hand = _mean_loss_by_hand_of(model, ids, [ids[max(0, t - CONTEXT) : t] for t in range(1, 30)])

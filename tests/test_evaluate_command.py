@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs_family import BATCH_SIZE, GROUP, MODEL, quick_runs, write_corpus
 
 from eqx_gpt import load_model
 from eqx_gpt.checkpoint import LATEST, checkpoint_file
@@ -21,8 +22,11 @@ from eqx_gpt.training import data as data_module
 from eqx_gpt.training.report import Progress
 from eqx_gpt.training.run import train
 
+pytestmark = GROUP
+__all__ = ["quick_runs"]  # a fixture, used by name
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = dict(d_model=32, n_heads=2, n_layers=1, context_length=16, batch_size=4, eval_batches=1)
+TINY = dict(**MODEL, batch_size=BATCH_SIZE, eval_batches=1)
 
 
 def _cli():
@@ -37,11 +41,10 @@ cli = _cli()
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """A finished tiny run whose validation split (2,000 tokens) is over 4x its --eval-tokens (64):
+    """A finished tiny run whose validation split (3,000 tokens) is over 4x its --eval-tokens (64):
     its final validation reads an even sample of windows, not the whole split."""
     folder = tmp_path_factory.mktemp("evalcmd")
-    corpus = folder / "corpus.txt"
-    corpus.write_text(data_module.shakespeare_path().read_text(encoding="utf-8")[:20_000], encoding="utf-8")
+    corpus = write_corpus(folder)  # its own: a test moves it
     out = folder / "run"
     train(
         **TINY, data=str(corpus), max_steps=2, max_minutes=0.0, eval_tokens=64, out_dir=out, sample_tokens=0,

@@ -7,10 +7,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from runs_family import GROUP, MODEL, quick_runs
 
 from eqx_gpt import load_model
 from eqx_gpt.gpt2 import load_gpt2
 from eqx_gpt.tokenizer import GPT2Tokenizer
+
+pytestmark = GROUP
+__all__ = ["quick_runs"]  # a fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
@@ -42,7 +46,7 @@ def test_fine_tuning_starts_from_the_directory_and_moves_its_weights(fine_tuned)
     assert meta["preset"] == "finetune-shakespeare" and meta["train_config"]["optimizer"] == "adamw"
     # Three AdamW steps at 3e-5 move a weight by about 1e-4; a fresh model would be 0.15 away.
     pairs = zip(jax.tree.leaves(model), jax.tree.leaves(start), strict=True)
-    diffs = [float(np.abs(a - b).max()) for a, b in pairs]
+    diffs = [float(np.abs(np.asarray(a, float) - np.asarray(b, float)).max()) for a, b in pairs]  # NumPy
     assert 0 < max(diffs) < 1e-3
 
 
@@ -81,9 +85,7 @@ def test_a_character_model_is_not_exported(tmp_path, capsys):
     from eqx_gpt import GPT, CharTokenizer, GPTConfig, save_checkpoint
 
     tokenizer = CharTokenizer("abc")
-    model = GPT(
-        GPTConfig(vocab_size=3, context_length=8, d_model=16, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
+    model = GPT(GPTConfig(vocab_size=3, **MODEL), key=jax.random.key(0))  # the family's block shapes
     save_checkpoint(tmp_path, "best", model, None, step=0, tokenizer=tokenizer, train_config={})
     assert export_cli.main(["--checkpoint", str(tmp_path), "--out-dir", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err

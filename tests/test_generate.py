@@ -1,5 +1,7 @@
 """KV-cached generation against the naive rerun-the-window reference, sliding, determinism."""
 
+import functools
+import inspect
 from collections import Counter
 
 import equinox as eqx
@@ -7,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gen_models import GPT_CONFIG, GROUP, gpt
 from oracles import naive_generate
 
 import eqx_gpt.generation.generate as generation
-from eqx_gpt import GPT, GPTConfig, SamplingOptions
+from eqx_gpt import GPT, SamplingOptions
 from eqx_gpt.generation.generate import (
     decode_incrementally,
     generate,
@@ -19,11 +22,13 @@ from eqx_gpt.generation.generate import (
     stream_batch,
 )
 
-CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
+pytestmark = pytest.mark.xdist_group(GROUP)
+
+CFG = GPT_CONFIG  # vocab 65, context 16
 
 
 def make_model(seed):
-    model = GPT(CFG, key=jax.random.key(seed))
+    model = gpt(seed)
     # Random init gives near-uniform logits; a larger head makes choices clear-cut (and argmax
     # ties from float rounding implausible) so the comparison tests something.
     return eqx.tree_at(lambda m: m.head.weight, model, model.head.weight * 50)
@@ -35,7 +40,8 @@ def model():
 
 
 def random_prompt(seed, length):
-    return np.asarray(jax.random.randint(jax.random.key(seed), (length,), 0, CFG.vocab_size))
+    # NumPy's generator: JAX's would compile a program for every prompt length.
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, length).astype(np.int32)
 
 
 @pytest.mark.parametrize("seed, prompt_len", [(1, 1), (2, 7), (3, 12)])
@@ -89,7 +95,15 @@ def test_no_recompilation_per_token_prompt_length_or_setting(model, monkeypatch)
 
     sample_rows = generation.sample_rows
     monkeypatch.setattr(generation, "sample_rows", counted)
-    jax.clear_caches()  # so the first call below compiles, and the count is seen to work
+    # The prefill and the decode loop jitted anew (a new function object: an empty compile cache),
+    # so that the first call below compiles and the count is seen to work (jax.clear_caches()
+    # would make every later test in this process compile all it uses again).
+    for name in ("_prefill", "_decode_steps"):
+        function = inspect.unwrap(getattr(generation, name))
+        fresh = functools.wraps(function)(
+            lambda *args, function=function, **kwargs: function(*args, **kwargs)
+        )
+        monkeypatch.setattr(generation, name, eqx.filter_jit(fresh))
     generate(
         model,
         random_prompt(0, 3),
@@ -130,7 +144,7 @@ def test_same_key_same_tokens_whatever_the_chunking(model):
     a = generate(model, prompt, 45, key=key)
     np.testing.assert_array_equal(a, generate(model, prompt, 45, key=key))
     np.testing.assert_array_equal(
-        a, generate(model, prompt, 45, key=key, options=SamplingOptions(chunk_size=7))
+        a, generate(model, prompt, 45, key=key, options=SamplingOptions(chunk_size=8))
     )
     assert not np.array_equal(a, generate(model, prompt, 45, key=jax.random.key(4)))
 
@@ -230,7 +244,7 @@ def test_text_is_never_released_mid_character():
 
 def test_sampling_settings_work_as_keywords_beside_options():
     # The API before SamplingOptions: generate(..., temperature=..., top_k=..., top_p=...).
-    model = GPT(CFG, key=jax.random.key(0))
+    model = gpt(0)
     key, prompt = jax.random.key(5), [1, 2, 3]
     as_options = generate(
         model, prompt, 12, key=key, options=SamplingOptions(temperature=0.8, top_k=5, top_p=0.9)
@@ -249,35 +263,49 @@ def test_sampling_settings_work_as_keywords_beside_options():
 
 
 class _Scaled(eqx.Module):
-    """A GPT whose `decode` answer is changed by `change` (logits, cache) -> answer: a broken decoder."""
+    """A GPT whose `decode` answer is changed by `change` (logits + `added`, cache) -> answer: a
+    broken decoder. `added` is an array (traced), so decoders that differ in it share programs."""
 
     gpt: GPT
     change: object = eqx.field(static=True)
     vocab_size: int = eqx.field(static=True, default=CFG.vocab_size)
     context_length: object = eqx.field(static=True, default=CFG.context_length)
+    added: jax.Array | None = None
 
     def init_cache(self, *, batch):
         return self.gpt.unstack().init_cache(batch=batch)
 
     def decode(self, tokens, cache, start):
-        return self.change(*self.gpt.unstack().decode(tokens, cache, start))
+        logits, cache = self.gpt.unstack().decode(tokens, cache, start)
+        return self.change(logits if self.added is None else logits + self.added, cache)
 
 
-def _broken(change, **sizes):
-    return _Scaled(make_model(0), change, **sizes)
+def _broken(change, **fields):
+    return _Scaled(make_model(0), change, **fields)
+
+
+def _unchanged(logits, cache):
+    return logits, cache
+
+
+def _logits_plus(index, value):
+    """What, added to finite logits, gives `value` at `index` (every id where `index` is None)."""
+    added = np.zeros(CFG.vocab_size, np.float32)
+    added[slice(None) if index is None else index] = value
+    return added
 
 
 @pytest.mark.parametrize(
-    "logits, word",
+    "added, word",
     [
-        (lambda lg: lg.at[..., 3].set(np.nan), "NaN"),
-        (lambda lg: lg.at[..., 3].set(np.inf), "NaN or"),
-        (lambda lg: lg * 0 - np.inf, "all -inf"),
+        (_logits_plus(3, np.nan), "NaN"),
+        (_logits_plus(3, np.inf), "NaN or"),
+        (_logits_plus(None, -np.inf), "all -inf"),
     ],
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_logits_with_no_distribution_are_refused_not_sampled_as_token_0(logits, word, temperature):
-    model = _broken(lambda lg, cache: (logits(lg), cache))
+def test_logits_with_no_distribution_are_refused_not_sampled_as_token_0(added, word, temperature):
+    model = _broken(_unchanged, added=jnp.asarray(added))
     for n in (1, 20):  # the prefill's token, and the decode loop's
         with pytest.raises(ValueError, match=f"_Scaled's logits for new token 0 of row 0 .*{word}"):
             generate(model, [1, 2], n, key=jax.random.key(0), temperature=temperature, top_k=5)

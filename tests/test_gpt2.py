@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gen_models import GROUP, forward, gpt
 
 from eqx_gpt import GPT, GPTConfig, generate, load_model
 from eqx_gpt.generation.sampling import SamplingOptions
 from eqx_gpt.gpt2 import GPT2FormatError, load_gpt2, read_gpt2_config, save_gpt2
 from eqx_gpt.model.template import model_template
 from eqx_gpt.tokenizer import GPT2Tokenizer, TokenizerError
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 TINY = Path(__file__).parent / "fixtures" / "tiny-gpt2"
 EXPECTED = np.load(TINY / "expected.npz")
@@ -47,7 +50,7 @@ def test_the_tiny_gpt2_is_built_as_gpt2(tiny):
 
 
 def test_logits_are_transformers_logits(tiny):
-    logits = tiny(jnp.asarray(EXPECTED["prompt"]))
+    logits = forward(tiny, jnp.asarray(EXPECTED["prompt"]))
     assert logits.shape == EXPECTED["logits"].shape  # the padded rows are never returned
     np.testing.assert_allclose(logits, EXPECTED["logits"], atol=1e-4, rtol=0)
 
@@ -71,32 +74,29 @@ def test_export_writes_the_same_files_back(tiny, tmp_path):
 
 
 def test_an_untied_gpt2_exports_its_head(tmp_path):
-    config = GPTConfig(
-        vocab_size=300, context_length=8, d_model=16, n_heads=2, n_layers=1, positions="learned", bias=True,
+    config = GPTConfig(  # the blocks of the family's GPT (tests/gen_models.py): their weights' shapes
+        vocab_size=300, context_length=16, d_model=32, n_heads=4, n_layers=2, positions="learned", bias=True,
         norm="layer", activation="gelu",
     )  # fmt: skip
     model = GPT(config, key=jax.random.key(0))
     save_gpt2(model, tmp_path)
     again = load_gpt2(tmp_path)
     assert again.config == config
-    np.testing.assert_array_equal(again(jnp.arange(8)), model(jnp.arange(8)))
+    np.testing.assert_array_equal(forward(again, jnp.arange(8)), forward(model, jnp.arange(8)))
 
 
 def test_the_context_can_be_cropped(tiny):
     short = load_gpt2(TINY, context_length=16)
     assert short.pos_embed.shape == (16, 32)
     prompt = jnp.asarray(EXPECTED["prompt"])
-    np.testing.assert_allclose(short(prompt), tiny(prompt), atol=1e-6)
+    np.testing.assert_allclose(forward(short, prompt), forward(tiny, prompt), atol=1e-6)
     with pytest.raises(GPT2FormatError, match="at most 64"):
         read_gpt2_config(TINY, context_length=65)
 
 
 def test_a_model_of_another_shape_is_not_exported(tmp_path):
-    model = GPT(
-        GPTConfig(vocab_size=65, context_length=8, d_model=16, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
     with pytest.raises(GPT2FormatError, match="not GPT-2-shaped.*positions='sinusoidal'"):
-        save_gpt2(model, tmp_path)
+        save_gpt2(gpt(), tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
 
 
@@ -210,10 +210,10 @@ def test_the_causal_mask_buffers_older_transformers_saved_are_not_weights(tmp_pa
     np.testing.assert_array_equal(load_gpt2(folder).embed, load_gpt2(TINY).embed)
 
 
-def test_a_diverged_model_is_not_saved_and_nothing_is_written(tmp_path):
+def test_a_diverged_model_is_not_saved_and_nothing_is_written(tiny, tmp_path):
     import equinox as eqx
 
-    model = load_gpt2(TINY)
+    model = tiny
     save_gpt2(model, tmp_path / "out")
     before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     nan = eqx.tree_at(lambda m: m.final_norm.scale, model, model.final_norm.scale * np.nan)

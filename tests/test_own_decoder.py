@@ -7,19 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from doc_blocks import DOCS, block_under
+from gen_models import GROUP, TRANSFORMER_CONFIG, bind, gpt, transformer
 
-from eqx_gpt import (
-    GPT,
-    Decoder,
-    GPTConfig,
-    SamplingOptions,
-    Transformer,
-    TransformerConfig,
-    generate,
-    generate_batch,
-    sample_next_token,
-    translate,
-)
+from eqx_gpt import GPT, Decoder, SamplingOptions, generate, generate_batch, sample_next_token, translate
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 GUIDE = DOCS[1]
 
@@ -43,7 +35,14 @@ def decoder(guide):
 
 @eqx.filter_jit
 def _last_logits(model, window, length):
-    return model(window)[length - 1]  # causal: the padding after `length` changes nothing
+    # Causal: the padding after `length` changes nothing. `length` is traced, so one program
+    # serves every window length.
+    return model(window)[length - 1]
+
+
+@eqx.filter_jit
+def _sampled(logits, key, temperature):
+    return sample_next_token(logits, key, temperature=temperature)  # one program, not one per primitive
 
 
 def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) -> np.ndarray:
@@ -55,12 +54,12 @@ def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) 
     for i in range(n):
         padded = np.zeros(model.context_length, np.int32)
         padded[: len(window)] = window
-        logits = _last_logits(model, jnp.asarray(padded), len(window))
+        logits = _last_logits(model, jnp.asarray(padded), jnp.int32(len(window)))
         if key is None:
             token = int(jnp.argmax(logits))
         else:
             token_key = jax.random.fold_in(jax.random.fold_in(key, 0), i)
-            token = int(sample_next_token(logits, token_key, temperature=temperature))
+            token = int(_sampled(logits, token_key, jnp.float32(temperature)))
         out.append(token)
         window.append(token)
         if len(window) > model.context_length:
@@ -102,35 +101,28 @@ def test_a_batch_of_prompts_runs_every_row_through_the_cache(decoder):
 
 
 def test_gpt_follows_the_protocol_and_a_model_without_it_is_named():
-    gpt: Decoder = GPT(GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=1),
-                       key=jax.random.key(0))  # fmt: skip
-    assert (gpt.context_length, gpt.vocab_size) == (16, 65)
-    config = TransformerConfig(src_vocab_size=8, tgt_vocab_size=8, d_model=16, n_heads=2, d_hidden=32)
-    transformer = Transformer(config, key=jax.random.key(0))
+    model: Decoder = gpt()
+    assert (model.context_length, model.vocab_size) == (16, 65)
     with pytest.raises(TypeError, match="Transformer lacks context_length, vocab_size"):
-        generate(transformer, [1, 2], 3, key=jax.random.key(0))  # type: ignore[arg-type]
+        generate(transformer(), [1, 2], 3, key=jax.random.key(0))  # type: ignore[arg-type]
 
 
 def test_the_transformers_decoder_bound_to_sources_is_a_decoder_translate_samples_through():
-    config = TransformerConfig(
-        src_vocab_size=12, tgt_vocab_size=9, d_model=16, n_heads=2, d_hidden=32, max_len=10
-    )
-    transformer = Transformer(config, key=jax.random.key(4))
-    src = np.asarray([[5, 6, 7, 0], [4, 9, 11, 3]], np.int32)
-    bound: Decoder = transformer.bind(jnp.asarray(src))  # pyright checks the protocol
-    assert (bound.context_length, bound.vocab_size) == (10, 9)
+    # The family's encoder-decoder and source shape: test_toolkit.py translates the same shapes.
+    config, model = TRANSFORMER_CONFIG, transformer(4)
+    src = np.asarray([[5, 6, 7, 0, 0, 0], [4, 9, 11, 3, 0, 0], [12, 1, 2, 3, 4, 5]], np.int32)
+    bound: Decoder = bind(model, jnp.asarray(src))  # pyright checks the protocol
+    assert (bound.context_length, bound.vocab_size) == (config.max_len, config.tgt_vocab_size)
     key, options = jax.random.key(2), SamplingOptions(temperature=1.5, top_k=6)
-    drawn = generate_batch(bound, np.ones((2, 1), np.int32), 9, key=key, options=options)
-    translated = translate(transformer, src, 9, bos_id=1, eos_id=2, key=key, options=options)
+    drawn = generate_batch(bound, np.ones((3, 1), np.int32), 9, key=key, options=options)
+    translated = translate(model, src, 9, bos_id=1, eos_id=2, key=key, options=options)
     for row, out in zip(drawn, translated, strict=True):  # the same tokens, padded after eos
         end = list(row).index(2) + 1 if 2 in row else len(row)
         np.testing.assert_array_equal(out[:end], row[:end])
         assert np.all(out[end:] == config.pad_id)
-    one = generate(
-        transformer.bind(jnp.asarray(src[1:])), [1], 9, key=jax.random.fold_in(key, 0), temperature=0
-    )
-    alone = translate(transformer, src[1:], 9, bos_id=1, eos_id=2, temperature=0)[0]
+    one = generate(bind(model, jnp.asarray(src[1:2])), [1], 9, key=jax.random.fold_in(key, 0), temperature=0)
+    alone = translate(model, src[1:2], 9, bos_id=1, eos_id=2, temperature=0)[0]
     end = list(one).index(2) + 1 if 2 in one else len(one)
     np.testing.assert_array_equal(alone[:end], one[:end])
-    with pytest.raises(ValueError, match="bound to 2 source"):
-        generate_batch(bound, np.ones((3, 1), np.int32), 2, key=key)
+    with pytest.raises(ValueError, match="bound to 3 source"):
+        generate_batch(bound, np.ones((4, 1), np.int32), 2, key=key)

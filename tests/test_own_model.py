@@ -15,14 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from doc_blocks import DOCS, python_blocks
+from gen_models import GROUP, forward, gpt
 
 import eqx_gpt
 from eqx_gpt import (
-    GPT,
     Callback,
     ConfigError,
     Decoder,
-    GPTConfig,
     LanguageModel,
     Linear,
     LoRALinear,
@@ -33,6 +32,8 @@ from eqx_gpt import (
     train,
 )
 from eqx_gpt.training.step import decay_mask, matrix_axes, muon_labels
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = DOCS[1]
@@ -80,12 +81,10 @@ def test_the_decoder_follows_both_protocols(mydec):
     language_model: LanguageModel = model  # what pyright checks statically
     decoder: Decoder = model
     tokens = jnp.arange(12).reshape(2, 6) % 65
-    assert language_model(tokens).shape == (2, 6, 65)
+    assert forward(language_model, tokens).shape == (2, 6, 65)
     assert decoder.context_length == 64
-    gpt: LanguageModel = GPT(
-        GPTConfig(vocab_size=65, n_layers=1, d_model=32, n_heads=2), key=jax.random.key(0)
-    )
-    assert gpt.vocab_size == 65
+    gpt_model: LanguageModel = gpt()
+    assert gpt_model.vocab_size == 65
 
 
 class StopAt(Callback):
@@ -291,4 +290,4 @@ def test_adapters_of_ones_own_model_save_and_load_in_eqx_gpts_format(mydec, tmp_
     for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(eqx_gpt.CheckpointError, match="adapters of a MyDecoder, not of a GPT"):
-        load_adapters(GPT(GPTConfig(vocab_size=65, n_layers=1), key=jax.random.key(0)), tmp_path / "adapters")
+        load_adapters(gpt(), tmp_path / "adapters")

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 from eqx_gpt import (
     GPT,
@@ -34,9 +35,12 @@ from eqx_gpt.training.options import ConfigError, resolve_options
 from eqx_gpt.training.run import train
 from eqx_gpt.training.run_dir import TrainingError, check_run_dir, kept_records
 
+pytestmark = GROUP
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
-TINY = dict(d_model=32, n_heads=2, n_layers=1, context_length=16, batch_size=4, eval_batches=1)
+TINY = dict(**MODEL, batch_size=BATCH_SIZE, eval_batches=1)
 TINY_RUN = dict(**TINY, max_minutes=0.0, warmup_steps=2, log_interval=1)
 
 
@@ -62,20 +66,11 @@ def _one_line(capsys, *words):
         assert word in err, (word, err)
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "small.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 120, encoding="utf-8")
-    return path
-
-
 def _char_checkpoint(folder: Path, *, gpt2_shape: bool, n_chars: int = 40) -> Path:
     """A checkpoint of a character model (written directly: no training needed to test refusals)."""
     tokenizer = CharTokenizer.from_text("".join(chr(0x100 + i) for i in range(n_chars)))
     shape = dict(positions="learned", bias=True, norm="layer", tie_embeddings=True) if gpt2_shape else {}
-    config = GPTConfig(
-        vocab_size=tokenizer.vocab_size, context_length=16, d_model=32, n_heads=2, n_layers=1, **shape
-    )
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, **MODEL, **shape)  # the family's block shapes
     folder.mkdir(parents=True, exist_ok=True)
     save_checkpoint(folder, LATEST, GPT(config, key=jax.random.key(0)), None, step=1, tokenizer=tokenizer,
                     train_config={})  # fmt: skip
@@ -218,9 +213,7 @@ def test_sample_py_range_checks_its_integers(argv, words, capsys):
 
 
 def test_integers_past_what_jax_holds_are_refused_by_the_library_and_train_py(tmp_path, capsys):
-    model = GPT(
-        GPTConfig(vocab_size=5, context_length=8, d_model=8, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
+    model = GPT(GPTConfig(vocab_size=5, **MODEL), key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 2147483647\]"):
         generate(model, [1], 2, key=jax.random.key(0), top_k=2**40)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer in"):

@@ -11,29 +11,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from runs_family import API_RECIPE, BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 import eqx_gpt.training.run
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.data import load_text
 from eqx_gpt.training.run import train
 
+pytestmark = GROUP
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 evaluate_module = importlib.import_module("eqx_gpt.evaluation")
-MODEL = dict(d_model=32, n_layers=2, n_heads=2, context_length=16)
 
 
 def _config(corpus, **changes) -> TrainConfig:
     values = dict(
-        data=str(corpus), batch_size=4, eval_batches=2, warmup_steps=5, log_interval=1, max_steps=100_000,
-        eval_interval=50, optimizer="muon", lr=0.02, min_lr=0.002, adam_lr=4e-3,
+        data=str(corpus), batch_size=BATCH_SIZE, eval_batches=2, warmup_steps=5, log_interval=1,
+        max_steps=100_000, eval_interval=50, **API_RECIPE,
     )  # fmt: skip
     return TrainConfig(**{**values, **changes})
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
-    path.write_text(load_text()[:30_000], encoding="utf-8")
-    return path
 
 
 class SimulatedClock:
@@ -211,28 +205,28 @@ def _without_timing(records: list[dict]) -> list[dict]:
 def test_sigterm_during_an_evaluation_stops_after_the_call_in_flight_and_resume_redoes_it(
     tmp_path, corpus, monkeypatch
 ):
-    changes = dict(max_steps=100, eval_interval=50)
+    changes = dict(max_steps=40, eval_interval=20)
     never, out = tmp_path / "never", tmp_path / "stopped"
     clock = SimulatedClock(monkeypatch)
     calls = _signal_at_eval_call(monkeypatch, clock, None)
     _run(corpus, never, clock, **changes)
-    per_evaluation = len(calls) // 4  # steps 0, 50, 100 and the final validation (twice the windows)
+    per_evaluation = len(calls) // 4  # steps 0, 20, 40 and the final validation (twice the windows)
     assert per_evaluation >= 4
     monkeypatch.undo()
 
     clock = SimulatedClock(monkeypatch)
-    calls = _signal_at_eval_call(monkeypatch, clock, per_evaluation + 2)  # mid-way through step 50's
+    calls = _signal_at_eval_call(monkeypatch, clock, per_evaluation + 2)  # mid-way through step 20's
     result, lines = _run(corpus, out, clock, **changes)
-    assert result.interrupted and result.step == 50, lines
+    assert result.interrupted and result.step == 20, lines
     assert calls.count(True) == 1  # the call the signal came in, and no other
     meta = json.loads((out / "latest.json").read_text())
-    assert meta["step"] == 50 and meta["val_loss_step"] == 0  # the evaluation at 50 is not recorded
-    assert not any(r["step"] == 50 and "val_loss" in r for r in _records(out))
+    assert meta["step"] == 20 and meta["val_loss_step"] == 0  # the evaluation at 20 is not recorded
+    assert not any(r["step"] == 20 and "val_loss" in r for r in _records(out))
 
-    monkeypatch.undo()  # resume redoes the evaluation at 50: the metrics are those of a run never stopped
+    monkeypatch.undo()  # resume redoes the evaluation at 20: the metrics are those of a run never stopped
     monkeypatch.setattr(evaluate_module, "TOKENS_PER_CALL", 256)  # the same calls sum the same floats
     resumed = train(out_dir=out, resume=True, log=lambda _: None, progress=False, sample_tokens=0)
-    assert not resumed.interrupted and resumed.step == 100
+    assert not resumed.interrupted and resumed.step == 40
     assert _without_timing(_records(out)) == _without_timing(_records(never))
 
 

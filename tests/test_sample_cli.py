@@ -9,8 +9,12 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from runs_family import CORPUS_CHARACTERS, GROUP, MODEL
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, save_checkpoint
+from eqx_gpt.training.data import load_text
+
+pytestmark = GROUP
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = (ROOT / "eqx_gpt" / "data" / "tinyshakespeare.txt").read_text(encoding="utf-8")
@@ -30,10 +34,11 @@ def cli():
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run directory holding a random-weight character model's `best` checkpoint."""
+    """A run directory holding a random-weight character model's `best` checkpoint: the shape and
+    characters of the family's runs (tests/runs_family.py), whose sampler it shares."""
     out = tmp_path_factory.mktemp("run")
-    tokenizer = CharTokenizer.from_text(SHAKESPEARE)
-    config = GPTConfig(vocab_size=tokenizer.vocab_size, context_length=32, d_model=32, n_heads=4, n_layers=2)
+    tokenizer = CharTokenizer.from_text(load_text()[:CORPUS_CHARACTERS])
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, **MODEL)
     model = GPT(config, key=jax.random.key(0))
     save_checkpoint(out, "best", model, None, step=0, tokenizer=tokenizer, train_config={})
     return out
@@ -60,7 +65,7 @@ def test_streams_the_prompt_then_the_continuation(cli, capsys, run_dir):
 
 
 def test_same_seed_same_text_other_seed_other_text(cli, capsys, run_dir):
-    args = ("--checkpoint", str(run_dir), "--prompt", "KING:", "--max-new-tokens", "40", "--top-k", "20")
+    args = ("--checkpoint", str(run_dir), "--prompt", "MENENIUS:", "--max-new-tokens", "40", "--top-k", "20")
     first = sample(cli, capsys, *args, "--seed", "5")[1]
     assert first == sample(cli, capsys, *args, "--seed", "5")[1]
     assert first != sample(cli, capsys, *args, "--seed", "6")[1]
@@ -165,7 +170,7 @@ def test_no_checkpoint_says_to_train_first_from_a_real_process(tmp_path):
 def test_checkpoint_metadata_is_what_the_trainer_writes(run_dir):
     # Guard against the fixture drifting from the checkpoint format sample.py reads.
     meta = json.loads((run_dir / "best.json").read_text())
-    assert meta["tokenizer"]["kind"] == "char" and meta["model_config"]["context_length"] == 32
+    assert meta["tokenizer"]["kind"] == "char" and meta["model_config"]["context_length"] == 16
 
 
 def test_samples_a_hugging_face_gpt2_directory(cli, capsys):

@@ -1,13 +1,18 @@
 """Next-token choice: greedy, temperature, top-k and nucleus (top-p) semantics."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gen_models import GROUP
 
 from eqx_gpt.generation.sampling import check_sampling_args, sample_next_token, top_k_filter, top_p_filter
 
+pytestmark = pytest.mark.xdist_group(GROUP)
+
 VOCAB = 12
+DRAWN = 20_000  # keys per call of `_draws` at least, whatever the draws kept: one program per vocabulary
 
 
 @jax.jit
@@ -17,11 +22,13 @@ def _draws(logits, keys, temperature, top_k, top_p):
 
 
 def draws(logits, n, temperature=1.0, top_k=None, top_p=None):
-    """`n` independent samples from one row of logits (one compiled program for all settings)."""
-    keys = jax.random.split(jax.random.key(0), n)
+    """`n` independent samples from one row of logits (one compiled program for all settings and,
+    up to `DRAWN`, every `n`: the first `n` of `DRAWN` draws)."""
+    keys = jax.random.split(jax.random.key(0), max(n, DRAWN))
     top_k = logits.shape[0] if top_k is None else top_k  # keeping every id = no filter
     top_p = 1.0 if top_p is None else top_p
-    return np.asarray(_draws(logits, keys, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p)))
+    drawn = _draws(logits, keys, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+    return np.asarray(drawn)[:n]
 
 
 def random_logits(seed, scale=2.0):
@@ -223,6 +230,11 @@ def test_a_large_vocabulary_draws_from_the_softmax_in_two_stages():
         assert abs(observed - expected) < 5 * sigma + 1e-9, (ids[:3], observed, expected)
 
 
+@jax.jit
+def _draw_of_top_2(logits, key, temperature):
+    return sample_next_token(logits, key, temperature=temperature, top_k=2)
+
+
 @pytest.mark.parametrize(
     "logits, kind",
     [
@@ -238,7 +250,7 @@ def test_logits_with_no_distribution_are_refused_where_concrete_and_unusable_und
     for temperature in (0.0, 1.0):
         with pytest.raises(ValueError, match=f"sample_next_token got logits holding {kind}"):
             sample_next_token(logits, key, temperature=temperature)
-        drawn = jax.jit(lambda lg, t: sample_next_token(lg, key, temperature=t, top_k=2))(logits, temperature)
+        drawn = _draw_of_top_2(logits, key, jnp.float32(temperature))  # one program for every case
         assert int(drawn) == UNUSABLE  # never id 0 or any real id
 
 
@@ -279,13 +291,18 @@ def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
 def test_the_page_shows_the_distribution_tokens_are_drawn_from():
     from eqx_gpt.generation.sampling import filtered_logits, next_token_distribution
 
-    logits = jax.random.normal(jax.random.key(1), (50,)) * 2
-    shown = next_token_distribution(logits, 0.7, 5, 0.8)
-    assert int(jnp.sum(shown > 0)) <= 5
-    np.testing.assert_allclose(shown, jax.nn.softmax(filtered_logits(logits, 0.7, 5, 0.8)), rtol=1e-6)
-    draw = jax.vmap(lambda k: sample_next_token(logits, k, temperature=0.7, top_k=5, top_p=0.8))
-    counts = np.bincount(np.asarray(draw(jax.random.split(jax.random.key(0), 400))), minlength=50)
+    # Jitted, as the server computes what its page shows (eqx_gpt/serve/inspect.py): one program
+    # each, where the eager calls compiled every primitive.
+    distribution = eqx.filter_jit(next_token_distribution)
+    softmax_of_filtered = eqx.filter_jit(lambda *settings: jax.nn.softmax(filtered_logits(*settings)))
+    logits = random_logits(4, scale=1.0)
+    settings = jnp.float32(0.7), jnp.int32(5), jnp.float32(0.8)
+    shown = distribution(logits, *settings)
+    assert 1 < int(jnp.sum(shown > 0)) <= 5
+    assert len(nucleus_reference(np.asarray(logits, np.float64) / 0.7, 0.8)) > 5  # top_k does cut here
+    np.testing.assert_allclose(shown, softmax_of_filtered(logits, *settings), rtol=1e-6)
+    counts = np.bincount(draws(logits, 400, temperature=0.7, top_k=5, top_p=0.8), minlength=VOCAB)
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(np.asarray(shown)))
     np.testing.assert_allclose(counts / 400, shown, atol=0.08)
-    greedy = next_token_distribution(logits, 0.0)
+    greedy = distribution(logits, jnp.float32(0.0))
     assert float(greedy[int(jnp.argmax(logits))]) == 1.0 and float(greedy.sum()) == 1.0

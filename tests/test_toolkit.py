@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gen_models import GROUP, TRANSFORMER_CONFIG, forward, transformer
 
 from eqx_gpt import (
     GPT,
@@ -26,6 +27,8 @@ from eqx_gpt import (
 )
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import init_optimizer_state, loss_fn, make_optimizer, make_train_step
+
+pytestmark = pytest.mark.xdist_group(GROUP)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,24 +58,27 @@ def test_cross_attention_matches_numpy_with_other_lengths_and_padding():
     x = np.random.default_rng(0).normal(size=(7, 32)).astype(np.float32)
     context = np.random.default_rng(1).normal(size=(11, 32)).astype(np.float32)
     w_qkv, w_out = np.asarray(attn.qkv.weight), np.asarray(attn.out.weight)
-    out = attn(jnp.asarray(x), jnp.asarray(context))
+    out = forward(attn, jnp.asarray(x), jnp.asarray(context))
     assert out.shape == (7, 32)
     np.testing.assert_allclose(out, np_cross_attention(x, context, w_qkv, w_out, 4), atol=2e-5)
     mask = np.asarray(padding_mask(lengths=jnp.asarray(8), kv_seq=11))[None, :].repeat(7, 0)  # (7, 11)
-    out = attn(jnp.asarray(x), jnp.asarray(context), mask=jnp.asarray(mask))
+    out = forward(attn, jnp.asarray(x), jnp.asarray(context), mask=jnp.asarray(mask))
     np.testing.assert_allclose(out, np_cross_attention(x, context, w_qkv, w_out, 4, mask), atol=2e-5)
 
 
 def test_padding_changes_no_output_and_a_per_sequence_mask_on_a_batch_is_vmap():
-    attn = MultiHeadAttention(16, 2, key=jax.random.key(0), init_std=0.3)
-    x = jax.random.normal(jax.random.key(1), (3, 5, 16))
-    context = jax.random.normal(jax.random.key(2), (3, 9, 16))
+    attn = MultiHeadAttention(32, 4, key=jax.random.key(0), init_std=0.3)  # the family's width (d_model 32)
+    x = jax.random.normal(jax.random.key(1), (3, 5, 32))
+    context = jax.random.normal(jax.random.key(2), (3, 9, 32))
     lengths = jnp.asarray([9, 4, 6])
     mask = padding_mask(lengths=lengths, kv_seq=9)[:, None, :]  # (3, 1, 9): broadcast over queries
-    out = attn(x, context, mask=mask)
+    out = forward(attn, x, context, mask=mask)
     junk = jnp.where(padding_mask(lengths=lengths, kv_seq=9)[..., None], context, 1e3)
-    np.testing.assert_allclose(attn(x, junk, mask=mask), out, atol=1e-5)  # padding content is invisible
-    per_row = jax.vmap(lambda x, c, m: attn(x, c, mask=jnp.broadcast_to(m, (5, 9))))(x, context, mask)
+    # The padding's content is invisible.
+    np.testing.assert_allclose(forward(attn, x, junk, mask=mask), out, atol=1e-5)
+    per_row = forward(
+        jax.vmap(lambda x, c, m: attn(x, c, mask=jnp.broadcast_to(m, (5, 9)))), x, context, mask
+    )
     np.testing.assert_allclose(out, per_row, atol=1e-6)
     # The token-id form of the mask is the same mask.
     tokens = jnp.where(padding_mask(lengths=lengths, kv_seq=9), 7, 0)
@@ -82,8 +88,8 @@ def test_padding_changes_no_output_and_a_per_sequence_mask_on_a_batch_is_vmap():
 
 
 def test_a_fully_masked_row_stays_finite():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0))
-    out = attn(jnp.ones((3, 8)), jnp.ones((4, 8)), mask=jnp.zeros((3, 4), bool))
+    attn = MultiHeadAttention(32, 4, key=jax.random.key(0))
+    out = forward(attn, jnp.ones((3, 32)), jnp.ones((4, 32)), mask=jnp.zeros((3, 4), bool))
     assert bool(jnp.all(jnp.isfinite(out)))
 
 
@@ -93,18 +99,23 @@ def test_layer_norm_matches_numpy():
     scale, bias = np.linspace(0.5, 2, 12, dtype=np.float32), np.linspace(-1, 1, 12, dtype=np.float32)
     norm = eqx.tree_at(lambda n: (n.scale, n.bias), norm, (jnp.asarray(scale), jnp.asarray(bias)))
     ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * scale + bias
-    np.testing.assert_allclose(norm(jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(forward(norm, jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_post_norm_block_is_its_sub_modules_composed_by_hand():
-    block = Block(16, 2, 32, key=jax.random.key(0), norm="layer", norm_position="post", cross_attention=True)
-    x = jax.random.normal(jax.random.key(1), (5, 16))
-    context = jax.random.normal(jax.random.key(2), (7, 16))
+    block = Block(32, 4, 128, key=jax.random.key(0), norm="layer", norm_position="post", cross_attention=True)
+    x = jax.random.normal(jax.random.key(1), (5, 32))
+    context = jax.random.normal(jax.random.key(2), (7, 32))
     mask, context_mask = causal_mask(5), jnp.ones((5, 7), bool).at[:, 6].set(False)
-    h = block.attn_norm(x + block.attn(x, mask=mask))
-    h = block.cross_norm(h + block.cross_attn(h, context, mask=context_mask))
-    h = block.mlp_norm(h + block.mlp(h))
-    np.testing.assert_allclose(block(x, context, mask=mask, context_mask=context_mask), h, atol=1e-6)
+
+    @eqx.filter_jit  # as the block's own call below: one program each, not one per primitive
+    def by_hand(block, x, context):
+        h = block.attn_norm(x + block.attn(x, mask=mask))
+        h = block.cross_norm(h + block.cross_attn(h, context, mask=context_mask))
+        return block.mlp_norm(h + block.mlp(h))
+
+    h = by_hand(block, x, context)
+    np.testing.assert_allclose(forward(block, x, context, mask=mask, context_mask=context_mask), h, atol=1e-6)
     assert isinstance(block.attn_norm, LayerNorm)
 
 
@@ -132,17 +143,18 @@ def test_a_post_norm_layer_norm_gpt_is_causal_and_trains():
     model = GPT(config, key=jax.random.key(0))
     assert model.final_norm is None and isinstance(model.blocks.layers.attn_norm, LayerNorm)
     tokens = jnp.arange(10) % 11
-    changed = model(tokens.at[6].set(3))
-    np.testing.assert_allclose(model(tokens)[:6], changed[:6], atol=1e-6)
+    changed = forward(model, tokens.at[6].set(3))
+    np.testing.assert_allclose(forward(model, tokens)[:6], changed[:6], atol=1e-6)
     train_config = TrainConfig(batch_size=4, lr=3e-3, weight_decay=0.0)
     optimizer = make_optimizer(train_config)
     step = make_train_step(optimizer, train_config, dropout=False)
     batch = jax.random.randint(jax.random.key(1), (4, 17), 0, 11)
-    first = float(loss_fn(model, batch))
+    loss = eqx.filter_jit(loss_fn)  # one program for both calls
+    first = float(loss(model, batch))
     opt_state = init_optimizer_state(optimizer, model)
     for i in range(40):
         model, opt_state, _ = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
-    assert float(loss_fn(model, batch)) < 0.5 * first
+    assert float(loss(model, batch)) < 0.5 * first
 
 
 def test_an_old_config_without_the_norm_fields_loads_as_before():
@@ -153,41 +165,38 @@ def test_an_old_config_without_the_norm_fields_loads_as_before():
 
 # -- the encoder-decoder ----------------------------------------------------------------------
 
-CONFIG = TransformerConfig(src_vocab_size=13, tgt_vocab_size=9, max_len=12, d_model=32, n_heads=4)
+CONFIG = TRANSFORMER_CONFIG  # src vocabulary 13, target 9, max_len 12, d_model 32, 4 heads
 
 
 @pytest.fixture(scope="module")
 def model():
-    return Transformer(CONFIG, key=jax.random.key(0))
+    return transformer(0)
 
 
 def test_the_decoder_is_causal_on_the_target_and_ignores_source_padding(model):
-    src = jnp.asarray([[5, 6, 7, 0, 0], [4, 4, 0, 0, 0]])
-    tgt = jnp.asarray([[1, 3, 4, 5], [1, 2, 2, 2]])
-    logits = model(src, tgt)
-    assert logits.shape == (2, 4, 9)
-    np.testing.assert_allclose(model(src, tgt.at[:, 2].set(7))[:, :2], logits[:, :2], atol=1e-6)
+    src = jnp.asarray([[5, 6, 7, 0], [4, 4, 0, 0]], jnp.int32)  # the shapes of the test below
+    tgt = jnp.asarray([[1, 3, 4, 5, 6], [1, 2, 2, 2, 2]], jnp.int32)
+    logits = forward(model, src, tgt)
+    assert logits.shape == (2, 5, 9)
+    np.testing.assert_allclose(forward(model, src, tgt.at[:, 2].set(7))[:, :2], logits[:, :2], atol=1e-6)
     more_padding = jnp.concatenate([src, jnp.zeros((2, 3), jnp.int32)], axis=1)
-    np.testing.assert_allclose(model(more_padding, tgt), logits, atol=1e-5)
-    one = model(src[1], tgt[1])  # one pair without a batch axis gives the batch's row
+    np.testing.assert_allclose(forward(model, more_padding, tgt), logits, atol=1e-5)
+    one = forward(model, src[1], tgt[1])  # one pair without a batch axis gives the batch's row
     np.testing.assert_allclose(one, logits[1], atol=1e-6)
 
 
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
 def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_position):
-    import dataclasses
-
-    model = Transformer(dataclasses.replace(CONFIG, norm_position=norm_position), key=jax.random.key(1))
+    model = transformer(1, norm_position)
     src = np.asarray([[5, 6, 7, 8, 0, 0], [4, 9, 12, 0, 0, 0], [3, 3, 3, 3, 3, 3]], np.int32)
     cached = translate(model, src, 8, bos_id=1, eos_id=2, options=SamplingOptions(temperature=0))
     # The whole model on the target so far, padded to one length so that it compiles once: the
     # decoder is causal (tested above), so the padding after position i cannot change its logits.
-    rerun = jax.jit(lambda src_row, target: model(src_row, target))
     for row in range(3):
         target = [1]
         for i in range(8):
             padded = np.pad(np.asarray(target, np.int32), (0, 9 - len(target)))
-            token = int(jnp.argmax(rerun(src[row], padded)[len(target) - 1]))
+            token = int(jnp.argmax(forward(model, src[row], padded)[len(target) - 1]))
             assert cached[row, i] == token, (row, i)
             if token == 2:
                 assert np.all(cached[row, i + 1 :] == 0)  # padding after the end
@@ -200,11 +209,12 @@ def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_
 
 
 def test_the_encoder_decoders_cached_decode_is_its_whole_pass_one_position_at_a_time():
-    model = Transformer(CONFIG, key=jax.random.key(2))
-    src = jnp.asarray([[5, 6, 7, 0], [4, 9, 12, 3]], jnp.int32)
+    model = transformer(2)
+    src = jnp.asarray([[5, 6, 7, 0], [4, 9, 12, 3]], jnp.int32)  # the shapes of the test above
     tgt = jnp.asarray([[1, 7, 8, 2, 5], [1, 3, 4, 5, 6]], jnp.int32)  # ids < tgt_vocab_size=9
-    whole = model(src, tgt)
-    memory_kv, cache = model.memory_kv(model.encode(src)), model.init_cache(2, 5)
+    whole = forward(model, src, tgt)
+    memory = eqx.filter_jit(lambda model, src: model.memory_kv(model.encode(src)))
+    memory_kv, cache = memory(model, src), model.init_cache(2, 5)
     step = eqx.filter_jit(Transformer.decode)
     for i in range(5):
         logits, cache = step(model, tgt[:, i : i + 1], cache, jnp.int32(i), memory_kv, src)

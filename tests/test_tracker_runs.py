@@ -10,6 +10,7 @@ import sys
 
 import jax
 import pytest
+from runs_family import GROUP, corpus, loss_plot_drawn, quick_runs
 from test_trackers import (
     expected,
     offline_wandb,
@@ -20,14 +21,15 @@ from test_trackers import (
     wandb_records,
     wandb_written,
 )
-from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _start_and_stop, corpus, train_cli
+from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _start_and_stop, train_cli
 
 import eqx_gpt.visualize as visualize
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.trackers import TAGS
 
-__all__ = ["corpus", "offline_wandb"]  # fixtures, used by name
+pytestmark = GROUP
+__all__ = ["corpus", "loss_plot_drawn", "quick_runs", "offline_wandb"]  # fixtures, used by name
 
 SHORT = ["--max-steps", "12", "--eval-interval", "6"]
 
@@ -44,7 +46,9 @@ def wandb_rows(records: list[dict]) -> list[dict]:
 
 @pytest.mark.slow  # a whole train.py run with both trackers, then refused resumes; test_trackers.py checks
 # each tracker's records against metrics.jsonl quickly
-def test_both_trackers_hold_the_records_of_metrics_jsonl(offline_wandb, corpus, monkeypatch, capsys):
+def test_both_trackers_hold_the_records_of_metrics_jsonl(
+    offline_wandb, corpus, monkeypatch, capsys, loss_plot_drawn
+):
     out = offline_wandb
     drawn = []
     save = visualize.save_figure

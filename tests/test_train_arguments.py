@@ -9,10 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
 
 import eqx_gpt.training.run as run_module
 from eqx_gpt import EqxGptError, TrainConfig, train
 from eqx_gpt.training import run_dir
+
+pytestmark = GROUP
+__all__ = ["corpus", "quick_runs"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli_arguments", ROOT / "train.py")
@@ -20,17 +24,10 @@ train_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_cli)
 
 TINY = dict(
-    d_model=16, n_heads=2, n_layers=1, context_length=8, batch_size=2, eval_batches=1, max_minutes=0.0,
-    warmup_steps=1, log_interval=1, eval_interval=2, max_steps=4,
+    **MODEL, batch_size=BATCH_SIZE, eval_batches=1, max_minutes=0.0, warmup_steps=1, log_interval=1,
+    eval_interval=2, max_steps=4,
 )  # fmt: skip
 QUIET = dict(log=lambda _: None, progress=False, sample_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "small.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 60, encoding="utf-8")
-    return path
 
 
 def _one_line(error: BaseException, *words: str) -> None:

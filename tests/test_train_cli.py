@@ -14,32 +14,28 @@ from pathlib import Path
 import equinox as eqx
 import jax
 import pytest
+from runs_family import GROUP, MODEL, corpus, loss_plot_drawn, quick_runs
 
 import eqx_gpt.training.run as run_module
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, TrainResult, load_model, save_checkpoint, train
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.data import load_text
 from eqx_gpt.training.options import resolve_options
 from eqx_gpt.training.presets import DEFAULT_PRESET, FINETUNE_PRESET, PRESETS
+
+pytestmark = GROUP
+__all__ = ["corpus", "loss_plot_drawn", "quick_runs"]  # fixtures, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
 train_cli = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(train_cli)
 
-TINY = [
+TINY = [  # runs_family's model and batch: the family's runs share their compiled programs
     "--d-model", "32", "--n-layers", "2", "--n-heads", "2", "--context-length", "16",
     "--batch-size", "4", "--eval-batches", "2", "--warmup-steps", "5", "--max-minutes", "0",
     "--sample-tokens", "0", "--log-interval", "1",
 ]  # fmt: skip
 RESUME_STEPS = ["--max-steps", "300", "--eval-interval", "10"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("data") / "shakespeare-slice.txt"
-    path.write_text(load_text()[:30_000], encoding="utf-8")
-    return path
 
 
 def _records(out):
@@ -54,7 +50,7 @@ def _losses(out):
     return train, evals
 
 
-def test_a_tiny_run_writes_metrics_plot_checkpoints_and_a_sample(tmp_path, corpus, capsys):
+def test_a_tiny_run_writes_metrics_plot_checkpoints_and_a_sample(tmp_path, corpus, capsys, loss_plot_drawn):
     out = tmp_path / "run"
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--max-steps", "12", "--eval-interval", "6"]
     assert train_cli.main([*argv, "--sample-tokens", "40"]) == 0
@@ -112,7 +108,6 @@ def _start_and_stop(out, corpus, sig, while_running=None, extra=()):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
 def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, uninterrupted, capsys):
     out = tmp_path / "killed"
     argv = [*TINY, *RESUME_STEPS, "--data", str(corpus), "--out-dir", str(out)]
@@ -140,7 +135,6 @@ def test_a_run_killed_and_resumed_matches_one_never_stopped(tmp_path, corpus, un
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("uninterrupted")  # one worker runs the fixture
 def test_ctrl_c_saves_and_says_how_to_resume(tmp_path, corpus, uninterrupted):
     out = tmp_path / "interrupted"
     # Steps logged every 7 (a flag a resume may change): the interrupted step is logged anyway.
@@ -221,7 +215,6 @@ def test_bad_flags_and_output_folders(tmp_path, corpus, capsys):
     assert not (tmp_path / "never").exists()
 
 
-@pytest.mark.xdist_group("finished")  # one worker runs the fixture
 def test_resume_rejects_flags_that_contradict_the_checkpoint(finished, corpus, capsys):
     argv = [*TINY, "--data", str(corpus), "--out-dir", str(finished), "--resume"]
     _fails([*argv, "--d-model", "64"], capsys, "--d-model 64 contradicts the checkpoint")
@@ -229,7 +222,6 @@ def test_resume_rejects_flags_that_contradict_the_checkpoint(finished, corpus, c
     _fails(argv, capsys, "already finished at step 12")
 
 
-@pytest.mark.xdist_group("finished")
 def test_resume_refuses_what_it_cannot_honour_and_touches_nothing(finished, tmp_path, capsys):
     out = tmp_path / "run"
     shutil.copytree(finished, out)
@@ -260,7 +252,7 @@ def test_resuming_a_checkpoint_on_a_text_of_other_characters_says_which_text_to_
     out = tmp_path / "run"
     out.mkdir()
     tokenizer = CharTokenizer.from_text("abcdefgh")  # a run on a text of 8 characters, no corpus recorded
-    config = GPTConfig(vocab_size=8, context_length=16, d_model=16, n_heads=2, n_layers=1)
+    config = GPTConfig(vocab_size=8, **MODEL)
     model = GPT(config, key=jax.random.key(0))
     save_checkpoint(out, "latest", model, None, step=1, tokenizer=tokenizer, train_config={"max_steps": 5})
     _fails(["--out-dir", str(out), "--resume"], capsys, "not the text the run trained on; pass that with")
