@@ -38,7 +38,8 @@ def token_ids(seed: int, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
 
 @functools.cache
 def gpt(config: GPTConfig, seed: int = 0) -> GPT:
-    """`GPT(config, key=jax.random.key(seed))`, built once per process (models are immutable)."""
+    """`GPT(config, key=jax.random.key(seed))`, built once per process (models are immutable). A test
+    that trains builds its own: a training step donates the model's arrays."""
     return GPT(config, key=jax.random.key(seed))
 
 
