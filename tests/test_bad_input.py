@@ -12,12 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import SMALL_GPT, TINY_GPT, decode, gpt, in_family
 from oracles import naive_generate
 from test_sample_cli import load_cli, sample
 from test_train_cli import TINY, _fails, _records, train_cli
 
 from eqx_gpt import GPT, Block, GPTConfig, MultiHeadAttention, dropout, generate
 from eqx_gpt.training.config import TrainConfig
+
+pytestmark = in_family
 
 
 def _float_fields(cls):
@@ -81,13 +84,21 @@ def test_every_picture_path_of_sample_py_is_checked_before_any_work(capsys, tmp_
 # -- keys: classic PRNGKey and typed keys ------------------------------------------------------
 
 
-def _outputs_with_keys(make):
-    """What every key-taking module gives with keys made by `make(seed)`."""
-    x = jnp.ones((2, 5, 8))
-    attention = MultiHeadAttention(8, 2, key=make(0), dropout=0.5)
-    block = Block(8, 2, 16, key=make(1), dropout=0.5)
-    config = GPTConfig(vocab_size=7, context_length=8, d_model=8, n_heads=2, n_layers=2, dropout=0.5)
-    model = GPT(config, key=make(2))
+def _modules(make):
+    """Every key-taking module, built with keys made by `make(seed)` (the family's sizes: their
+    weights are drawn by the programs other tests compiled)."""
+    attention = MultiHeadAttention(16, 2, key=make(0), dropout=0.5)
+    block = Block(16, 2, 32, key=make(1), dropout=0.5)
+    model = GPT(dataclasses.replace(TINY_GPT, dropout=0.5), key=make(2))
+    return attention, block, model
+
+
+@eqx.filter_jit
+def _outputs_with_keys(modules, make):
+    """What every key-taking module gives with keys made by `make(seed)`, in one compiled program
+    per kind of key (eagerly, every operation would compile on its own)."""
+    attention, block, model = modules
+    x = jnp.ones((2, 5, 16))
     tokens = jnp.zeros((3, 4), jnp.int32)
     return [
         attention(x[0], key=make(3)),
@@ -100,9 +111,10 @@ def _outputs_with_keys(make):
 
 
 def test_every_module_taking_a_key_accepts_classic_keys_with_the_result_of_typed_ones():
-    # Each kind of key in one compiled program: eagerly, every operation compiles on its own.
-    outputs = eqx.filter_jit(_outputs_with_keys)
-    classic, typed = outputs(jax.random.PRNGKey), outputs(jax.random.key)
+    outputs = {
+        make: _outputs_with_keys(_modules(make), make) for make in (jax.random.PRNGKey, jax.random.key)
+    }
+    classic, typed = outputs[jax.random.PRNGKey], outputs[jax.random.key]
     for out, ref in zip(classic, typed, strict=True):
         np.testing.assert_array_equal(out, ref)
 
@@ -111,9 +123,8 @@ def test_every_module_taking_a_key_accepts_classic_keys_with_the_result_of_typed
 
 
 def test_token_ids_outside_the_vocabulary_are_refused_where_they_are_concrete():
-    model = GPT(
-        GPTConfig(vocab_size=65, context_length=8, d_model=8, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
+    model = gpt(SMALL_GPT)
+    assert model.config.vocab_size == 65
     assert model.config.padded_vocab_size > 65  # 64 is a real id; 65 .. padded are padding rows
     for ids in ([65], [100], [-1], [[1, 2], [3, 70]]):
         with pytest.raises(ValueError, match=r"outside \[0, vocab_size=65\)"):
@@ -125,14 +136,11 @@ def test_token_ids_outside_the_vocabulary_are_refused_where_they_are_concrete():
 
 
 def test_decoding_past_the_cache_and_empty_caches_are_refused():
-    model = GPT(
-        GPTConfig(vocab_size=7, context_length=8, d_model=8, n_heads=2, n_layers=1), key=jax.random.key(0)
-    )
+    model = gpt(TINY_GPT)
     for capacity in (0, -1):
         with pytest.raises(ValueError, match="capacity >= 1"):
             model.init_cache(capacity)
-    cache = model.init_cache(4)
-    _, cache = model.decode(jnp.arange(4), cache, 0)
+    _, cache = decode(model, jnp.arange(4), model.init_cache(4), 0)  # full: compiled, it is not the subject
     for tokens, start in (([1], 4), ([1, 2], 3), ([1], -1)):
         with pytest.raises(ValueError, match="does not fit a cache of capacity 4"):
             model.decode(jnp.asarray(tokens), cache, start)

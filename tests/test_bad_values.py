@@ -2,6 +2,7 @@
 one-line `ValueError` or `TypeError` naming the value and its valid range, never garbage, a silent
 truncation or a deep traceback."""
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -9,20 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import TINY_GPT, TINY_TRANSFORMER, gpt, in_family, transformer
 
 from eqx_gpt import (
-    GPT,
     MLP,
     Block,
     CharTokenizer,
     GPT2Tokenizer,
-    GPTConfig,
     LayerNorm,
     MultiHeadAttention,
     RMSNorm,
     SamplingOptions,
-    Transformer,
-    TransformerConfig,
     causal_mask,
     dropout,
     generate,
@@ -39,23 +37,24 @@ from eqx_gpt import (
     translate,
 )
 
+pytestmark = in_family
 KEY = jax.random.key(0)
 X = jnp.ones((3, 4))
 LOGITS = jnp.asarray([0.5, 2.0, -1.0, 1.0])
 NAN, INF = math.nan, math.inf
 
 
+# The family's models (built once; the messages name the vocabulary's size, 9, not the widths).
 def _gpt():
-    return GPT(GPTConfig(vocab_size=9, context_length=8, d_model=8, n_heads=2, n_layers=1), key=KEY)
+    return gpt(TINY_GPT)
 
 
 def _gpt_with_dropout():
-    config = GPTConfig(vocab_size=9, context_length=8, d_model=8, n_heads=2, n_layers=1, dropout=0.1)
-    return eqx.nn.inference_mode(GPT(config, key=KEY))
+    return eqx.nn.inference_mode(gpt(dataclasses.replace(TINY_GPT, dropout=0.5)))
 
 
 def _transformer():
-    return Transformer(TransformerConfig(src_vocab_size=9, tgt_vocab_size=9, d_model=8, n_heads=2), key=KEY)
+    return transformer(TINY_TRANSFORMER)
 
 
 # (call, exception, a fragment the message must contain: the value or the range)

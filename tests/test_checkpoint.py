@@ -8,12 +8,14 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from model_family import in_family
 
 from eqx_gpt import GPT, CharTokenizer, CheckpointError, GPTConfig, files, find_checkpoint, load_model
 from eqx_gpt import checkpoint as ckpt
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import init_optimizer_state, make_optimizer
 
+pytestmark = in_family
 TOKENIZER = CharTokenizer("\n abcdefgh")
 CONFIG = GPTConfig(vocab_size=TOKENIZER.vocab_size, context_length=8, d_model=16, n_heads=2, n_layers=2)
 OPTIMIZER = make_optimizer(TrainConfig())

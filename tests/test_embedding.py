@@ -1,14 +1,18 @@
 """The embedding lookup's fixed-order gradient (eqx_gpt/model/embedding.py): the one-hot product a
 GPU takes instead of XLA's atomic scatter-add, checked here on the CPU by forcing it."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import SMALL_GPT, gpt, in_family, token_ids
 
-from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.model.embedding import embedding_lookup, exact_bf16_parts, one_hot_scatter_add
+
+pytestmark = in_family
 
 
 @pytest.mark.parametrize("dtype, parts", [(jnp.float32, 3), (jnp.bfloat16, 1)])
@@ -26,9 +30,8 @@ def test_two_parts_do_not_hold_float32():  # the check above could fail: 16 bits
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_one_hot_scatter_add_equals_the_scatter_add(dtype):
-    k1, k2 = jax.random.split(jax.random.key(2))
-    ids = jax.random.randint(k1, (300,), 0, 40)  # many repeats
-    rows = jax.random.normal(k2, (300, 16)).astype(dtype).astype(jnp.float32)
+    ids = token_ids(2, (300,), 40)  # many repeats
+    rows = jax.random.normal(jax.random.key(2), (300, 16)).astype(dtype).astype(jnp.float32)
     expected = jnp.zeros((40, 16)).at[ids].add(rows)
     got = one_hot_scatter_add(ids, rows, 40, dtype)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
@@ -36,7 +39,7 @@ def test_one_hot_scatter_add_equals_the_scatter_add(dtype):
 
 def test_the_lookup_gradient_matches_the_plain_one():
     table = jax.random.normal(jax.random.key(3), (50, 8))
-    ids = jax.random.randint(jax.random.key(4), (4, 30), 0, 50)
+    ids = token_ids(4, (4, 30), 50)
     weights = jax.random.normal(jax.random.key(5), (4, 30, 8))
     loss = lambda t, one_hot: jnp.sum(embedding_lookup(t, ids, one_hot_gradient=one_hot) * weights)
     np.testing.assert_array_equal(np.asarray(loss(table, True)), np.asarray(loss(table, False)))
@@ -49,12 +52,10 @@ def test_the_lookup_gradient_matches_the_plain_one():
     "positions, compute_dtype", [("learned", "bfloat16"), ("sinusoidal", "float32"), ("rope", "bfloat16")]
 )
 def test_a_gpt_gradient_is_the_same_either_way(monkeypatch, positions, compute_dtype):
-    config = GPTConfig(
-        vocab_size=37, context_length=16, d_model=32, n_heads=2, n_layers=1, positions=positions,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-    model = GPT(config, key=jax.random.key(6))
-    tokens = jax.random.randint(jax.random.key(7), (3, 16), 0, 37)
+    # One layer: a scan of one step differentiates into a much smaller program than one of two.
+    config = dataclasses.replace(SMALL_GPT, n_layers=1, positions=positions, compute_dtype=compute_dtype)
+    model = gpt(config, seed=6)
+    tokens = token_ids(7, (3, config.context_length), config.vocab_size)
     loss = lambda m, tokens: jnp.mean(m(tokens).astype(jnp.float32) ** 2)
     grads = {}
     for on_gpu in (False, True):  # the GPU's choice, forced on the CPU

@@ -8,27 +8,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
+from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids, vmapped
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
 
-CFG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, n_layers=2)
+pytestmark = in_family
+CFG = SMALL_GPT
+DROPPING = dataclasses.replace(CFG, dropout=0.3)
+# Each a compiled program shared by the tests (an eager call compiles every operation, and a new
+# `jax.jit(lambda ...)` per test compiles again).
+logits_of = call
+attention_weights = eqx.filter_jit(GPT.attention_weights)
+loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
 
 
 @pytest.fixture(scope="module")
 def model():
-    return GPT(CFG, key=jax.random.key(0))
-
-
-@eqx.filter_jit
-def logits_of(model, tokens, key=None):
-    """`model(tokens, key=key)` as one compiled program: run eagerly, each of its operations would be
-    compiled on its own, which is most of these tests' time."""
-    return model(tokens, key=key)
+    return gpt(CFG)
 
 
 def test_changing_token_t_never_changes_earlier_logits(model):
-    tokens = jax.random.randint(jax.random.key(1), (CFG.context_length,), 0, CFG.vocab_size)
+    tokens = token_ids(1, (CFG.context_length,), CFG.vocab_size)
     base = np.asarray(logits_of(model, tokens))
     for t in (0, 5, CFG.context_length - 1):
         changed = tokens.at[t].set((tokens[t] + 7) % CFG.vocab_size)
@@ -41,7 +42,7 @@ def test_logits_cover_exactly_the_real_vocabulary(model):
     assert CFG.padded_vocab_size == 128
     assert model.embed.shape == (128, CFG.d_model)
     assert model.head.weight.shape == (CFG.d_model, 128)
-    assert model(jnp.arange(8)).shape == (8, CFG.vocab_size)
+    assert logits_of(model, jnp.arange(8)).shape == (8, CFG.vocab_size)
 
 
 def test_padded_ids_never_win_even_with_huge_head_weights(model):
@@ -60,44 +61,44 @@ def test_layers_start_different(model):
 
 
 def test_dropout_needs_a_key_in_training_mode():
-    m = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
-    tokens = jnp.arange(10)
+    m = gpt(DROPPING)
+    tokens = jnp.arange(12)
     with pytest.raises(ValueError, match="needs key="):
         logits_of(m, tokens)
     deterministic = logits_of(eqx.nn.inference_mode(m), tokens)
     np.testing.assert_array_equal(
-        deterministic, logits_of(eqx.nn.inference_mode(m), tokens, jax.random.key(1))
+        deterministic, logits_of(eqx.nn.inference_mode(m), tokens, key=jax.random.key(1))
     )
     assert not np.allclose(logits_of(m, tokens, key=jax.random.key(1)), deterministic)
 
 
 def test_batched_and_jitted_call(model):
-    batch = jax.random.randint(jax.random.key(2), (3, 12), 0, CFG.vocab_size)
-    out = eqx.filter_jit(lambda m, b: jax.vmap(m)(b))(model, batch)
+    batch = token_ids(2, (3, 12), CFG.vocab_size)
+    out = vmapped(model, batch)
     assert out.shape == (3, 12, CFG.vocab_size)
-    np.testing.assert_allclose(out[1], model(batch[1]), atol=1e-5)
+    np.testing.assert_allclose(out[1], logits_of(model, batch[1]), atol=1e-5)
 
 
 def test_kv_cached_decode_matches_full_forward(model):
-    tokens = jax.random.randint(jax.random.key(3), (12,), 0, CFG.vocab_size)
-    full = model(tokens)
+    tokens = token_ids(3, (12,), CFG.vocab_size)
+    full = logits_of(model, tokens)
     cache = model.init_cache()
-    prefix, cache = model.decode(tokens[:8], cache, 0)
+    prefix, cache = decode(model, tokens[:8], cache, 0)
     steps = []
     for t in range(8, 12):
-        logits, cache = model.decode(tokens[t : t + 1], cache, t)
+        logits, cache = decode(model, tokens[t : t + 1], cache, t)
         steps.append(logits[0])
     np.testing.assert_allclose(prefix, full[:8], atol=1e-5)
     np.testing.assert_allclose(jnp.stack(steps), full[8:], atol=1e-5)
 
 
 def test_kv_cached_decode_of_a_batch_matches_each_sequence_alone(model):
-    tokens = jax.random.randint(jax.random.key(4), (3, 10), 0, CFG.vocab_size)
+    tokens = token_ids(4, (3, 10), CFG.vocab_size)
     cache = model.init_cache(batch=3)
     assert cache.k.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.d_head, CFG.context_length)
     assert cache.v.shape == (CFG.n_layers, 3, CFG.n_heads, CFG.context_length, CFG.d_head)
-    prefix, cache = model.decode(tokens[:, :7], cache, 0)
-    last, cache = model.decode(tokens[:, 7:8], cache, 7)
+    prefix, cache = decode(model, tokens[:, :7], cache, 0)
+    last, cache = decode(model, tokens[:, 7:8], cache, 7)
     for row in range(3):
         np.testing.assert_allclose(prefix[row], logits_of(model, tokens[row, :7]), atol=1e-5)
         np.testing.assert_allclose(last[row, 0], logits_of(model, tokens[row, :8])[7], atol=1e-5)
@@ -109,28 +110,30 @@ def test_an_unstacked_model_is_the_same_function(model):
     np.testing.assert_array_equal(
         unstacked.blocks.layers[1].mlp.up.weight, model.blocks.layers.mlp.up.weight[1]
     )
-    tokens = jax.random.randint(jax.random.key(5), (12,), 0, CFG.vocab_size)
+    tokens = token_ids(5, (12,), CFG.vocab_size)
     np.testing.assert_allclose(logits_of(unstacked, tokens), logits_of(model, tokens), atol=1e-6)
-    weights = eqx.filter_jit(GPT.attention_weights)
-    np.testing.assert_allclose(weights(unstacked, tokens), weights(model, tokens), atol=1e-6)
-    dropping = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
+    np.testing.assert_allclose(
+        attention_weights(unstacked, tokens), attention_weights(model, tokens), atol=1e-6
+    )
+    dropping = gpt(DROPPING)
     key = jax.random.key(6)
     np.testing.assert_allclose(
-        logits_of(dropping.unstack(), tokens, key), logits_of(dropping, tokens, key), atol=1e-6
+        logits_of(dropping.unstack(), tokens, key=key), logits_of(dropping, tokens, key=key), atol=1e-6
     )
     # Its cache is a tuple of per-layer caches, and decoding through it gives the same logits.
     cache = unstacked.init_cache()
     assert len(cache) == CFG.n_layers
     assert cache[0].k.shape == (CFG.n_heads, CFG.d_head, CFG.context_length)
-    prefix, cache = unstacked.decode(tokens[:8], cache, 0)
-    step, cache = unstacked.decode(tokens[8:9], cache, 8)
-    np.testing.assert_allclose(prefix, logits_of(model, tokens[:8]), atol=1e-5)
-    np.testing.assert_allclose(step[0], logits_of(model, tokens[:9])[8], atol=1e-5)
+    prefix, cache = decode(unstacked, tokens[:8], cache, 0)
+    step, cache = decode(unstacked, tokens[8:9], cache, 8)
+    full = logits_of(model, tokens)  # position t's logits are those of the first t + 1 tokens alone
+    np.testing.assert_allclose(prefix, full[:8], atol=1e-5)
+    np.testing.assert_allclose(step[0], full[8], atol=1e-5)
 
 
 def test_attention_weights_of_every_layer(model):
-    w = model.attention_weights(jnp.arange(6))
-    assert w.shape == (CFG.n_layers, CFG.n_heads, 6, 6)
+    w = attention_weights(model, jnp.arange(12))
+    assert w.shape == (CFG.n_layers, CFG.n_heads, 12, 12)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-5)
 
 
@@ -140,10 +143,18 @@ def test_attention_pictures_are_the_weights_each_block_attends_with(norm_positio
     # (pre-norm: x + attn(norm(x)); post-norm: norm(x + attn(x))), and compare with the block. A
     # post-norm picture drawn from norm(x) (the bug this guards) fails here.
     config = dataclasses.replace(CFG, norm_position=norm_position, norm="layer")
-    model = GPT(config, key=jax.random.key(3))
-    seq, d = 6, config.d_model
-    pictures = model.attention_weights(jnp.arange(seq))
-    x = model._embed(jnp.arange(seq), 0, seq)
+    rebuilt, outputs = _rebuilt_from_pictures(gpt(config, seed=3), jnp.arange(6))
+    for layer in range(config.n_layers):
+        np.testing.assert_allclose(rebuilt[layer], outputs[layer], atol=1e-5, err_msg=f"layer {layer}")
+
+
+@eqx.filter_jit  # one program: eagerly, each operation of each layer would compile on its own
+def _rebuilt_from_pictures(model, tokens):
+    """Each block's output rebuilt from the pictures' weights, and the block's own output."""
+    seq, d = tokens.shape[0], model.config.d_model
+    pictures = model.attention_weights(tokens)
+    x = model._embed(tokens, 0, seq)
+    rebuilt, outputs = [], []
     for layer, block in enumerate(model.unstack().blocks.layers):
 
         def attend(h, block=block, weights=pictures[layer]):
@@ -151,19 +162,21 @@ def test_attention_pictures_are_the_weights_each_block_attends_with(norm_positio
             heads = jnp.einsum("hqk,khd->qhd", weights, v)
             return heads.reshape(seq, d) @ block.attn.out.weight
 
-        if norm_position == "pre":
+        if model.config.norm_position == "pre":
             h = x + attend(block.attn_norm(x))
-            rebuilt = h + block.mlp(block.mlp_norm(h))
+            rebuilt.append(h + block.mlp(block.mlp_norm(h)))
         else:
             h = block.attn_norm(x + attend(x))
-            rebuilt = block.mlp_norm(h + block.mlp(h))
+            rebuilt.append(block.mlp_norm(h + block.mlp(h)))
         x = block(x, mask=causal_mask(seq))
-        np.testing.assert_allclose(rebuilt, x, atol=1e-5, err_msg=f"layer {layer}")
+        outputs.append(x)
+    return rebuilt, outputs
 
 
 def test_layer_stack_is_scanned_so_program_size_does_not_grow_with_depth():
     def n_equations(n_layers):
-        m = GPT(dataclasses.replace(CFG, n_layers=n_layers), key=jax.random.key(0))
+        # Its shapes are enough to trace it: no weights drawn (and no programs compiled to draw them).
+        m = eqx.filter_eval_shape(GPT, dataclasses.replace(CFG, n_layers=n_layers), key=jax.random.key(0))
         jaxpr = jax.make_jaxpr(lambda m, t: m(t))(m, jnp.arange(8))
         return len(jaxpr.jaxpr.eqns)
 
@@ -175,14 +188,13 @@ def test_unrolling_the_layer_scan_changes_neither_loss_nor_gradients(unroll):
     # The presets unroll the scan for speed (shakespeare-char: all 6 layers); dropout included,
     # so each layer must still draw its own masks.
     config = dataclasses.replace(CFG, n_layers=3, dropout=0.2)
-    batch = jax.random.randint(jax.random.key(7), (2, CFG.context_length + 1), 0, CFG.vocab_size)
+    batch = token_ids(7, (2, CFG.context_length + 1), CFG.vocab_size)
     keys = jax.random.split(jax.random.key(8), 2)
 
-    def loss_and_grads(scan_unroll):
-        m = GPT(dataclasses.replace(config, scan_unroll=scan_unroll), key=jax.random.key(0))
-        return eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(m, batch, keys)
+    def loss_and_grads_of(scan_unroll):
+        return loss_and_grads(gpt(dataclasses.replace(config, scan_unroll=scan_unroll)), batch, keys)
 
-    (loss, grads), (loss_unrolled, grads_unrolled) = loss_and_grads(1), loss_and_grads(unroll)
+    (loss, grads), (loss_unrolled, grads_unrolled) = loss_and_grads_of(1), loss_and_grads_of(unroll)
     np.testing.assert_allclose(loss_unrolled, loss, rtol=1e-6)
     for g, g_unrolled in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_unrolled), strict=True):
         np.testing.assert_allclose(g_unrolled, g, rtol=1e-5, atol=1e-7)
@@ -197,16 +209,13 @@ def test_gpt_rejects_a_scalar_token(model):
 
 
 def test_a_batch_gives_what_vmap_over_its_sequences_gives():
-    dropout_model = GPT(dataclasses.replace(CFG, dropout=0.3), key=jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (3, 8), 0, CFG.vocab_size)
+    dropout_model = gpt(DROPPING)
+    tokens = token_ids(1, (3, 8), CFG.vocab_size)
     keys = jax.random.split(jax.random.key(2), 3)
-    vmapped = eqx.filter_jit(lambda m, t, k: jax.vmap(lambda t, k: m(t, key=k))(t, k))
     inference = eqx.nn.inference_mode(dropout_model)
-    np.testing.assert_allclose(
-        logits_of(inference, tokens), vmapped(inference, tokens, None), rtol=0, atol=1e-5
-    )
+    np.testing.assert_allclose(logits_of(inference, tokens), vmapped(inference, tokens), rtol=0, atol=1e-5)
     # Dropout: each sequence of the batch gets the masks its own key gives it alone.
-    batched = logits_of(dropout_model, tokens, keys)
+    batched = logits_of(dropout_model, tokens, key=keys)
     one_by_one = vmapped(dropout_model, tokens, keys)
     np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
     assert not np.allclose(batched, logits_of(inference, tokens))
@@ -214,7 +223,7 @@ def test_a_batch_gives_what_vmap_over_its_sequences_gives():
 
 def test_gpt_rejects_float_tokens_under_jit(model):
     with pytest.raises(TypeError, match="GPT's tokens must be integer token ids .* got dtype float32"):
-        eqx.filter_jit(lambda m, t: m(t))(model, jnp.zeros((8,), jnp.float32))
+        logits_of(model, jnp.zeros((8,), jnp.float32))
 
 
 def test_gpt_rejects_sequences_longer_than_the_context(model):
@@ -223,31 +232,28 @@ def test_gpt_rejects_sequences_longer_than_the_context(model):
 
 
 def test_attention_rejects_a_mask_of_the_wrong_size_under_jit():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
     with pytest.raises(ValueError, match=r"mask has shape \(6, 6\).*shape \(5, 5\)"):
-        jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 8)), causal_mask(6))
+        jax.jit(lambda x, m: attn(x, mask=m))(jnp.zeros((5, 16)), causal_mask(6))
 
 
 def test_modules_reject_a_wrong_feature_size():
-    x = jnp.zeros((4, 9))
-    with pytest.raises(ValueError, match="d_model=8"):
-        MultiHeadAttention(8, 2, key=jax.random.key(0))(x)
-    with pytest.raises(ValueError, match="d_model=8"):
-        MLP(8, 16, key=jax.random.key(0))(x)
-    with pytest.raises(ValueError, match="dim=8"):
-        RMSNorm(8)(x)
+    x = jnp.zeros((4, 17))
+    with pytest.raises(ValueError, match="d_model=16"):
+        MultiHeadAttention(16, 2, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="d_model=16"):
+        MLP(16, 32, key=jax.random.key(0))(x)
+    with pytest.raises(ValueError, match="dim=16"):
+        RMSNorm(16)(x)
 
 
 def test_modules_reject_a_missing_sequence_axis():
     with pytest.raises(TypeCheckError) as error:
-        MLP(8, 16, key=jax.random.key(0))(jnp.zeros((8,)))
-    assert str(error.value) == "MLP.__call__: x is f32[8]; pass Float[Array, '*batch seq d_model']"
+        MLP(16, 32, key=jax.random.key(0))(jnp.zeros((16,)))
+    assert str(error.value) == "MLP.__call__: x is f32[16]; pass Float[Array, '*batch seq d_model']"
 
 
-def test_a_wrong_argument_type_is_one_line_naming_it_and_what_to_pass():
-    model = GPT(
-        GPTConfig(vocab_size=16, d_model=8, n_heads=2, n_layers=1, context_length=8), key=jax.random.key(0)
-    )
+def test_a_wrong_argument_type_is_one_line_naming_it_and_what_to_pass(model):
     with pytest.raises(TypeCheckError) as error:
         model(jnp.arange(4), key=5)  # an int, not a PRNG key
     message = str(error.value)

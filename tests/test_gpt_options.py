@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids
 
-from eqx_gpt import GPT, GPTConfig, load_model
+from eqx_gpt import GPT, load_model
 from eqx_gpt.model.positions import rotary_embedding
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import (
@@ -21,21 +22,22 @@ from eqx_gpt.training.step import (
     muon_labels,
 )
 
+pytestmark = in_family
 FIXTURES = Path(__file__).parent / "fixtures"
-CFG = GPTConfig(vocab_size=50, context_length=16, d_model=32, n_heads=4, n_layers=2)
+CFG = SMALL_GPT
 TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
 
 
 def model_with(**options) -> GPT:
-    return GPT(dataclasses.replace(CFG, **options), key=jax.random.key(0))
+    return gpt(dataclasses.replace(CFG, **options))
 
 
 def cached_logits(model: GPT, tokens, start: int = 0):
     """Logits of `tokens` decoded at positions `start, ...`: the prompt then one token at a time."""
-    logits, cache = model.decode(tokens[:4], model.init_cache(), start)
+    logits, cache = decode(model, tokens[:4], model.init_cache(), start)
     rows = [logits]
     for i in range(4, len(tokens)):
-        logits, cache = model.decode(tokens[i : i + 1], cache, start + i)
+        logits, cache = decode(model, tokens[i : i + 1], cache, start + i)
         rows.append(logits)
     return jnp.concatenate(rows)
 
@@ -47,11 +49,11 @@ def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
     assert "positions" not in meta["model_config"]
     assert model.config.positions == "sinusoidal" and not model.config.bias and model.head is not None
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    np.testing.assert_allclose(model(jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(call(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
 
 
 def test_the_default_model_has_no_parameter_of_the_options():
-    model = GPT(CFG, key=jax.random.key(0))
+    model = gpt(CFG)
     attn, mlp = model.blocks.layers.attn, model.blocks.layers.mlp
     assert model.pos_embed is None and model.head is not None
     assert attn.qkv.bias is None and attn.out.bias is None and mlp.up.bias is None and mlp.down.bias is None
@@ -66,8 +68,8 @@ def test_the_default_model_has_no_parameter_of_the_options():
 )  # fmt: skip
 def test_each_option_keeps_the_model_causal_and_the_cache_exact(options):
     model = model_with(**options)
-    full = model(TOKENS)
-    changed = model(TOKENS.at[7].set(0))
+    full = call(model, TOKENS)
+    changed = call(model, TOKENS.at[7].set(0))
     np.testing.assert_array_equal(full[:7], changed[:7])  # no position sees a later token
     assert not np.allclose(full[7:], changed[7:])
     np.testing.assert_allclose(cached_logits(model, TOKENS), full, atol=1e-5)
@@ -78,8 +80,9 @@ def test_learned_positions_are_a_table_added_to_unscaled_token_vectors():
     assert model.pos_embed.shape == (CFG.context_length, CFG.d_model)
     # Moving the table's row 5 changes what position 5 (and, through attention, later ones) sees.
     moved = eqx.tree_at(lambda m: m.pos_embed, model, model.pos_embed.at[5].add(1.0))
-    np.testing.assert_array_equal(model(TOKENS)[:5], moved(TOKENS)[:5])
-    assert not np.allclose(model(TOKENS)[5], moved(TOKENS)[5])
+    logits, moved_logits = call(model, TOKENS), call(moved, TOKENS)
+    np.testing.assert_array_equal(logits[:5], moved_logits[:5])
+    assert not np.allclose(logits[5], moved_logits[5])
     x = model._embed(TOKENS, 0, len(TOKENS))
     np.testing.assert_allclose(x, model.embed[TOKENS] + model.pos_embed[: len(TOKENS)], rtol=1e-6)
 
@@ -116,9 +119,9 @@ def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
     assert attn.qkv.bias.shape == (n, 3 * CFG.d_model) and attn.out.bias.shape == (n, CFG.d_model)
     assert mlp.up.bias.shape == (n, CFG.d_hidden) and mlp.down.bias.shape == (n, CFG.d_model)
     # Biases start at zero and draw no random numbers, so the weights are those of `without`.
-    np.testing.assert_allclose(with_bias(TOKENS), without(TOKENS), atol=1e-6)
+    np.testing.assert_allclose(call(with_bias, TOKENS), call(without, TOKENS), atol=1e-6)
     shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.down.bias, with_bias, mlp.down.bias + 0.5)
-    assert not np.allclose(shifted(TOKENS), without(TOKENS), atol=1e-3)
+    assert not np.allclose(call(shifted, TOKENS), call(without, TOKENS), atol=1e-3)
 
 
 def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
@@ -148,7 +151,7 @@ def test_a_gated_activation_gives_every_block_a_gated_mlp():
     x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
     gate, value = jnp.split(x @ mlp.up.weight, 2, axis=-1)
     np.testing.assert_allclose(mlp(x), (jax.nn.silu(gate) * value) @ mlp.down.weight, atol=1e-6)
-    assert model(TOKENS[:-1]).shape == (11, CFG.vocab_size)
+    assert call(model, TOKENS[:-1]).shape == (11, CFG.vocab_size)
 
 
 def test_tied_embeddings_make_the_head_the_embedding():
@@ -165,30 +168,31 @@ def test_tied_embeddings_make_the_head_the_embedding():
 
 def test_a_gpt2_shaped_model_trains():
     config = dataclasses.replace(CFG, positions="learned", bias=True, norm="layer", tie_embeddings=True)
-    model = GPT(config, key=jax.random.key(0))
+    model = GPT(config, key=jax.random.key(0))  # its own: a training step donates the model's arrays
     train = TrainConfig(optimizer="muon", lr=0.02, adam_lr=3e-3, grad_clip=1.0, batch_size=4)
     optimizer = make_optimizer(train)
     opt_state = init_optimizer_state(optimizer, model)
     step = make_train_step(optimizer, train, dropout=False)
-    batch = jax.random.randint(jax.random.key(3), (4, CFG.context_length + 1), 0, CFG.vocab_size)
+    batch = token_ids(3, (4, CFG.context_length + 1), CFG.vocab_size)
     losses = []
     for i in range(8):
         model, opt_state, loss = step(model, opt_state, batch, jnp.int32(i), jnp.float32(train.lr))
         losses.append(float(loss))
     assert losses[-1] < losses[0] - 0.5
-    assert float(jnp.abs(model.blocks.layers.attn.qkv.bias).max()) > 0
+    assert np.abs(np.asarray(model.blocks.layers.attn.qkv.bias)).max() > 0
 
 
 def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
-    model = model_with(zero_init=True)
-    layers = model.blocks.layers
+    model = GPT(dataclasses.replace(CFG, zero_init=True), key=jax.random.key(0))  # trained below: its own
+    # NumPy's copies: `np.any` of a JAX array is a compiled program per shape.
+    layers = jax.tree.map(np.asarray, model.blocks.layers)
     assert (
         not np.any(layers.attn.out.weight)
         and not np.any(layers.mlp.down.weight)
-        and not np.any(model.head.weight)
+        and not np.any(np.asarray(model.head.weight))
     )
     assert np.any(layers.attn.qkv.weight) and np.any(layers.mlp.up.weight)  # the rest as before
-    np.testing.assert_array_equal(model(TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
+    np.testing.assert_array_equal(call(model, TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
     # Training moves the zeroed matrices: the first step the head (nothing flows back through a zero
     # head), the second the output projections.
     config = TrainConfig(batch_size=2, lr=1e-2, warmup_steps=0, optimizer="muon")
@@ -197,12 +201,12 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
     batch, state = jnp.stack([TOKENS[:9], TOKENS[3:]]), init_optimizer_state(optimizer, model)
     for i in range(2):
         model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(1e-2))
-    assert np.any(model.blocks.layers.mlp.down.weight) and np.any(model.head.weight)
+    assert np.any(np.asarray(model.blocks.layers.mlp.down.weight)) and np.any(np.asarray(model.head.weight))
 
 
 def test_the_logit_softcap_bounds_the_logits_and_keeps_their_order():
     plain, capped = model_with(), model_with(logit_softcap=0.5)
-    logits, bounded = plain(TOKENS), capped(TOKENS)
+    logits, bounded = np.asarray(call(plain, TOKENS)), np.asarray(call(capped, TOKENS))
     assert np.all(np.abs(bounded) < 0.5)
     np.testing.assert_allclose(bounded, 0.5 * np.tanh(logits / 0.5), atol=1e-6)
     np.testing.assert_array_equal(np.argmax(bounded, -1), np.argmax(logits, -1))

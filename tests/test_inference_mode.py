@@ -2,6 +2,7 @@
 `eqx.nn.inference_mode` switches, a per-call `inference=` override, and no silent no-dropout."""
 
 import dataclasses
+import functools
 import io
 import json
 import shutil
@@ -12,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import TINY_GPT, call, decode, gpt, in_family
 
 from eqx_gpt import (
     GPT,
     Block,
-    GPTConfig,
     MultiHeadAttention,
     Transformer,
     TransformerConfig,
@@ -30,8 +31,9 @@ from eqx_gpt import (
 from eqx_gpt.checkpoint import VERSION, read_metadata
 from eqx_gpt.tokenizer import CharTokenizer
 
+pytestmark = in_family
 FIXTURES = Path(__file__).parent / "fixtures"
-CFG = GPTConfig(vocab_size=9, context_length=8, d_model=16, n_heads=2, n_layers=2, dropout=0.5)
+CFG = dataclasses.replace(TINY_GPT, dropout=0.5)
 T_CFG = TransformerConfig(src_vocab_size=9, tgt_vocab_size=9, max_len=8, d_model=16, n_heads=2, dropout=0.5)
 K1, K2 = jax.random.key(1), jax.random.key(2)
 
@@ -43,12 +45,12 @@ def _flags(tree) -> list[bool]:
 
 
 def _gpt():
-    return GPT(CFG, key=jax.random.key(0)), jnp.arange(8) % 9
+    return gpt(CFG), jnp.arange(8) % 9
 
 
 # Each module with dropout, built with rate 0.5: (module, its inputs).
-MODULES = {
-    "GPT": lambda: (GPT(CFG, key=jax.random.key(0)), (jnp.arange(8) % 9,)),
+_BUILDERS = {
+    "GPT": lambda: (gpt(CFG), (jnp.arange(8) % 9,)),
     "Block": lambda: (Block(16, 2, 32, key=jax.random.key(0), dropout=0.5), (jnp.ones((2, 5, 16)),)),
     "MultiHeadAttention": lambda: (
         MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5),
@@ -61,24 +63,29 @@ MODULES = {
 }
 
 
+# Each built once; the tests call them through `call`, one compiled program per module and mode,
+# shared between the tests.
+MODULES = {name: functools.cache(build) for name, build in _BUILDERS.items()}
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_inference_mode_is_deterministic_with_any_key(name):
     module, inputs = MODULES[name]()
     assert _flags(module) and not any(_flags(module))  # built in training mode
     inference = eqx.nn.inference_mode(module)
     assert all(_flags(inference))
-    out = inference(*inputs)
-    np.testing.assert_array_equal(inference(*inputs, key=K1), out)
-    np.testing.assert_array_equal(inference(*inputs, key=K2), out)
+    out = call(inference, *inputs)
+    np.testing.assert_array_equal(call(inference, *inputs, key=K1), out)
+    np.testing.assert_array_equal(call(inference, *inputs, key=K2), out)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name):
     module, inputs = MODULES[name]()
     training = eqx.nn.inference_mode(eqx.nn.inference_mode(module), False)
-    a, b = training(*inputs, key=K1), training(*inputs, key=K2)
+    a, b = call(training, *inputs, key=K1), call(training, *inputs, key=K2)
     assert not np.allclose(a, b)
-    np.testing.assert_array_equal(a, module(*inputs, key=K1))  # the same masks as built
+    np.testing.assert_array_equal(a, call(module, *inputs, key=K1))  # the same masks as built
     with pytest.raises(
         ValueError, match=f"^{name} has dropout 0.5 and is in training mode, so it needs key="
     ):
@@ -89,20 +96,23 @@ def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name)
 def test_the_per_call_override_beats_the_mode(name):
     module, inputs = MODULES[name]()
     inference = eqx.nn.inference_mode(module)
-    np.testing.assert_array_equal(module(*inputs, key=K1, inference=True), inference(*inputs))
-    np.testing.assert_array_equal(module(*inputs, inference=True), inference(*inputs))
-    np.testing.assert_array_equal(inference(*inputs, key=K1, inference=False), module(*inputs, key=K1))
+    out = call(inference, *inputs)
+    np.testing.assert_array_equal(call(module, *inputs, key=K1, inference=True), out)
+    np.testing.assert_array_equal(call(module, *inputs, inference=True), out)
+    np.testing.assert_array_equal(
+        call(inference, *inputs, key=K1, inference=False), call(module, *inputs, key=K1)
+    )
     with pytest.raises(ValueError, match="needs key="):
         inference(*inputs, inference=False)
 
 
 def test_a_model_without_dropout_needs_no_key():
-    model = GPT(dataclasses.replace(CFG, dropout=0.0), key=jax.random.key(0))
+    model = gpt(dataclasses.replace(CFG, dropout=0.0))
     tokens = jnp.arange(8) % 9
-    np.testing.assert_array_equal(model(tokens), model(tokens, key=K1))
+    np.testing.assert_array_equal(call(model, tokens), call(model, tokens, key=K1))
     block = Block(16, 2, 32, key=jax.random.key(0))
     x = jnp.ones((5, 16))
-    np.testing.assert_array_equal(block(x), block(x, key=K1))
+    np.testing.assert_array_equal(call(block, x), call(block, x, key=K1))
 
 
 def test_the_dropout_function_keeps_the_contract():
@@ -120,19 +130,19 @@ def test_stacked_and_unstacked_models_switch_every_flag_and_agree():
     unstacked = inference.unstack()
     assert len(_flags(unstacked)) == 1 + CFG.n_layers * 2  # the model, then each block and its attention
     assert all(_flags(unstacked))
-    np.testing.assert_allclose(unstacked(tokens, key=K1), inference(tokens), atol=1e-6)
-    logits, _ = inference.decode(tokens, inference.init_cache(), 0)
-    np.testing.assert_allclose(logits, inference(tokens), atol=1e-5)
+    np.testing.assert_allclose(call(unstacked, tokens, key=K1), call(inference, tokens), atol=1e-6)
+    logits, _ = decode(inference, tokens, inference.init_cache(), 0)
+    np.testing.assert_allclose(logits, call(inference, tokens), atol=1e-5)
     # Training mode, unstacked: the same masks as the stacked model.
-    np.testing.assert_allclose(model.unstack()(tokens, key=K1), model(tokens, key=K1), atol=1e-6)
+    np.testing.assert_allclose(call(model.unstack(), tokens, key=K1), call(model, tokens, key=K1), atol=1e-6)
 
 
 def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
     # `jax.jit` and `jax.make_jaxpr` turn every leaf into a tracer, the flags too; the layer scan
     # must still run (a model without dropout never branches on them).
-    model = GPT(dataclasses.replace(CFG, dropout=0.0), key=jax.random.key(0))
+    model = gpt(dataclasses.replace(CFG, dropout=0.0))
     tokens = jnp.arange(8) % 9
-    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), model(tokens), atol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), call(model, tokens), atol=1e-6)
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
     x = jnp.ones((5, 16))
     np.testing.assert_allclose(
@@ -168,7 +178,7 @@ def test_checkpoints_hold_arrays_only_and_load_in_training_mode(tmp_path):
     assert weights[0] == weights[1]  # the mode is not stored
     loaded, _, meta = load_model(paths[1])
     assert meta["version"] == VERSION and not any(_flags(loaded))
-    np.testing.assert_array_equal(loaded(tokens, key=K1), model(tokens, key=K1))
+    np.testing.assert_array_equal(call(loaded, tokens, key=K1), call(model, tokens, key=K1))
 
 
 def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
@@ -178,7 +188,7 @@ def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
     model, tokenizer, meta = load_model(folder)
     assert isinstance(model, GPT) and _flags(model) and not any(_flags(model))
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    logits = eqx.nn.inference_mode(model)(jnp.asarray(expected["tokens"]), key=K1)
+    logits = call(eqx.nn.inference_mode(model), jnp.asarray(expected["tokens"]), key=K1)
     np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
 
 

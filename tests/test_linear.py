@@ -1,6 +1,7 @@
 """`Linear`: every projection of every model is one, found by type the way Equinox users find
 modules, and checkpoints written before it (fields `w_qkv`, `w_out`, ... and a raw head) still load."""
 
+import dataclasses
 from pathlib import Path
 
 import equinox as eqx
@@ -8,26 +9,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import TINY_GPT, TINY_TRANSFORMER, call, gpt, in_family, transformer
 
 from eqx_gpt import (
-    GPT,
     MLP,
-    GPTConfig,
     LayerNorm,
     Linear,
     MultiHeadAttention,
     RMSNorm,
-    Transformer,
-    TransformerConfig,
     load_checkpoint,
     load_model,
     make_optimizer,
 )
 from eqx_gpt.training.config import TrainConfig
 
+pytestmark = in_family
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint-v2"
-CFG = GPTConfig(vocab_size=20, d_model=16, n_heads=2, n_layers=2, context_length=16)
-TCFG = TransformerConfig(src_vocab_size=12, tgt_vocab_size=14, d_model=16, n_heads=2, max_len=16)
+CFG = TINY_GPT
+TCFG = TINY_TRANSFORMER
 is_linear = lambda node: isinstance(node, Linear)
 
 
@@ -44,17 +43,17 @@ def arrays_outside_linears(tree) -> list[str]:
 
 
 def test_every_projection_of_a_gpt_is_a_linear():
-    model = GPT(CFG, key=jax.random.key(0))
+    model = gpt(CFG)
     # Stacked: one Block holds each layer's 4 projections with a leading n_layers axis; plus the head.
     assert len(linears(model)) == 5 and model.head is not None and is_linear(model.head)
     assert len(linears(model.unstack())) == 2 * 4 + 1
     assert arrays_outside_linears(model) == []
-    tied = GPT(GPTConfig(**{**CFG.to_dict(), "tie_embeddings": True}), key=jax.random.key(0))
+    tied = gpt(dataclasses.replace(CFG, tie_embeddings=True))
     assert len(linears(tied)) == 4 and tied.head is None
 
 
 def test_every_projection_of_a_transformer_is_a_linear():
-    model = Transformer(TCFG, key=jax.random.key(0))
+    model = transformer(TCFG)
     # Encoder: self-attention's 2 and the MLP's 2; decoder: self- and cross-attention's 4 and the MLP's
     # 2; the head.
     assert len(linears(model)) == 4 + 6 + 1
@@ -81,7 +80,7 @@ def test_linear_refuses_a_mismatched_input_in_one_line():
 
 def test_tree_at_by_type_replaces_every_projection():
     # Equinox's idiom for tree surgery: scale every projection by type, with no field names.
-    model = GPT(CFG, key=jax.random.key(0))
+    model = gpt(CFG)
     doubled = eqx.tree_at(
         lambda m: linears(m),
         model,
@@ -117,11 +116,11 @@ def test_a_format_2_checkpoint_written_before_linear_loads_to_its_logits():
     expected = np.load(FIXTURE / "expected.npz")
     model, _, meta = load_model(FIXTURE / "gpt", kind="GPT")
     assert meta["version"] == 2 and model.config.bias and model.head is not None
-    np.testing.assert_allclose(model(jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(call(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
     optimizer = make_optimizer(TrainConfig(optimizer="adamw"))
     like = eqx.filter_eval_shape(optimizer.init, eqx.filter(model, eqx.is_inexact_array))
     _, opt_state, _, _ = load_checkpoint(FIXTURE / "gpt", like)
     assert jax.tree.structure(opt_state) == jax.tree.structure(like)
-    transformer, _, _ = load_model(FIXTURE / "transformer", kind="Transformer")
-    logits = transformer(jnp.asarray(expected["src"]), jnp.asarray(expected["tgt"]))
+    loaded, _, _ = load_model(FIXTURE / "transformer", kind="Transformer")
+    logits = call(loaded, jnp.asarray(expected["src"]), jnp.asarray(expected["tgt"]))
     np.testing.assert_allclose(logits, expected["transformer_logits"], atol=1e-5)

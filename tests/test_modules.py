@@ -7,8 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_family import call, in_family
 
 from eqx_gpt import MLP, Block, MultiHeadAttention, RMSNorm, causal_mask, pad_vocab, sinusoidal_positions
+
+pytestmark = in_family
 
 
 def np_softmax(x, axis=-1):
@@ -137,8 +140,8 @@ def test_multi_head_attention_matches_reference(masked):
 
 
 def test_attention_without_mask_sees_the_future_and_with_causal_mask_does_not():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (5, 8))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0), init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (5, 16))
     x2 = x.at[4].set(x[4] + 1.0)
     full, full2 = attn(x), attn(x2)
     causal, causal2 = attn(x, mask=causal_mask(5)), attn(x2, mask=causal_mask(5))
@@ -147,8 +150,8 @@ def test_attention_without_mask_sees_the_future_and_with_causal_mask_does_not():
 
 
 def test_attention_weights_are_distributions_and_respect_the_mask():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (6, 8))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0), init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (6, 16))
     w = np.asarray(attn.weights(x, mask=causal_mask(6)))
     assert w.shape == (2, 6, 6)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
@@ -156,8 +159,8 @@ def test_attention_weights_are_distributions_and_respect_the_mask():
 
 
 def test_attention_dropout_in_training_mode_only():
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (6, 8))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5)
+    x = jax.random.normal(jax.random.key(1), (6, 16))
     deterministic = attn(x, inference=True)
     np.testing.assert_array_equal(eqx.nn.inference_mode(attn)(x, key=jax.random.key(3)), deterministic)
     a, b = attn(x, key=jax.random.key(3)), attn(x, key=jax.random.key(4))
@@ -171,13 +174,14 @@ def test_attention_rejects_heads_that_do_not_divide_d_model():
 
 
 def test_attention_and_block_take_a_batch_with_one_dropout_key():
-    x = jax.random.normal(jax.random.key(0), (3, 5, 8))
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(1), dropout=0.5)
-    block = Block(8, 2, 16, key=jax.random.key(2), dropout=0.5)
+    # The family's sizes, each module's call one compiled program (test_inference_mode's too).
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(1), dropout=0.5)
+    block = Block(16, 2, 32, key=jax.random.key(2), dropout=0.5)
     for module in (attn, block):
-        out = module(x, key=jax.random.key(3))
+        out = call(module, x, key=jax.random.key(3))
         assert out.shape == x.shape
-        assert not np.allclose(out, module(x, inference=True))  # the key did turn dropout on
+        assert not np.allclose(out, call(module, x, inference=True))  # the key did turn dropout on
 
 
 @pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
