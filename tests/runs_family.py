@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-import eqx_gpt.visualize
 from eqx_gpt.training.data import load_text
 
 GROUP = pytest.mark.xdist_group("runs")
@@ -53,8 +52,11 @@ def quick_runs():
     drawing of `loss.png` (the tests that look at it ask for `loss_plot_drawn`; tests/test_loss_plot.py
     tests the drawing itself), and `fsync`, which makes a written file survive a power cut (about
     8 ms a file on a disk: a checkpoint is several files, and a small run writes a dozen)."""
+    import eqx_gpt.visualize as visualize  # here, not at collection: matplotlib takes 0.5 s to import
+
+    _DRAWING.setdefault("plot_losses", visualize.plot_losses)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(eqx_gpt.visualize, "plot_losses", _no_plot)
+        patch.setattr(visualize, "plot_losses", _no_plot)
         patch.setattr(os, "fsync", lambda fd: None)
         yield
 
@@ -62,7 +64,9 @@ def quick_runs():
 @pytest.fixture
 def loss_plot_drawn(monkeypatch):
     """The run's `loss.png` drawn as a user's run draws it."""
-    monkeypatch.setattr(eqx_gpt.visualize, "plot_losses", _PLOT_LOSSES)
+    import eqx_gpt.visualize as visualize
+
+    monkeypatch.setattr(visualize, "plot_losses", _DRAWING["plot_losses"])
 
 
-_PLOT_LOSSES = eqx_gpt.visualize.plot_losses
+_DRAWING = {}  # the real `plot_losses`, kept by `quick_runs` before it replaces it

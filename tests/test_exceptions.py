@@ -10,7 +10,6 @@ import pytest
 import eqx_gpt
 from eqx_gpt import EqxGptError
 from eqx_gpt.data.shards import Damaged
-from eqx_gpt.visualize import check_figure_path
 
 
 def _modules():
@@ -33,6 +32,8 @@ def test_every_exception_class_of_the_package_derives_from_eqx_gpt_error():
 
 
 def test_a_picture_path_in_a_missing_folder_is_an_eqx_gpt_error(tmp_path):
+    from eqx_gpt.visualize import check_figure_path  # here: matplotlib takes 1 s to import
+
     with pytest.raises(EqxGptError, match="does not exist; create it"):
         check_figure_path(tmp_path / "missing" / "a.png", "--attention-png")
     (tmp_path / "folder.png").mkdir()

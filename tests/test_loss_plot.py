@@ -4,8 +4,6 @@ whether it covers the whole split or is estimated from a sample."""
 
 import pytest
 
-from eqx_gpt.visualize import final_label, loss_figure, plot_losses
-
 RECORDS = [
     {"step": 1, "loss": 4.2, "lr": 1e-4, "tokens_per_s": 100.0},
     {"step": 0, "train_loss": 4.3, "val_loss": 4.31, "elapsed_s": 0.1},
@@ -15,6 +13,8 @@ RECORDS = [
 
 
 def lines_by_label(records):
+    from eqx_gpt.visualize import loss_figure  # here, not at collection: matplotlib takes 1 s to import
+
     fig = loss_figure(records)
     [ax] = fig.axes
     legend = ax.get_legend()
@@ -47,6 +47,8 @@ def test_without_a_final_record_there_is_no_final_point():
 
 
 def test_the_last_final_record_is_drawn_and_an_old_one_without_whole_split_says_neither():
+    from eqx_gpt.visualize import final_label
+
     old = {"step": 10, "final_val_loss": 3.5}
     assert final_label(old) == "final validation: 3.5000"
     newer = {"step": 10, "final_val_loss": 3.25, "val_tokens": 64, "whole_split": True}
@@ -56,5 +58,7 @@ def test_the_last_final_record_is_drawn_and_an_old_one_without_whole_split_says_
 
 
 def test_plot_losses_writes_a_png(tmp_path):
+    from eqx_gpt.visualize import plot_losses
+
     path = plot_losses([*RECORDS, {"step": 10, "final_val_loss": 3.0}], tmp_path / "loss.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -3,6 +3,7 @@ check; checkpoint writes ordered so a kill never leaves `best` behind; integers 
 they enter; a folder holding a run never overwritten; an older checkpoint's missing field taking
 the flag or refusing it; paths compared resolved. Bad input is one line and exit code 2."""
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -56,7 +57,13 @@ export_cli, sample_cli, train_cli = (
     _cli("sample", "sample.py"),
     _cli("train", "train.py"),
 )
-translate_cli = _cli("translate", "examples/translate.py")
+
+
+@functools.cache
+def _translate_cli():
+    """The translation example, loaded when a test needs it (it imports matplotlib: 1 s, which every
+    test process would pay while collecting)."""
+    return _cli("translate", "examples/translate.py")
 
 
 def _one_line(capsys, *words):
@@ -113,7 +120,7 @@ def test_folders_holding_a_model_are_never_written_into(tmp_path, capsys):
     with pytest.raises(TrainingError, match="holds a Hugging Face GPT-2"):
         check_run_dir(hf, resume=False, overwrite=True)
     # the translate example into a character run's folder
-    assert translate_cli.main(["--out-dir", str(run), "--max-steps", "1"]) == 2
+    assert _translate_cli().main(["--out-dir", str(run), "--max-steps", "1"]) == 2
     _one_line(capsys, "already holds a model", "--overwrite")
     assert read_metadata(checkpoint_file(run, LATEST)).get("model", "GPT") == "GPT"
 
@@ -293,12 +300,12 @@ def test_translate_py_refuses_bad_settings_before_work_and_text_it_cannot_read(t
         (["--no-such-flag"], "unrecognized arguments"),
     ):
         with pytest.raises(SystemExit) as exit_:
-            translate_cli.main([*argv, *out])
+            _translate_cli().main([*argv, *out])
         assert exit_.value.code == 2
         _one_line(capsys, words)
-    assert translate_cli.main(["--d-model", "30", *out]) == 2  # before any pair is built
+    assert _translate_cli().main(["--d-model", "30", *out]) == 2  # before any pair is built
     _one_line(capsys, "d_model=30 must be even and divisible by n_heads")
-    vocab = translate_cli.CharVocab(["abc-0123456789"])
+    vocab = _translate_cli().CharVocab(["abc-0123456789"])
     with pytest.raises(ValueError, match="'3Ж' holds 'Ж', not among the 14 characters"):
         vocab.encode("3Ж", strict=True)
     assert vocab.encode("a Ж") == vocab.encode("a")  # training data: unseen characters dropped

@@ -23,7 +23,6 @@ from test_trackers import (
 )
 from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _start_and_stop, train_cli
 
-import eqx_gpt.visualize as visualize
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.trackers import TAGS
@@ -49,6 +48,8 @@ def wandb_rows(records: list[dict]) -> list[dict]:
 def test_both_trackers_hold_the_records_of_metrics_jsonl(
     offline_wandb, corpus, monkeypatch, capsys, loss_plot_drawn
 ):
+    import eqx_gpt.visualize as visualize  # here: matplotlib takes 1 s to import
+
     out = offline_wandb
     drawn = []
     save = visualize.save_figure

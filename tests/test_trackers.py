@@ -13,9 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import wandb
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, TENSORS, EventAccumulator
-from wandb.proto import wandb_internal_pb2
 
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training import trackers as trackers_module
@@ -229,6 +227,8 @@ def wandb_records(path: Path) -> list:
         chunks.append(data[pos + header : pos + header + length])
         pos += header + length
         if kind in (1, 4):  # a whole record, or the last chunk of one
+            from wandb.proto import wandb_internal_pb2  # here: W&B takes 0.8 s to import
+
             # protoc's generated module declares its classes at run time, out of a type checker's sight
             record = wandb_internal_pb2.Record()  # pyright: ignore[reportAttributeAccessIssue]
             record.ParseFromString(b"".join(chunks))
@@ -241,6 +241,8 @@ def wandb_written(out_dir: Path, run_id: str) -> Path:
     """The offline run folder of `run_id`, once W&B's own process has written all of it:
     `run.finish()` returns before that process has closed the transaction log, and
     `wandb.teardown()` waits for it to end."""
+    import wandb
+
     wandb.teardown()
     [folder] = (out_dir / "wandb").glob(f"offline-run-*-{run_id}")
     return folder
@@ -278,6 +280,8 @@ def offline_wandb(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_writes_the_run_and_a_resume_continues_its_id(offline_wandb):
+    import wandb
+
     out = offline_wandb
     first = [train_record(10), train_record(20), eval_record(20)]
     with open_trackers(["wandb"], out, config=CONFIG, resume_step=None) as t:
@@ -353,6 +357,8 @@ def test_wandb_added_on_resume_starts_with_the_kept_records(offline_wandb):
 
 
 def test_a_wandb_run_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    import wandb
+
     def refuse(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
 
