@@ -1,17 +1,13 @@
 """What the generation family of test files shares (test_generate, test_sampling, test_own_decoder,
-test_own_model, test_toolkit, test_gpt2, test_evaluate, one xdist group: `GROUP`): models built
-once per process, and one jitted forward pass.
-
-The tests' time is JAX compiling, one program per function and shapes. A model of the same shapes
-as another's compiles nothing new, so where a test's assertion does not depend on a model's size it
-uses these; an eager call of a layer-scanned model compiles its scan afresh every time, where
-`forward` compiles once per model structure and argument shapes."""
+test_own_model, test_toolkit, test_gpt2, test_evaluate, one xdist group: `GROUP`): its GPT and
+encoder-decoder, built once per process by tests/compiled.py (whose `forward` the files call), and
+the encoder run in one program. Where a test's assertion does not depend on a model's size it uses
+these, so the shapes, and the programs, repeat."""
 
 import dataclasses
-import functools
 
+import compiled
 import equinox as eqx
-import jax
 from jaxtyping import Array, Int
 
 from eqx_gpt import GPT, GPTConfig, Transformer, TransformerConfig
@@ -23,23 +19,14 @@ GPT_CONFIG = GPTConfig(vocab_size=65, context_length=16, d_model=32, n_heads=4, 
 TRANSFORMER_CONFIG = TransformerConfig(src_vocab_size=13, tgt_vocab_size=9, max_len=12, d_model=32, n_heads=4)
 
 
-@functools.cache
 def gpt(seed: int = 0) -> GPT:
-    """A character-sized GPT of `GPT_CONFIG`, random weights from `seed`."""
-    return GPT(GPT_CONFIG, key=jax.random.key(seed))
+    """A character-sized GPT of `GPT_CONFIG`, random weights from `seed` (built once per process)."""
+    return compiled.gpt(GPT_CONFIG, seed)
 
 
-@functools.cache
 def transformer(seed: int = 0, norm_position: str = "post") -> Transformer:
     """An encoder-decoder of `TRANSFORMER_CONFIG` (post-norm by default, as its config's)."""
-    config = dataclasses.replace(TRANSFORMER_CONFIG, norm_position=norm_position)
-    return Transformer(config, key=jax.random.key(seed))
-
-
-@eqx.filter_jit
-def forward(model, *args, **kwargs):
-    """`model(*args, **kwargs)`, jitted: one program per model structure and argument shapes."""
-    return model(*args, **kwargs)
+    return compiled.transformer(dataclasses.replace(TRANSFORMER_CONFIG, norm_position=norm_position), seed)
 
 
 @eqx.filter_jit

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import SMALL_GPT, TINY_GPT, decode, gpt, in_family
+from compiled import gpt
+from model_family import SMALL_GPT, TINY_GPT, decode, in_family
 from oracles import naive_generate
 from test_sample_cli import load_cli, sample
 from test_train_cli import TINY, _fails, _records, train_cli

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import TINY_GPT, TINY_TRANSFORMER, gpt, in_family, transformer
+from compiled import gpt, transformer
+from model_family import TINY_GPT, TINY_TRANSFORMER, in_family
 
 from eqx_gpt import (
     MLP,

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import SMALL_GPT, gpt, in_family, token_ids
+from compiled import gpt, token_ids
+from model_family import SMALL_GPT, in_family
 
 from eqx_gpt.model.embedding import embedding_lookup, exact_bf16_parts, one_hot_scatter_add
 

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import forward, gpt, token_ids
 from jaxtyping import TypeCheckError
-from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids, vmapped
+from model_family import SMALL_GPT, decode, in_family, vmapped
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
@@ -18,7 +19,7 @@ CFG = SMALL_GPT
 DROPPING = dataclasses.replace(CFG, dropout=0.3)
 # Each a compiled program shared by the tests (an eager call compiles every operation, and a new
 # `jax.jit(lambda ...)` per test compiles again).
-logits_of = call
+logits_of = forward
 attention_weights = eqx.filter_jit(GPT.attention_weights)
 loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
 

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gen_models import GROUP, forward, gpt
+from compiled import forward
+from gen_models import GROUP, gpt
 
 from eqx_gpt import GPT, GPTConfig, generate, load_model
 from eqx_gpt.generation.sampling import SamplingOptions

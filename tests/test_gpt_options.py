@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import SMALL_GPT, call, decode, gpt, in_family, token_ids
+from compiled import forward, gpt, token_ids
+from model_family import SMALL_GPT, decode, in_family
 
 from eqx_gpt import GPT, load_model
 from eqx_gpt.model.positions import rotary_embedding
@@ -49,7 +50,7 @@ def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
     assert "positions" not in meta["model_config"]
     assert model.config.positions == "sinusoidal" and not model.config.bias and model.head is not None
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    np.testing.assert_allclose(call(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(forward(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
 
 
 def test_the_default_model_has_no_parameter_of_the_options():
@@ -68,8 +69,8 @@ def test_the_default_model_has_no_parameter_of_the_options():
 )  # fmt: skip
 def test_each_option_keeps_the_model_causal_and_the_cache_exact(options):
     model = model_with(**options)
-    full = call(model, TOKENS)
-    changed = call(model, TOKENS.at[7].set(0))
+    full = forward(model, TOKENS)
+    changed = forward(model, TOKENS.at[7].set(0))
     np.testing.assert_array_equal(full[:7], changed[:7])  # no position sees a later token
     assert not np.allclose(full[7:], changed[7:])
     np.testing.assert_allclose(cached_logits(model, TOKENS), full, atol=1e-5)
@@ -80,7 +81,7 @@ def test_learned_positions_are_a_table_added_to_unscaled_token_vectors():
     assert model.pos_embed.shape == (CFG.context_length, CFG.d_model)
     # Moving the table's row 5 changes what position 5 (and, through attention, later ones) sees.
     moved = eqx.tree_at(lambda m: m.pos_embed, model, model.pos_embed.at[5].add(1.0))
-    logits, moved_logits = call(model, TOKENS), call(moved, TOKENS)
+    logits, moved_logits = forward(model, TOKENS), forward(moved, TOKENS)
     np.testing.assert_array_equal(logits[:5], moved_logits[:5])
     assert not np.allclose(logits[5], moved_logits[5])
     x = model._embed(TOKENS, 0, len(TOKENS))
@@ -119,9 +120,9 @@ def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
     assert attn.qkv.bias.shape == (n, 3 * CFG.d_model) and attn.out.bias.shape == (n, CFG.d_model)
     assert mlp.up.bias.shape == (n, CFG.d_hidden) and mlp.down.bias.shape == (n, CFG.d_model)
     # Biases start at zero and draw no random numbers, so the weights are those of `without`.
-    np.testing.assert_allclose(call(with_bias, TOKENS), call(without, TOKENS), atol=1e-6)
+    np.testing.assert_allclose(forward(with_bias, TOKENS), forward(without, TOKENS), atol=1e-6)
     shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.down.bias, with_bias, mlp.down.bias + 0.5)
-    assert not np.allclose(call(shifted, TOKENS), call(without, TOKENS), atol=1e-3)
+    assert not np.allclose(forward(shifted, TOKENS), forward(without, TOKENS), atol=1e-3)
 
 
 def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
@@ -151,7 +152,7 @@ def test_a_gated_activation_gives_every_block_a_gated_mlp():
     x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
     gate, value = jnp.split(x @ mlp.up.weight, 2, axis=-1)
     np.testing.assert_allclose(mlp(x), (jax.nn.silu(gate) * value) @ mlp.down.weight, atol=1e-6)
-    assert call(model, TOKENS[:-1]).shape == (11, CFG.vocab_size)
+    assert forward(model, TOKENS[:-1]).shape == (11, CFG.vocab_size)
 
 
 def test_tied_embeddings_make_the_head_the_embedding():
@@ -192,7 +193,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
         and not np.any(np.asarray(model.head.weight))
     )
     assert np.any(layers.attn.qkv.weight) and np.any(layers.mlp.up.weight)  # the rest as before
-    np.testing.assert_array_equal(call(model, TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
+    np.testing.assert_array_equal(forward(model, TOKENS), np.zeros((len(TOKENS), CFG.vocab_size)))
     # Training moves the zeroed matrices: the first step the head (nothing flows back through a zero
     # head), the second the output projections.
     config = TrainConfig(batch_size=2, lr=1e-2, warmup_steps=0, optimizer="muon")
@@ -206,7 +207,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
 
 def test_the_logit_softcap_bounds_the_logits_and_keeps_their_order():
     plain, capped = model_with(), model_with(logit_softcap=0.5)
-    logits, bounded = np.asarray(call(plain, TOKENS)), np.asarray(call(capped, TOKENS))
+    logits, bounded = np.asarray(forward(plain, TOKENS)), np.asarray(forward(capped, TOKENS))
     assert np.all(np.abs(bounded) < 0.5)
     np.testing.assert_allclose(bounded, 0.5 * np.tanh(logits / 0.5), atol=1e-6)
     np.testing.assert_array_equal(np.argmax(bounded, -1), np.argmax(logits, -1))

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import TINY_GPT, call, decode, gpt, in_family
+from compiled import forward, gpt
+from model_family import TINY_GPT, decode, in_family
 
 from eqx_gpt import (
     GPT,
@@ -74,18 +75,18 @@ def test_inference_mode_is_deterministic_with_any_key(name):
     assert _flags(module) and not any(_flags(module))  # built in training mode
     inference = eqx.nn.inference_mode(module)
     assert all(_flags(inference))
-    out = call(inference, *inputs)
-    np.testing.assert_array_equal(call(inference, *inputs, key=K1), out)
-    np.testing.assert_array_equal(call(inference, *inputs, key=K2), out)
+    out = forward(inference, *inputs)
+    np.testing.assert_array_equal(forward(inference, *inputs, key=K1), out)
+    np.testing.assert_array_equal(forward(inference, *inputs, key=K2), out)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name):
     module, inputs = MODULES[name]()
     training = eqx.nn.inference_mode(eqx.nn.inference_mode(module), False)
-    a, b = call(training, *inputs, key=K1), call(training, *inputs, key=K2)
+    a, b = forward(training, *inputs, key=K1), forward(training, *inputs, key=K2)
     assert not np.allclose(a, b)
-    np.testing.assert_array_equal(a, call(module, *inputs, key=K1))  # the same masks as built
+    np.testing.assert_array_equal(a, forward(module, *inputs, key=K1))  # the same masks as built
     with pytest.raises(
         ValueError, match=f"^{name} has dropout 0.5 and is in training mode, so it needs key="
     ):
@@ -96,11 +97,11 @@ def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name)
 def test_the_per_call_override_beats_the_mode(name):
     module, inputs = MODULES[name]()
     inference = eqx.nn.inference_mode(module)
-    out = call(inference, *inputs)
-    np.testing.assert_array_equal(call(module, *inputs, key=K1, inference=True), out)
-    np.testing.assert_array_equal(call(module, *inputs, inference=True), out)
+    out = forward(inference, *inputs)
+    np.testing.assert_array_equal(forward(module, *inputs, key=K1, inference=True), out)
+    np.testing.assert_array_equal(forward(module, *inputs, inference=True), out)
     np.testing.assert_array_equal(
-        call(inference, *inputs, key=K1, inference=False), call(module, *inputs, key=K1)
+        forward(inference, *inputs, key=K1, inference=False), forward(module, *inputs, key=K1)
     )
     with pytest.raises(ValueError, match="needs key="):
         inference(*inputs, inference=False)
@@ -109,10 +110,10 @@ def test_the_per_call_override_beats_the_mode(name):
 def test_a_model_without_dropout_needs_no_key():
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
     tokens = jnp.arange(8) % 9
-    np.testing.assert_array_equal(call(model, tokens), call(model, tokens, key=K1))
+    np.testing.assert_array_equal(forward(model, tokens), forward(model, tokens, key=K1))
     block = Block(16, 2, 32, key=jax.random.key(0))
     x = jnp.ones((5, 16))
-    np.testing.assert_array_equal(call(block, x), call(block, x, key=K1))
+    np.testing.assert_array_equal(forward(block, x), forward(block, x, key=K1))
 
 
 def test_the_dropout_function_keeps_the_contract():
@@ -130,11 +131,13 @@ def test_stacked_and_unstacked_models_switch_every_flag_and_agree():
     unstacked = inference.unstack()
     assert len(_flags(unstacked)) == 1 + CFG.n_layers * 2  # the model, then each block and its attention
     assert all(_flags(unstacked))
-    np.testing.assert_allclose(call(unstacked, tokens, key=K1), call(inference, tokens), atol=1e-6)
+    np.testing.assert_allclose(forward(unstacked, tokens, key=K1), forward(inference, tokens), atol=1e-6)
     logits, _ = decode(inference, tokens, inference.init_cache(), 0)
-    np.testing.assert_allclose(logits, call(inference, tokens), atol=1e-5)
+    np.testing.assert_allclose(logits, forward(inference, tokens), atol=1e-5)
     # Training mode, unstacked: the same masks as the stacked model.
-    np.testing.assert_allclose(call(model.unstack(), tokens, key=K1), call(model, tokens, key=K1), atol=1e-6)
+    np.testing.assert_allclose(
+        forward(model.unstack(), tokens, key=K1), forward(model, tokens, key=K1), atol=1e-6
+    )
 
 
 def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
@@ -142,7 +145,7 @@ def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
     # must still run (a model without dropout never branches on them).
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
     tokens = jnp.arange(8) % 9
-    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), call(model, tokens), atol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), forward(model, tokens), atol=1e-6)
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
     x = jnp.ones((5, 16))
     np.testing.assert_allclose(
@@ -178,7 +181,7 @@ def test_checkpoints_hold_arrays_only_and_load_in_training_mode(tmp_path):
     assert weights[0] == weights[1]  # the mode is not stored
     loaded, _, meta = load_model(paths[1])
     assert meta["version"] == VERSION and not any(_flags(loaded))
-    np.testing.assert_array_equal(call(loaded, tokens, key=K1), call(model, tokens, key=K1))
+    np.testing.assert_array_equal(forward(loaded, tokens, key=K1), forward(model, tokens, key=K1))
 
 
 def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
@@ -188,7 +191,7 @@ def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
     model, tokenizer, meta = load_model(folder)
     assert isinstance(model, GPT) and _flags(model) and not any(_flags(model))
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    logits = call(eqx.nn.inference_mode(model), jnp.asarray(expected["tokens"]), key=K1)
+    logits = forward(eqx.nn.inference_mode(model), jnp.asarray(expected["tokens"]), key=K1)
     np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
 
 

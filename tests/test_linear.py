@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_family import TINY_GPT, TINY_TRANSFORMER, call, gpt, in_family, transformer
+from compiled import forward, gpt, transformer
+from model_family import TINY_GPT, TINY_TRANSFORMER, in_family
 
 from eqx_gpt import (
     MLP,
@@ -116,11 +117,11 @@ def test_a_format_2_checkpoint_written_before_linear_loads_to_its_logits():
     expected = np.load(FIXTURE / "expected.npz")
     model, _, meta = load_model(FIXTURE / "gpt", kind="GPT")
     assert meta["version"] == 2 and model.config.bias and model.head is not None
-    np.testing.assert_allclose(call(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(forward(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
     optimizer = make_optimizer(TrainConfig(optimizer="adamw"))
     like = eqx.filter_eval_shape(optimizer.init, eqx.filter(model, eqx.is_inexact_array))
     _, opt_state, _, _ = load_checkpoint(FIXTURE / "gpt", like)
     assert jax.tree.structure(opt_state) == jax.tree.structure(like)
     loaded, _, _ = load_model(FIXTURE / "transformer", kind="Transformer")
-    logits = call(loaded, jnp.asarray(expected["src"]), jnp.asarray(expected["tgt"]))
+    logits = forward(loaded, jnp.asarray(expected["src"]), jnp.asarray(expected["tgt"]))
     np.testing.assert_allclose(logits, expected["transformer_logits"], atol=1e-5)

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from train_family import FAMILY, forward
+from compiled import forward
+from train_family import FAMILY
 
 from eqx_gpt import (
     CheckpointError,

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import forward
 from doc_blocks import DOCS, python_blocks
-from gen_models import GROUP, forward, gpt
+from gen_models import GROUP, gpt
 
 import eqx_gpt
 from eqx_gpt import (

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gen_models import GROUP, TRANSFORMER_CONFIG, forward, transformer
+from compiled import forward
+from gen_models import GROUP, TRANSFORMER_CONFIG, transformer
 
 from eqx_gpt import (
     GPT,

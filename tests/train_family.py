@@ -2,8 +2,8 @@
 process, and a program compiled here for one of them serves every other.
 
 A model called op by op (eagerly) compiles its layer scan afresh on every call (its body is a new
-closure each time); called through `forward`, a model of one structure and input shape compiles
-once for the whole family.
+closure each time); called through `compiled.forward` (tests/compiled.py), a model of one structure
+and input shape compiles once for the whole family.
 """
 
 import functools
@@ -21,13 +21,6 @@ FAMILY = pytest.mark.xdist_group("train")  # the files' `pytestmark`
 # The family's small GPT, for tests whose assertions do not depend on its size: one set of weight
 # shapes, so one set of initialising programs (and steps, and forwards) for all of them.
 CONFIG = GPTConfig(vocab_size=11, context_length=16, d_model=32, n_heads=2, n_layers=2)
-
-
-@eqx.filter_jit
-def forward(model, tokens, **kwargs):
-    """`model(tokens, **kwargs)`, compiled whole: arrays among `kwargs` (a key) are traced, the
-    rest (`inference=True`) are static."""
-    return model(tokens, **kwargs)
 
 
 # Muon at the speedrun's rates, no clipping or weight decay: what the files' Muon steps train with.

@@ -1,0 +1,45 @@
+"""What every family of test files calls through (each family runs in one process: see
+tests/conftest.py): models built once per process, one forward pass compiled whole, and token ids
+drawn by NumPy.
+
+The suite's time is XLA compiling. Run eagerly, every call of a layer-scanned model compiles its
+scan again (the scan's body is a new closure each call) and every operation is a program of its
+own; `jax.jit(lambda ...)` inside a test makes a new cache per test. These are built once, so a
+program compiled for one test serves every test of the process that calls it with a model of the
+same structure and inputs of the same shapes.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eqx_gpt import GPT, GPTConfig, Transformer, TransformerConfig
+
+
+@eqx.filter_jit
+def forward(module, *args, **kwargs):
+    """`module(*args, **kwargs)` as one compiled program: arrays among the arguments (a key) are
+    traced, the rest (`inference=True`) static; one program per module structure and shapes."""
+    return module(*args, **kwargs)
+
+
+def token_ids(seed: int, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
+    """Random token ids `shape` in `[0, vocab_size)` (int32), drawn by NumPy: `jax.random.randint`
+    compiles a program for every shape it draws."""
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab_size, shape), jnp.int32)
+
+
+@functools.cache
+def gpt(config: GPTConfig, seed: int = 0) -> GPT:
+    """`GPT(config, key=jax.random.key(seed))`, built once per process (models are immutable). A test
+    that trains builds its own: a training step donates the model's arrays."""
+    return GPT(config, key=jax.random.key(seed))
+
+
+@functools.cache
+def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
+    """`Transformer(config, key=jax.random.key(seed))`, built once per process."""
+    return Transformer(config, key=jax.random.key(seed))
