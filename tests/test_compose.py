@@ -5,7 +5,6 @@ Only the public API is imported, the way a downstream Equinox project would use 
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from train_family import FAMILY
@@ -38,15 +37,16 @@ class TinyEncoderClassifier(eqx.Module):
         return x.mean(0) @ self.readout
 
 
-def make_data(key, n=64, seq=8, vocab=6):
-    tokens = jax.random.randint(key, (n, seq), 0, vocab)
-    labels = jnp.any(tokens == 3, axis=1).astype(jnp.int32)  # needs to look at the whole sequence
-    return tokens, labels
+def make_data(seed, n=64, seq=8, vocab=6):
+    # In NumPy: `jax.random.randint` and the label's operations would each compile a program.
+    tokens = np.random.default_rng(seed).integers(0, vocab, (n, seq)).astype(np.int32)
+    labels = np.any(tokens == 3, axis=1).astype(np.int32)  # needs to look at the whole sequence
+    return jax.device_put(tokens), jax.device_put(labels)
 
 
 def test_public_modules_train_and_round_trip_through_serialisation(tmp_path):
     model = TinyEncoderClassifier(6, 16, 2, key=jax.random.key(0))
-    tokens, labels = make_data(jax.random.key(1))
+    tokens, labels = make_data(1)
     optim = optax.adam(3e-2)
     opt_state = optim.init(eqx.filter(model, eqx.is_inexact_array))
 

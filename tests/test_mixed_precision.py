@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from compiled import forward, token_ids
 from train_family import CONFIG, FAMILY
 
 from eqx_gpt import GPT, MultiHeadAttention, causal_mask
@@ -20,8 +21,8 @@ FP32 = CONFIG  # the family's small GPT: its initialising programs are compiled 
 BF16 = dataclasses.replace(FP32, compute_dtype="bfloat16")
 
 
-def _tokens(key, n=4):
-    return jax.random.randint(jax.random.key(key), (n, FP32.context_length + 1), 0, FP32.vocab_size)
+def _tokens(seed, n=4):
+    return token_ids(seed, (n, FP32.context_length + 1), FP32.vocab_size)
 
 
 def test_bf16_compute_trains_with_fp32_parameters_and_optimiser_state():
@@ -58,25 +59,39 @@ def test_bf16_logits_loss_and_gradients_stay_close_to_fp32():
     (l16, logits16), g16 = loss_and_grads(model16)
 
     assert logits16.dtype == jnp.float32 and logits16.shape == logits32.shape
+    # Compared in NumPy (float32, as the arrays are): each jnp operation would compile a program.
+    logits32, logits16 = np.asarray(logits32), np.asarray(logits16)
     # bf16 keeps 8 bits of mantissa: about 0.4% relative error per rounding.
-    scale = float(jnp.abs(logits32).max())
-    assert 0 < float(jnp.abs(logits16 - logits32).max()) <= 0.03 * scale  # close, and really bf16
-    p32, p16 = jax.nn.softmax(logits32), jax.nn.softmax(logits16)
-    assert float(jnp.abs(p16 - p32).max()) <= 2e-3
+    scale = np.abs(logits32).max()
+    assert 0 < np.abs(logits16 - logits32).max() <= 0.03 * scale  # close, and really bf16
+    p32, p16 = _softmax(logits32), _softmax(logits16)
+    assert np.abs(p16 - p32).max() <= 2e-3
     assert abs(float(l16) - float(l32)) <= 1e-2
 
-    flat32 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(g32)])
-    flat16 = jnp.concatenate([g.ravel() for g in jax.tree.leaves(g16)])
-    assert flat16.dtype == jnp.float32
-    cosine = jnp.dot(flat32, flat16) / (jnp.linalg.norm(flat32) * jnp.linalg.norm(flat16))
-    assert float(cosine) > 0.99
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))
+    flat32 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g32)])
+    flat16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g16)])
+    cosine = np.dot(flat32, flat16) / (np.linalg.norm(flat32) * np.linalg.norm(flat16))
+    assert cosine > 0.99
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    """`jax.nn.softmax` over the last axis, in NumPy."""
+    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 def test_fused_attention_matches_the_per_head_vmap_path():
     # On CPU this is XLA's path of jax.nn.dot_product_attention, the call that GPUs send to cuDNN.
     attn = MultiHeadAttention(64, 4, key=jax.random.key(0))
-    x = jax.random.normal(jax.random.key(1), (12, 64))
-    q, k, v = attn.project_qkv(x)
+    x = jax.device_put(np.random.default_rng(1).standard_normal((12, 64), np.float32))
     mask = causal_mask(12)
-    fused = fused_attention(q, k, v, mask).reshape(12, 64) @ attn.out.weight
-    np.testing.assert_allclose(fused, attn(x, mask=mask), atol=1e-5, rtol=1e-5)
+    # Each path compiled whole: op by op, each of their operations is a program of its own.
+    fused = forward(_fused_path, attn, x, mask)
+    np.testing.assert_allclose(fused, forward(attn, x, mask=mask), atol=1e-5, rtol=1e-5)
+
+
+def _fused_path(attn: MultiHeadAttention, x, mask):
+    """`attn`'s output through `fused_attention` (`jax.nn.dot_product_attention`)."""
+    q, k, v = attn.project_qkv(x)
+    return fused_attention(q, k, v, mask).reshape(x.shape) @ attn.out.weight

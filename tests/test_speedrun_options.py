@@ -6,10 +6,10 @@ import dataclasses
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from train_family import CONFIG, FAMILY, MUON, train_step
+from compiled import token_ids
+from train_family import CONFIG, FAMILY, MUON, train_step, update
 
 from eqx_gpt import GPT, MultiHeadAttention
 from eqx_gpt.training.config import TrainConfig
@@ -29,19 +29,17 @@ CFG = CONFIG  # the family's: its step (Muon, MUON) is test_training's too, comp
 def first_qkv_update(config: TrainConfig) -> np.ndarray:
     """The first layer's `w_qkv` update of one training step at the peak rate, from init."""
     model = GPT(CFG, key=jax.random.key(0))
-    before = np.array(model.blocks.layers.attn.qkv.weight[0])
+    before = np.array(model.blocks.layers.attn.qkv.weight)[0]  # indexed in NumPy: no program
     step = train_step(config, dropout=False)
-    batch = jax.random.randint(
-        jax.random.key(1), (config.batch_size, CFG.context_length + 1), 0, CFG.vocab_size
-    )
+    batch = token_ids(1, (config.batch_size, CFG.context_length + 1), CFG.vocab_size)
     model, _, _ = step(
         model,
         init_optimizer_state(make_optimizer(config), model),
         batch,
-        jnp.int32(0),
-        jnp.float32(config.lr),
+        np.int32(0),
+        np.float32(config.lr),
     )
-    return np.asarray(model.blocks.layers.attn.qkv.weight[0]) - before
+    return np.asarray(model.blocks.layers.attn.qkv.weight)[0] - before
 
 
 def test_split_qkv_gives_queries_and_keys_updates_as_large_as_the_values():
@@ -74,22 +72,24 @@ def test_the_compiled_step_is_shared_only_by_configs_that_step_alike():
 def _fused(qkv_weight):
     """An attention's parameters whose fused `qkv` weight is `qkv_weight` `(layers, 8, 24)`."""
     attn = MultiHeadAttention(8, 2, key=jax.random.key(1))
-    return eqx.filter(eqx.tree_at(lambda a: a.qkv.weight, attn, qkv_weight), eqx.is_inexact_array)
+    fused = eqx.tree_at(lambda a: a.qkv.weight, attn, jax.device_put(qkv_weight))
+    return eqx.filter(fused, eqx.is_inexact_array)
 
 
 def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_its_own():
     # Muon through split_qkv on a fused (layers, d, 3d) gradient gives exactly what Muon gives
     # the three (layers, d, d) thirds as separate matrices.
-    grads = jax.random.normal(jax.random.key(0), (2, 8, 24))
+    # Drawn and cut in NumPy; each update compiled whole (`update`): run op by op, Muon's
+    # Newton-Schulz iterations compile dozens of programs.
+    grads = np.random.default_rng(0).standard_normal((2, 8, 24), np.float32)
     split = split_qkv(optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(True)))
-    fused_update, _ = split.update(_fused(grads), split.init(_fused(grads)), _fused(grads))
-    thirds = [grads[..., 8 * i : 8 * (i + 1)] for i in range(3)]
+    fused_update, _ = update(split, _fused(grads), split.init(_fused(grads)), _fused(grads))
+    thirds = [jax.device_put(grads[..., 8 * i : 8 * (i + 1)]) for i in range(3)]
     alone = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
-    separate, _ = alone.update(thirds, alone.init(thirds), thirds)
-    np.testing.assert_allclose(
-        fused_update.qkv.weight, jnp.concatenate(separate, axis=-1), rtol=1e-4, atol=1e-5
-    )
+    separate, _ = update(alone, thirds, alone.init(thirds), thirds)
+    separate = np.concatenate([np.asarray(x) for x in separate], axis=-1)
+    np.testing.assert_allclose(fused_update.qkv.weight, separate, rtol=1e-4, atol=1e-5)
     # Fused, the thirds share one orthogonalisation, which is another update.
     whole = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
-    together, _ = whole.update(_fused(grads), whole.init(_fused(grads)), _fused(grads))
+    together, _ = update(whole, _fused(grads), whole.init(_fused(grads)), _fused(grads))
     assert not np.allclose(together.qkv.weight, fused_update.qkv.weight, atol=1e-3)

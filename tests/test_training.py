@@ -4,8 +4,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
+from compiled import token_ids
 from train_family import CONFIG, FAMILY, MUON, optimizer_of, train_step, update
 
 from eqx_gpt import GPT, GPTConfig
@@ -48,7 +48,8 @@ def _step(config: TrainConfig, model_config=CONFIG):
 
 
 DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
-BATCH = jax.random.randint(jax.random.key(1), (8, 17), 0, CONFIG.vocab_size)
+# NumPy (drawn by `token_ids`): indexing and stacking it compile nothing.
+BATCH = np.asarray(token_ids(1, (8, 17), CONFIG.vocab_size))
 # One compiled program for the loss and its gradient at BATCH's shape, shared by the tests below.
 loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
 # Clipped to 0.01, far below the gradient's norm (AdamW's update hardly changes: it divides the
@@ -80,7 +81,7 @@ def test_loss_falls_when_overfitting_one_batch(clipped_steps):
     opt_state = init_optimizer_state(make_optimizer(CLIPPED), model)
     first = float(loss_and_grads(model, BATCH)[0])
     assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
-    batches, lrs = jnp.stack([BATCH, BATCH]), np.full(2, 3e-3, np.float32)
+    batches, lrs = np.stack([BATCH, BATCH]), np.full(2, 3e-3, np.float32)
     for i in range(30):  # 60 steps, two per call
         steps = np.arange(2 * i, 2 * i + 2, dtype=np.int32)
         model, opt_state, _ = clipped_steps(model, opt_state, batches, steps, lrs, np.int32(2))
@@ -120,7 +121,7 @@ def test_steps_grouped_into_calls_any_way_give_the_same_bits(dropout_steps):
     # so how steps are grouped into calls, and where a process started, cannot change a bit.
     # This holds by construction on any CPU: it compares one program with itself.
     steps_fn = dropout_steps
-    batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
+    batches = np.asarray(token_ids(2, (4, 8, 17), CONFIG.vocab_size))
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     results = []
     for groups in ([4], [1, 3], [2, 1, 1]):
@@ -150,7 +151,7 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-5, 1e-4
 
 def test_several_steps_per_call_match_as_many_single_steps(dropout_step, dropout_steps):
     steps_fn = dropout_steps
-    batches = jax.random.randint(jax.random.key(2), (4, 8, 17), 0, CONFIG.vocab_size)
+    batches = np.asarray(token_ids(2, (4, 8, 17), CONFIG.vocab_size))  # NumPy: batches[i] compiles nothing
     steps, lrs = np.arange(10, 14, dtype=np.int32), np.asarray([1e-2, 5e-3, 2e-3, 1e-3], np.float32)
     for n in (4, 3):  # all of the stack, and fewer (the rest is ignored); one compiled program
         model, opt_state = _fresh_state()
@@ -189,12 +190,19 @@ def test_muon_takes_the_block_matrices_and_adamw_the_embedding_head_and_norm_sca
     assert blocks.attn_norm.scale == blocks.mlp_norm.scale == "adamw"
 
 
+def _normal_like(params, seed: int):
+    """Standard normal arrays shaped as `params`' leaves, drawn by NumPy (`jax.random.normal`
+    compiles a program per shape)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jax.device_put(rng.standard_normal(p.shape, np.float32)), params)
+
+
 def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
     config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0})
     model = GPT(CONFIG, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_inexact_array)
     optimizer = optimizer_of(config)
-    grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(1), p.shape), params)
+    grads = _normal_like(params, 1)
     updates, _ = update(optimizer, grads, optimizer.init(params), params)
     for name in ("qkv", "out"):
         stacked = getattr(updates.blocks.layers.attn, name).weight
@@ -208,7 +216,7 @@ def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
 
 
 def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_full_batch():
-    batches = jax.random.randint(jax.random.key(2), (3, 8, 17), 0, CONFIG.vocab_size)
+    batches = np.asarray(token_ids(2, (3, 8, 17), CONFIG.vocab_size))
     steps, lrs = np.arange(3, dtype=np.int32), np.asarray([0.02, 0.01, 0.005], np.float32)
 
     def fresh():
@@ -244,19 +252,18 @@ def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_b
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = update(optimizer, zeros, optimizer.init(params), params)
     ratio = 3e-3 / 0.02  # the AdamW group's share of the scheduled rate
-    np.testing.assert_allclose(updates.embed, -ratio * 0.5 * params.embed, rtol=1e-5)
-    np.testing.assert_allclose(updates.head.weight, -ratio * 0.5 * params.head.weight, rtol=1e-5)
-    assert not np.any(updates.final_norm.scale) and not np.any(updates.blocks.layers.attn_norm.scale)
+    # In NumPy: a product or a test of jax arrays compiles a program per shape.
+    np.testing.assert_allclose(updates.embed, -ratio * 0.5 * np.asarray(params.embed), rtol=1e-5)
+    np.testing.assert_allclose(updates.head.weight, -ratio * 0.5 * np.asarray(params.head.weight), rtol=1e-5)
+    assert not np.asarray(updates.final_norm.scale).any()
+    assert not np.asarray(updates.blocks.layers.attn_norm.scale).any()
 
 
 def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps():
     # With momentum 0 Muon keeps no memory: the second update is the first update of its gradient
     # alone. With the default 0.95 the first gradient still steers it.
     params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
-    g1, g2 = (
-        jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), params)
-        for k in jax.random.split(jax.random.key(3))
-    )
+    g1, g2 = _normal_like(params, 3), _normal_like(params, 4)
 
     def second_update(momentum):
         optimizer = optimizer_of(
@@ -277,8 +284,8 @@ def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss(clip
     config, steps_fn = CLIPPED, clipped_steps
     model = GPT(CONFIG, key=jax.random.key(0))
     loss, grads = loss_and_grads(model, BATCH)
-    expected, loss = float(jax.jit(optax.tree.norm)(grads)), float(loss)  # one program, not one per leaf
-    batches = jnp.stack([BATCH, BATCH])
+    expected = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+    loss, batches = float(loss), np.stack([BATCH, BATCH])
     _, _, figures = steps_fn(
         model, init_optimizer_state(make_optimizer(config), model), batches, np.arange(2, dtype=np.int32),
         np.full(2, 1e-3, np.float32), np.int32(1),
