@@ -88,13 +88,19 @@ def _adapter_bs(model) -> list:
     return [n.lora_b for n in nodes if isinstance(n, LoRALinear)]
 
 
-def _random_b(model, key):
-    """`model` with every adapter's B drawn at random (B starts at zero, which would check nothing)."""
-    bs = _adapter_bs(model)
-    keys = jax.random.split(key, len(bs))
-    return eqx.tree_at(
-        _adapter_bs, model, [0.1 * jax.random.normal(k, b.shape) for k, b in zip(keys, bs, strict=True)]
-    )
+def _random_b(model, seed: int):
+    """`model` with every adapter's B drawn at random (B starts at zero, which would check nothing),
+    by NumPy: `jax.random.normal` and the scaling compile a program per shape."""
+    rng = np.random.default_rng(seed)
+    draws = [jax.device_put(0.1 * rng.standard_normal(b.shape, np.float32)) for b in _adapter_bs(model)]
+    return eqx.tree_at(_adapter_bs, model, draws)
+
+
+@eqx.filter_jit
+def _outputs(tokens, *calls):
+    """`model(tokens, **kwargs)` for each `(model, kwargs)` of `calls`, all in one program: a model
+    compiled alone per call costs about twice as much (each program compiles the whole model)."""
+    return [model(tokens, **kwargs) for model, kwargs in calls]
 
 
 def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
@@ -105,17 +111,20 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
         LoRALinear, LoRALinear, LoRALinear, Linear
     ]  # fmt: skip
     assert isinstance(layers.attn.qkv, Linear) and layers.attn.qkv.lora_a.shape == (2, 32, 4)
-    batch = jnp.arange(2 * 17).reshape(2, 17) % 512
+    batch = np.arange(2 * 17, dtype=np.int32).reshape(2, 17) % 512
     # Step 0 is the base model: B is zero.
     assert float(_loss(model, batch)) == pytest.approx(float(_loss(base, batch)), rel=1e-6)
-    adapted = eqx.nn.inference_mode(_random_b(model, jax.random.key(1)))
+    adapted = eqx.nn.inference_mode(_random_b(model, 1))
     merged = merge_lora(adapted)
     assert not any(
         isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
     )
-    x = jnp.arange(12)
-    np.testing.assert_allclose(forward(merged, x), forward(adapted, x), atol=2e-5)
-    assert float(jnp.abs(forward(adapted, x) - forward(eqx.nn.inference_mode(base), x)).max()) > 1e-2
+    x = jax.device_put(np.arange(12, dtype=np.int32))
+    from_merged, from_adapted, from_base = _outputs(
+        x, (merged, {}), (adapted, {}), (eqx.nn.inference_mode(base), {})
+    )
+    np.testing.assert_allclose(from_merged, from_adapted, atol=2e-5)
+    assert np.abs(np.asarray(from_adapted) - np.asarray(from_base)).max() > 1e-2
     # Only the adapters are trainable.
     params = eqx.filter(model, lora_trainable(model))
     assert sum(x.size for x in jax.tree.leaves(params)) == 2 * (
@@ -126,42 +135,45 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
 def test_lora_dropout_drops_out_the_adapters_input_alone_in_training():
     base = Linear(8, 6, key=jax.random.key(0), use_bias=True)
     lora = LoRALinear(base, 2, alpha=4.0, dropout=0.5, key=jax.random.key(1))
-    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.random.normal(jax.random.key(2), (2, 6)))
-    x, key = jax.random.normal(jax.random.key(3), (3, 5, 8)), jax.random.key(4)
+    # Drawn, and the expected outputs computed, in NumPy: no program of their own. The module runs
+    # eagerly: its operations' programs are shared by its calls (all of one shape).
+    rng = np.random.default_rng(2)
+    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.device_put(rng.standard_normal((2, 6), np.float32)))
+    x, key = jax.device_put(rng.standard_normal((3, 5, 8), np.float32)), jax.random.key(4)
     with pytest.raises(ValueError, match="LoRALinear has dropout 0.5 and is in training mode, so it needs"):
         lora(x)
-    dropped = dropout(x, 0.5, key)
-    expected = base(x) + 2.0 * (dropped @ lora.lora_a) @ lora.lora_b  # PEFT's: the frozen path keeps x
+    dropped = np.asarray(dropout(x, 0.5, key))
+    frozen, a, b = np.asarray(base(x)), np.asarray(lora.lora_a), np.asarray(lora.lora_b)
+    expected = frozen + 2.0 * (dropped @ a) @ b  # PEFT's: the frozen path keeps x
     np.testing.assert_allclose(lora(x, key=key), expected, rtol=1e-5, atol=1e-6)
-    plain = base(x) + 2.0 * (x @ lora.lora_a) @ lora.lora_b
+    plain = frozen + 2.0 * (np.asarray(x) @ a) @ b
     np.testing.assert_allclose(lora(x, inference=True), plain, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(eqx.nn.inference_mode(lora)(x, key=key), plain, rtol=1e-5, atol=1e-6)
     assert not np.allclose(lora(x, key=key), plain)
     # One key per sequence: each sequence gets the output it gets alone, as under jax.vmap.
     keys = jax.random.split(key, 3)
-    alone = jax.vmap(lambda x, k: lora(x, key=k))(x, keys)
+    alone = jax.jit(jax.vmap(lambda x, k: lora(x, key=k)))(x, keys)  # one program, not one per operation
     np.testing.assert_allclose(lora(x, key=keys), alone, rtol=1e-5, atol=1e-6)
 
 
 def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
     base = load_gpt2(TINY_GPT2)
-    tokens = jnp.arange(16) % 100
+    tokens = jax.device_put(np.arange(16, dtype=np.int32) % 100)
     for targets in ("c_attn", "attn.out", "c_fc", "mlp.down"):
         model = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
-        model = _random_b(model, jax.random.key(1))
-        plain = forward(model, tokens, inference=True)
-        one, two = (
-            forward(model, tokens, key=jax.random.key(2)),
-            forward(model, tokens, key=jax.random.key(3)),
+        model = _random_b(model, 1)
+        undropped = _random_b(apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0)), 1)
+        calls = (
+            (model, dict(inference=True)),
+            (model, dict(key=jax.random.key(2))),
+            (model, dict(key=jax.random.key(3))),
+            (undropped, dict(key=jax.random.key(2))),
         )
+        plain, one, two, from_undropped = _outputs(tokens, *calls)
         assert not np.allclose(one, plain) and not np.allclose(one, two), targets
-        np.testing.assert_array_equal(one, forward(model, tokens, key=jax.random.key(2)))
-        undropped = apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0))
-        undropped = _random_b(undropped, jax.random.key(1))
-        # another program than `plain`'s (it traces the unused keys), so equal within rounding
-        np.testing.assert_allclose(
-            forward(undropped, tokens, key=jax.random.key(2)), plain, rtol=1e-6, atol=1e-6
-        )
+        np.testing.assert_array_equal(one, _outputs(tokens, *calls)[1])  # the same key, the same drops
+        # another computation than `plain`'s (it traces the unused keys), so equal within rounding
+        np.testing.assert_allclose(from_undropped, plain, rtol=1e-6, atol=1e-6)
 
 
 def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
@@ -170,7 +182,7 @@ def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
     assert isinstance(layers.attn.qkv, LoRALinear) and isinstance(layers.mlp.down, LoRALinear)
     assert not isinstance(layers.mlp.up, LoRALinear) and layers.attn.qkv.scale == 2.0
     expected = np.load(PEFT_FIXTURE / "expected.npz")
-    logits = forward(eqx.nn.inference_mode(model), jnp.asarray(expected["prompt"]))
+    logits = forward(eqx.nn.inference_mode(model), jax.device_put(expected["prompt"].astype(np.int32)))
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
 
 
@@ -209,7 +221,7 @@ def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone
     arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))
     for a, b in zip(arrays(frozen), arrays(base), strict=True):
         np.testing.assert_array_equal(a, b)  # not one frozen weight moved
-    assert float(jnp.abs(separate.blocks.layers.attn.qkv.lora_b).max()) > 0  # the adapters did
+    assert np.abs(np.asarray(separate.blocks.layers.attn.qkv.lora_b)).max() > 0  # the adapters did
     # The optimiser holds AdamW's two moments for the adapters, nothing for the frozen base.
     _, opt_state, _, _ = load_checkpoint(checkpoint_file(lora_run, LATEST), _opt_like(meta))
     n_adapters = sum(x.size for x in jax.tree.leaves(eqx.filter(separate, lora_trainable(separate))))
@@ -221,7 +233,7 @@ def test_a_lora_run_starts_at_the_base_models_loss_and_trains_the_adapters_alone
     )
     # The merged model (load_model's default) computes what the adapters do.
     merged, _, _ = load_model(lora_run)
-    x = jnp.arange(20) % 512
+    x = jax.device_put(np.arange(20, dtype=np.int32) % 512)
     np.testing.assert_allclose(
         forward(eqx.nn.inference_mode(merged), x), forward(eqx.nn.inference_mode(separate), x), atol=1e-5
     )
@@ -331,7 +343,7 @@ def test_init_from_a_peft_folder_continues_its_adapters(tmp_path, gpt2_corpus):
     separate, _, _ = load_model(out, lora="separate")
     start = load_adapters(load_gpt2(TINY_GPT2, context_length=32), PEFT_FIXTURE)
     b, b0 = separate.blocks.layers.mlp.down.lora_b, start.blocks.layers.mlp.down.lora_b
-    assert 0 < float(jnp.abs(b - b0).max()) < 1e-4  # one step at 1e-6 from the PEFT adapter
+    assert 0 < np.abs(np.asarray(b) - np.asarray(b0)).max() < 1e-4  # one step at 1e-6 from the PEFT adapter
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -390,7 +402,7 @@ def test_export_writes_a_lora_run_merged_or_its_adapters_alone(tmp_path, lora_ru
     )
     export = _cli("export")
     assert export.main(["--checkpoint", str(lora_run), "--out-dir", str(tmp_path / "merged")]) == 0
-    x = jnp.arange(20) % 512
+    x = jax.device_put(np.arange(20, dtype=np.int32) % 512)
     want = forward(eqx.nn.inference_mode(merged), x)
     got = forward(eqx.nn.inference_mode(load_gpt2(tmp_path / "merged")), x)
     np.testing.assert_array_equal(got, want)  # the merged weights, written as they are

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import forward
 from jaxtyping import Array, Float, Int
 from train_family import CONFIG, FAMILY
 
@@ -54,7 +55,7 @@ class SmallDecoder(eqx.Module):
 
 PROJECTIONS = ("attn.qkv", "attn.out", "mlp.up", "mlp.down")
 ALL = [f"blocks.{i}.{p}" for i in range(2) for p in PROJECTIONS] + ["head"]
-TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6])
+TOKENS = jax.device_put(np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32))  # jnp.array compiles a conversion
 
 
 def _model() -> SmallDecoder:
@@ -104,7 +105,7 @@ def test_the_adapters_train_and_merge_back_to_the_models_type():
     model = apply_lora(_model(), 2, alpha=4.0, key=jax.random.key(1))
     bs = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=lambda n: isinstance(n, LoRALinear))
                     if isinstance(n, LoRALinear)]  # fmt: skip
-    model = eqx.tree_at(bs, model, [jnp.full(b.shape, 0.1) for b in bs(model)])
+    model = eqx.tree_at(bs, model, [jax.device_put(np.full(b.shape, 0.1, np.float32)) for b in bs(model)])
     merged = merge_lora(model)
     assert type(merged) is SmallDecoder and not _adapted_paths(merged)
     np.testing.assert_allclose(merged(TOKENS), model(TOKENS), atol=2e-5)
@@ -120,8 +121,9 @@ def test_a_gpt_keeps_pefts_default_and_a_transformer_adapts_every_linear():
     assert type(model) is Transformer
     adapted = _adapted_paths(model)
     assert any("cross_attn" in p for p in adapted) and len(adapted) == len(_linears_of(base))
-    src, tgt = jnp.array([1, 2, 3, 4]), jnp.array([1, 5, 6])
-    np.testing.assert_allclose(model(src, tgt), base(src, tgt), rtol=1e-6, atol=1e-6)
+    src, tgt = (jax.device_put(np.array(t, np.int32)) for t in ([1, 2, 3, 4], [1, 5, 6]))
+    # Each call compiled whole: op by op, a Transformer's call is dozens of programs (its scans too).
+    np.testing.assert_allclose(forward(model, src, tgt), forward(base, src, tgt), rtol=1e-6, atol=1e-6)
 
 
 def _linears_of(model) -> list:
