@@ -96,13 +96,6 @@ def _random_b(model, seed: int):
     return eqx.tree_at(_adapter_bs, model, draws)
 
 
-@eqx.filter_jit
-def _outputs(tokens, *calls):
-    """`model(tokens, **kwargs)` for each `(model, kwargs)` of `calls`, all in one program: a model
-    compiled alone per call costs about twice as much (each program compiles the whole model)."""
-    return [model(tokens, **kwargs) for model, kwargs in calls]
-
-
 def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
     base = load_gpt2(TINY_GPT2)
     model = apply_lora(base, 4, alpha=8, targets="c_attn,c_fc,attn.out", key=jax.random.key(0))
@@ -120,9 +113,8 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
         isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
     )
     x = jax.device_put(np.arange(12, dtype=np.int32))
-    from_merged, from_adapted, from_base = _outputs(
-        x, (merged, {}), (adapted, {}), (eqx.nn.inference_mode(base), {})
-    )
+    from_merged, from_adapted = forward(merged, x), forward(adapted, x)
+    from_base = forward(eqx.nn.inference_mode(base), x)
     np.testing.assert_allclose(from_merged, from_adapted, atol=2e-5)
     assert np.abs(np.asarray(from_adapted) - np.asarray(from_base)).max() > 1e-2
     # Only the adapters are trainable.
@@ -163,17 +155,17 @@ def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
         model = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
         model = _random_b(model, 1)
         undropped = _random_b(apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0)), 1)
-        calls = (
-            (model, dict(inference=True)),
-            (model, dict(key=jax.random.key(2))),
-            (model, dict(key=jax.random.key(3))),
-            (undropped, dict(key=jax.random.key(2))),
+        plain = forward(model, tokens, inference=True)
+        one, two = (
+            forward(model, tokens, key=jax.random.key(2)),
+            forward(model, tokens, key=jax.random.key(3)),
         )
-        plain, one, two, from_undropped = _outputs(tokens, *calls)
         assert not np.allclose(one, plain) and not np.allclose(one, two), targets
-        np.testing.assert_array_equal(one, _outputs(tokens, *calls)[1])  # the same key, the same drops
-        # another computation than `plain`'s (it traces the unused keys), so equal within rounding
-        np.testing.assert_allclose(from_undropped, plain, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(one, forward(model, tokens, key=jax.random.key(2)))
+        # another program than `plain`'s (it traces the unused keys), so equal within rounding
+        np.testing.assert_allclose(
+            forward(undropped, tokens, key=jax.random.key(2)), plain, rtol=1e-6, atol=1e-6
+        )
 
 
 def test_the_adapter_peft_saved_gives_the_logits_peft_gave():
