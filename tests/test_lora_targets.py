@@ -112,12 +112,15 @@ def test_the_adapters_train_and_merge_back_to_the_models_type():
 
 
 def test_a_gpt_keeps_pefts_default_and_a_transformer_adapts_every_linear():
-    gpt = GPT(CONFIG, key=jax.random.key(0))
-    assert _adapted_paths(apply_lora(gpt, 2, key=jax.random.key(1))) == ["blocks.layers.attn.qkv"]
+    # Which paths are adapted is the structure's alone: traced (`filter_eval_shape`), nothing compiled.
+    gpt = eqx.filter_eval_shape(GPT, CONFIG, key=jax.random.key(0))
+    adapted_gpt = eqx.filter_eval_shape(apply_lora, gpt, 2, key=jax.random.key(1))
+    assert _adapted_paths(adapted_gpt) == ["blocks.layers.attn.qkv"]
     t_config = TransformerConfig(src_vocab_size=12, tgt_vocab_size=14, max_len=8, d_model=16, n_heads=2,
                                n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
-    base = Transformer(t_config, key=jax.random.key(0))
-    model = apply_lora(base, 2, key=jax.random.key(1))
+    # Built and adapted each in one program: op by op, each weight's draw is a program of its own.
+    base = eqx.filter_jit(Transformer)(t_config, key=jax.random.key(0))
+    model = eqx.filter_jit(apply_lora)(base, 2, key=jax.random.key(1))
     assert type(model) is Transformer
     adapted = _adapted_paths(model)
     assert any("cross_attn" in p for p in adapted) and len(adapted) == len(_linears_of(base))
