@@ -245,10 +245,17 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
     )
 
 
+# Muon without momentum, its AdamW group decaying at 0.5: the two tests below read each what the
+# other leaves alone (the AdamW group's decay; Muon's matrices), so they share one optimiser, and
+# one compiled update.
+MEMORYLESS = TrainConfig(
+    **{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": 0.0, "adam_weight_decay": 0.5}
+)
+
+
 def test_muon_s_adamw_group_decays_the_embedding_and_head_by_adam_weight_decay_but_not_norm_scales():
-    config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "adam_weight_decay": 0.5})
     params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
-    optimizer = optimizer_of(config)
+    optimizer = optimizer_of(MEMORYLESS)
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = update(optimizer, zeros, optimizer.init(params), params)
     ratio = 3e-3 / 0.02  # the AdamW group's share of the scheduled rate
@@ -265,17 +272,16 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
     params = eqx.filter(GPT(CONFIG, key=jax.random.key(0)), eqx.is_inexact_array)
     g1, g2 = _normal_like(params, 3), _normal_like(params, 4)
 
-    def second_update(momentum):
-        optimizer = optimizer_of(
-            TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": momentum})
-        )
+    def second_update(config):
+        optimizer = optimizer_of(config)
         _, state = update(optimizer, g1, optimizer.init(params), params)
         return update(optimizer, g2, state, params)[0].blocks.layers.mlp.up.weight, optimizer
 
-    memoryless, optimizer = second_update(0.0)
+    # (MEMORYLESS's AdamW decay touches no Muon matrix: mlp.up is one.)
+    memoryless, optimizer = second_update(MEMORYLESS)
     alone = update(optimizer, g2, optimizer.init(params), params)[0].blocks.layers.mlp.up.weight
     np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
-    remembering, _ = second_update(0.95)
+    remembering, _ = second_update(TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": 0.95}))
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
 
 
