@@ -164,7 +164,7 @@ def test_an_adapter_stacked_computes_its_model_alone_and_merged_within_rounding(
     arithmetic), and those of its merged model within float32 rounding."""
     names = list(ADAPTERS)
     stacked = eqx.nn.inference_mode(stack_adapters(models["tiny"], [models[n] for n in names], names))
-    tokens = jnp.asarray(TOKENIZER.encode("To be, or not to be"))[None]
+    tokens = jnp.asarray(np.asarray(TOKENIZER.encode("To be, or not to be"), np.int32)[None])
     run = lambda m, i: _adapter_logits(m, tokens, i)
     for i, name in enumerate(["tiny", *names]):
         own = eqx.nn.inference_mode(models[name])
