@@ -57,6 +57,14 @@ def adapted(base, seed: int, rank: int, alpha: float, targets: str):
     return eqx.tree_at(lora_bs, model, drawn)
 
 
+def zero_adapted(config: GPTConfig, rank: int, alpha: float, targets: str):
+    """`apply_lora` of a GPT of `config`, its arrays NumPy zeros, made from its shapes alone: for a
+    test of what an adapter's shapes are refused for (nothing compiled to make it)."""
+    lora = lambda: apply_lora(zero_gpt(config), rank, alpha=alpha, targets=targets, key=jax.random.key(0))
+    zeros = lambda s: np.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+    return jax.tree.map(zeros, eqx.filter_eval_shape(lora))
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """The base's run folder and each adapter's PEFT folder (written by `save_adapters`)."""
@@ -228,7 +236,7 @@ def test_the_command_refuses_bad_adapters_in_one_line(folders, tmp_path, capsys)
     # Adapters of a wider model, and of a deeper one: for another base.
     wider, deeper = dataclasses.replace(CONFIG, d_model=64), dataclasses.replace(CONFIG, n_layers=3)
     for other, phrase in ((wider, "another model"), (deeper, "layer 2")):
-        model = adapted(zero_gpt(other), 5, 4, 16.0, "c_attn")
+        model = zero_adapted(other, 4, 16.0, "c_attn")
         save_adapters(model, tmp_path / "other", base="other")
         refused([*base, "--adapter", f"other={tmp_path / 'other'}"], capsys, "--adapter other=", phrase)
 

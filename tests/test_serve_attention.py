@@ -21,8 +21,12 @@ LOCAL = "http://localhost"  # a name of this machine: the app answers no other H
 # Any order: the reply keeps it. Every test asks these 6 rows: the programs that record attention
 # are compiled per number of rows asked (rounded up to a power of two), so one number compiles once.
 ASK = {"layers": [1, 0], "heads": [3, 0, 2]}
-OTHERS = [dict(prompt="KING:", max_tokens=50, temperature=0.9, seed=4),
-          dict(prompt="First Citizen:", max_tokens=45, temperature=1.0, top_k=20, seed=8)]  # fmt: skip
+# The second filters its tokens, so the asking request decodes in steps compiled with the filters
+# (its own slot keeping every token); both filters, as test_serve.py's seeded request: its programs.
+OTHERS = [
+    dict(prompt="KING:", max_tokens=50, temperature=0.9, seed=4),
+    dict(prompt="First Citizen:", max_tokens=45, temperature=1.0, top_k=20, top_p=0.95, seed=8),
+]
 
 
 @pytest.fixture(scope="module")
