@@ -92,7 +92,11 @@ def nucleus_reference(logits, p):
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
-    logits = jnp.asarray(np.log(np.array([0.05, 0.5, 0.15, 0.3], np.float32)))
+    # Padded to VOCAB with -inf ids (probability 0, never kept as finite): the filter's program for
+    # VOCAB ids, which the tests below compile anyway, serves these 4 too.
+    logits = np.full(VOCAB, -np.inf, np.float32)
+    logits[:4] = np.log(np.array([0.05, 0.5, 0.15, 0.3], np.float32))
+    logits = jnp.asarray(logits)
     kept = lambda p: set(np.flatnonzero(np.isfinite(np.asarray(top_p_filter(logits, p)))).tolist())
     assert kept(0.01) == {1}  # the top token always survives
     assert kept(0.49) == {1}
