@@ -13,7 +13,6 @@ import functools
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt import GPT, GPTConfig, Transformer, TransformerConfig
@@ -28,8 +27,15 @@ def forward(module, *args, **kwargs):
 
 def token_ids(seed: int, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
     """Random token ids `shape` in `[0, vocab_size)` (int32), drawn by NumPy: `jax.random.randint`
-    compiles a program for every shape it draws."""
-    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab_size, shape), jnp.int32)
+    compiles a program for every shape it draws (and so does `jnp.asarray` of a NumPy array, where
+    `jax.device_put` compiles none)."""
+    return jax.device_put(np.random.default_rng(seed).integers(0, vocab_size, shape).astype(np.int32))
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal float32 draws `shape`, by NumPy: `jax.random.normal` compiles a program for
+    every shape it draws."""
+    return jax.device_put(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
 
 
 @functools.cache

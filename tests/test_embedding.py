@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import gpt, token_ids
+from compiled import gpt, normal, token_ids
 from model_family import SMALL_GPT, in_family
 
 from eqx_gpt.model.embedding import embedding_lookup, exact_bf16_parts, one_hot_scatter_add
@@ -17,8 +17,7 @@ pytestmark = in_family
 
 
 def _normal(seed: int, shape: tuple[int, ...]) -> np.ndarray:
-    """Standard normal float32 draws by NumPy (`jax.random.normal` compiles a program per shape)."""
-    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    return np.asarray(normal(seed, shape))
 
 
 def _sum_as_float32(parts) -> np.ndarray:
@@ -28,12 +27,12 @@ def _sum_as_float32(parts) -> np.ndarray:
 @pytest.mark.parametrize("dtype, parts", [(jnp.float32, 3), (jnp.bfloat16, 1)])
 def test_bf16_parts_hold_the_value_exactly(dtype, parts):
     x = (_normal(0, (64, 32)) * 1e3).astype(dtype).astype(np.float32)
-    np.testing.assert_array_equal(_sum_as_float32(exact_bf16_parts(jnp.asarray(x), parts)), x)
+    np.testing.assert_array_equal(_sum_as_float32(exact_bf16_parts(jax.device_put(x), parts)), x)
 
 
 def test_two_parts_do_not_hold_float32():  # the check above could fail: 16 bits are not 24
     x = _normal(1, (64, 32))  # the shape above: its operations are compiled already
-    assert not np.array_equal(_sum_as_float32(exact_bf16_parts(jnp.asarray(x), 2)), x)
+    assert not np.array_equal(_sum_as_float32(exact_bf16_parts(jax.device_put(x), 2)), x)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -42,7 +41,7 @@ def test_one_hot_scatter_add_equals_the_scatter_add(dtype):
     rows = _normal(2, (300, 16)).astype(dtype).astype(np.float32)
     expected = np.zeros((40, 16), np.float32)
     np.add.at(expected, ids, rows)  # NumPy's scatter-add
-    got = one_hot_scatter_add(jnp.asarray(ids), jnp.asarray(rows), 40, dtype)
+    got = one_hot_scatter_add(jax.device_put(ids), jax.device_put(rows), 40, dtype)
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-6, atol=1e-6)
 
 
@@ -61,7 +60,7 @@ def test_the_lookup_gradient_matches_the_plain_one():
     table, weights = _normal(3, (50, 8)), _normal(5, (4, 30, 8))
     ids = np.random.default_rng(4).integers(0, 50, (4, 30))
     (loss_one_hot, g_one_hot), (loss_plain, g_plain) = jax.tree.map(
-        np.asarray, _lookup_losses_and_gradients(jnp.asarray(table), jnp.asarray(ids), jnp.asarray(weights))
+        np.asarray, _lookup_losses_and_gradients(table, ids, weights)
     )
     np.testing.assert_array_equal(loss_one_hot, loss_plain)
     np.testing.assert_allclose(g_one_hot, g_plain, rtol=1e-6, atol=1e-6)

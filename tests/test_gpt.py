@@ -56,7 +56,7 @@ def test_padded_ids_never_win_even_with_huge_head_weights(model):
     # Make every padding column of the head dominate: they must still not be predictable.
     weight = np.array(model.head.weight)
     weight[:, CFG.vocab_size :] = 1e4
-    rigged = eqx.tree_at(lambda m: m.head.weight, model, jnp.asarray(weight))
+    rigged = eqx.tree_at(lambda m: m.head.weight, model, jax.device_put(weight))
     logits = np.asarray(logits_of(rigged, jnp.arange(SEQ)))
     assert logits.shape[-1] == CFG.vocab_size
     assert int(np.argmax(logits, -1).max()) < CFG.vocab_size

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt, token_ids
+from compiled import forward, gpt, normal, token_ids
 from model_family import SMALL_GPT, decode, in_family
 
 from eqx_gpt import GPT, load_model
@@ -27,11 +27,6 @@ pytestmark = in_family
 FIXTURES = Path(__file__).parent / "fixtures"
 CFG = SMALL_GPT
 TOKENS = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], np.int32)  # NumPy: slicing it compiles nothing
-
-
-def _normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
-    """Standard normal float32 draws by NumPy (`jax.random.normal` compiles a program per shape)."""
-    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
 def model_with(**options) -> GPT:
@@ -55,7 +50,7 @@ def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
     assert "positions" not in meta["model_config"]
     assert model.config.positions == "sinusoidal" and not model.config.bias and model.head is not None
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    np.testing.assert_allclose(forward(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(forward(model, expected["tokens"]), expected["logits"], atol=1e-5)
 
 
 def test_the_default_model_has_no_parameter_of_the_options():
@@ -88,11 +83,11 @@ def test_learned_positions_are_a_table_added_to_unscaled_token_vectors():
     # Moving the table's row 5 changes what position 5 (and, through attention, later ones) sees.
     table = np.array(model.pos_embed)
     table[5] += 1.0
-    moved = eqx.tree_at(lambda m: m.pos_embed, model, jnp.asarray(table))
+    moved = eqx.tree_at(lambda m: m.pos_embed, model, jax.device_put(table))
     logits, moved_logits = np.asarray(forward(model, TOKENS)), np.asarray(forward(moved, TOKENS))
     np.testing.assert_array_equal(logits[:5], moved_logits[:5])
     assert not np.allclose(logits[5], moved_logits[5])
-    x = model._embed(jnp.asarray(TOKENS), 0, len(TOKENS))
+    x = model._embed(jax.device_put(TOKENS), 0, len(TOKENS))
     expected = np.asarray(model.embed)[TOKENS] + np.asarray(model.pos_embed)[: len(TOKENS)]
     np.testing.assert_allclose(x, expected, rtol=1e-6)
 
@@ -103,7 +98,7 @@ def test_rope_attention_sees_only_relative_positions():
     model = model_with(positions="rope")
     assert model.pos_embed is None and model.blocks.layers.attn.rope
     attn = model.unstack().blocks.layers[0].attn
-    x = _normal(4, (6, CFG.d_model))
+    x = normal(4, (6, CFG.d_model))
     # Both starts through one compiled program (a start given as an array is traced).
     (q0, k0), (q9, k9) = (_queries_and_keys(attn, x, jnp.int32(start)) for start in (0, 9))
     scores = lambda q, k: np.einsum("qhd,khd->hqk", q, k)
@@ -118,7 +113,7 @@ def _queries_and_keys(attn, x, start):
 
 
 def test_rotary_embedding_turns_positions_into_offsets():
-    q, k = _normal(1, (2, 1, 1, 8))
+    q, k = normal(1, (2, 1, 1, 8))
     rotated = lambda x, t: np.asarray(_rotary_embedding(x, jnp.array([t])))  # one program for all
     score = lambda t, s: float((rotated(q, t) * rotated(k, s)).sum())
     assert score(7, 4) == pytest.approx(score(3, 0), abs=1e-5)
@@ -140,7 +135,9 @@ def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
     # Biases start at zero and draw no random numbers, so the weights are those of `without`.
     np.testing.assert_allclose(forward(with_bias, TOKENS), forward(without, TOKENS), atol=1e-6)
     shifted = eqx.tree_at(
-        lambda m: m.blocks.layers.mlp.down.bias, with_bias, jnp.asarray(np.asarray(mlp.down.bias) + 0.5)
+        lambda m: m.blocks.layers.mlp.down.bias,
+        with_bias,
+        jax.device_put(np.asarray(mlp.down.bias) + np.float32(0.5)),
     )
     assert not np.allclose(forward(shifted, TOKENS), forward(without, TOKENS), atol=1e-3)
 
@@ -157,7 +154,7 @@ def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
 
 
 def test_activation_is_the_named_function():
-    x = _normal(2, (5, CFG.d_model))
+    x = normal(2, (5, CFG.d_model))
     for name, act in (("relu", jax.nn.relu), ("gelu", lambda h: jax.nn.gelu(h, approximate=False)),
                       ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True)),
                       ("relu2", lambda h: jnp.maximum(h, 0) ** 2)):  # fmt: skip
@@ -169,7 +166,7 @@ def test_a_gated_activation_gives_every_block_a_gated_mlp():
     model = model_with(activation="swiglu")
     mlp = model.unstack().blocks.layers[0].mlp
     assert mlp.gated and mlp.up.weight.shape == (CFG.d_model, 2 * CFG.d_hidden)
-    x = _normal(2, (5, CFG.d_model))
+    x = normal(2, (5, CFG.d_model))
     gate, value = np.split(np.asarray(x) @ np.asarray(mlp.up.weight), 2, axis=-1)
     silu = gate / (1 + np.exp(-gate))
     np.testing.assert_allclose(mlp(x), (silu * value) @ np.asarray(mlp.down.weight), atol=1e-6)
@@ -221,7 +218,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
     config = TrainConfig(batch_size=2, lr=1e-2, warmup_steps=0, optimizer="muon")
     optimizer = make_optimizer(config)
     step = make_train_step(optimizer, config, dropout=False)
-    batch, state = jnp.asarray(np.stack([TOKENS[:9], TOKENS[3:]])), init_optimizer_state(optimizer, model)
+    batch, state = jax.device_put(np.stack([TOKENS[:9], TOKENS[3:]])), init_optimizer_state(optimizer, model)
     for i in range(2):
         model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(1e-2))
     assert np.any(np.asarray(model.blocks.layers.mlp.down.weight)) and np.any(np.asarray(model.head.weight))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt
+from compiled import forward, gpt, normal
 from model_family import TINY_GPT, decode, in_family
 
 from eqx_gpt import (
@@ -45,17 +45,20 @@ def _flags(tree) -> list[bool]:
     return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, bool)]
 
 
+TOKENS = jax.device_put(np.arange(8, dtype=np.int32) % 9)  # NumPy's: `%` of a JAX array compiles
+
+
 def _gpt():
-    return gpt(CFG), jnp.arange(8) % 9
+    return gpt(CFG), TOKENS
 
 
 # Each module with dropout, built with rate 0.5: (module, its inputs).
 _BUILDERS = {
-    "GPT": lambda: (gpt(CFG), (jnp.arange(8) % 9,)),
+    "GPT": lambda: (gpt(CFG), (TOKENS,)),
     "Block": lambda: (Block(16, 2, 32, key=jax.random.key(0), dropout=0.5), (jnp.ones((2, 5, 16)),)),
     "MultiHeadAttention": lambda: (
         MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5),
-        (jax.random.normal(jax.random.key(3), (5, 16)),),
+        (normal(3, (5, 16)),),
     ),
     "Transformer": lambda: (
         Transformer(T_CFG, key=jax.random.key(0)),
@@ -64,55 +67,29 @@ _BUILDERS = {
 }
 
 
-# Each built once.
+# Each built once; the tests call them through `call`, one compiled program per module and mode,
+# shared between the tests.
 MODULES = {name: functools.cache(build) for name, build in _BUILDERS.items()}
-
-
-@eqx.filter_jit
-def _calls(module, inputs, k1, k2):
-    """Every call the three tests below make of `module` (built in training mode), by name, in one
-    compiled program per module: the calls that compute the same thing (every call in inference
-    mode, key or not) are then compiled once, where one program per call compiled each again."""
-    inference = eqx.nn.inference_mode(module)
-    training = eqx.nn.inference_mode(inference, False)
-    return {
-        "inference": inference(*inputs),
-        "inference, key 1": inference(*inputs, key=k1),
-        "inference, key 2": inference(*inputs, key=k2),
-        "switched back to training, key 1": training(*inputs, key=k1),
-        "switched back to training, key 2": training(*inputs, key=k2),
-        "as built, key 1": module(*inputs, key=k1),
-        "as built, key 1, inference=True": module(*inputs, key=k1, inference=True),
-        "as built, inference=True": module(*inputs, inference=True),
-        "inference, key 1, inference=False": inference(*inputs, key=k1, inference=False),
-    }
-
-
-@functools.cache
-def calls(name: str) -> dict[str, np.ndarray]:
-    """`_calls` of the module `name` with its inputs and the keys K1, K2, computed once."""
-    module, inputs = MODULES[name]()
-    return jax.tree.map(np.asarray, _calls(module, inputs, K1, K2))
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_inference_mode_is_deterministic_with_any_key(name):
-    module, _ = MODULES[name]()
+    module, inputs = MODULES[name]()
     assert _flags(module) and not any(_flags(module))  # built in training mode
-    assert all(_flags(eqx.nn.inference_mode(module)))
-    out = calls(name)
-    np.testing.assert_array_equal(out["inference, key 1"], out["inference"])
-    np.testing.assert_array_equal(out["inference, key 2"], out["inference"])
+    inference = eqx.nn.inference_mode(module)
+    assert all(_flags(inference))
+    out = forward(inference, *inputs)
+    np.testing.assert_array_equal(forward(inference, *inputs, key=K1), out)
+    np.testing.assert_array_equal(forward(inference, *inputs, key=K2), out)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name):
     module, inputs = MODULES[name]()
-    out = calls(name)
-    a, b = out["switched back to training, key 1"], out["switched back to training, key 2"]
-    assert not np.allclose(a, b)
-    np.testing.assert_array_equal(a, out["as built, key 1"])  # the same masks as built
     training = eqx.nn.inference_mode(eqx.nn.inference_mode(module), False)
+    a, b = forward(training, *inputs, key=K1), forward(training, *inputs, key=K2)
+    assert not np.allclose(a, b)
+    np.testing.assert_array_equal(a, forward(module, *inputs, key=K1))  # the same masks as built
     with pytest.raises(
         ValueError, match=f"^{name} has dropout 0.5 and is in training mode, so it needs key="
     ):
@@ -122,27 +99,24 @@ def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name)
 @pytest.mark.parametrize("name", MODULES)
 def test_the_per_call_override_beats_the_mode(name):
     module, inputs = MODULES[name]()
-    out = calls(name)
-    np.testing.assert_array_equal(out["as built, key 1, inference=True"], out["inference"])
-    np.testing.assert_array_equal(out["as built, inference=True"], out["inference"])
-    np.testing.assert_array_equal(out["inference, key 1, inference=False"], out["as built, key 1"])
+    inference = eqx.nn.inference_mode(module)
+    out = forward(inference, *inputs)
+    np.testing.assert_array_equal(forward(module, *inputs, key=K1, inference=True), out)
+    np.testing.assert_array_equal(forward(module, *inputs, inference=True), out)
+    np.testing.assert_array_equal(
+        forward(inference, *inputs, key=K1, inference=False), forward(module, *inputs, key=K1)
+    )
     with pytest.raises(ValueError, match="needs key="):
-        eqx.nn.inference_mode(module)(*inputs, inference=False)
-
-
-@eqx.filter_jit
-def _without_and_with_key(module, x, key):
-    """`module(x)` and `module(x, key=key)` in one compiled program (without dropout, one pass)."""
-    return module(x), module(x, key=key)
+        inference(*inputs, inference=False)
 
 
 def test_a_model_without_dropout_needs_no_key():
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
-    tokens = jnp.arange(8) % 9
-    np.testing.assert_array_equal(*_without_and_with_key(model, tokens, K1))
+    tokens = TOKENS
+    np.testing.assert_array_equal(forward(model, tokens), forward(model, tokens, key=K1))
     block = Block(16, 2, 32, key=jax.random.key(0))
     x = jnp.ones((5, 16))
-    np.testing.assert_array_equal(*_without_and_with_key(block, x, K1))
+    np.testing.assert_array_equal(forward(block, x), forward(block, x, key=K1))
 
 
 def test_the_dropout_function_keeps_the_contract():
@@ -160,13 +134,12 @@ def test_stacked_and_unstacked_models_switch_every_flag_and_agree():
     unstacked = inference.unstack()
     assert len(_flags(unstacked)) == 1 + CFG.n_layers * 2  # the model, then each block and its attention
     assert all(_flags(unstacked))
-    stacked = calls("GPT")  # the stacked model's logits for these tokens, in both modes
-    np.testing.assert_allclose(forward(unstacked, tokens, key=K1), stacked["inference"], atol=1e-6)
+    np.testing.assert_allclose(forward(unstacked, tokens, key=K1), forward(inference, tokens), atol=1e-6)
     logits, _ = decode(inference, tokens, inference.init_cache(), 0)
-    np.testing.assert_allclose(logits, stacked["inference"], atol=1e-5)
+    np.testing.assert_allclose(logits, forward(inference, tokens), atol=1e-5)
     # Training mode, unstacked: the same masks as the stacked model.
     np.testing.assert_allclose(
-        forward(model.unstack(), tokens, key=K1), stacked["as built, key 1"], atol=1e-6
+        forward(model.unstack(), tokens, key=K1), forward(model, tokens, key=K1), atol=1e-6
     )
 
 
@@ -174,9 +147,8 @@ def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
     # `jax.jit` and `jax.make_jaxpr` turn every leaf into a tracer, the flags too; the layer scan
     # must still run (a model without dropout never branches on them).
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
-    tokens = jnp.arange(8) % 9
-    expected, _ = _without_and_with_key(model, tokens, K1)
-    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), expected, atol=1e-6)
+    tokens = TOKENS
+    np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), forward(model, tokens), atol=1e-6)
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
     x = jnp.ones((5, 16))
     np.testing.assert_allclose(
@@ -212,7 +184,7 @@ def test_checkpoints_hold_arrays_only_and_load_in_training_mode(tmp_path):
     assert weights[0] == weights[1]  # the mode is not stored
     loaded, _, meta = load_model(paths[1])
     assert meta["version"] == VERSION and not any(_flags(loaded))
-    np.testing.assert_array_equal(forward(loaded, tokens, key=K1), calls("GPT")["as built, key 1"])
+    np.testing.assert_array_equal(forward(loaded, tokens, key=K1), forward(model, tokens, key=K1))
 
 
 def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
@@ -222,7 +194,8 @@ def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
     model, tokenizer, meta = load_model(folder)
     assert isinstance(model, GPT) and _flags(model) and not any(_flags(model))
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    logits = forward(eqx.nn.inference_mode(model), jnp.asarray(expected["tokens"]), key=K1)
+    # Its dropout is 0: the logits of either mode, computed by the program test_gpt_options compiles.
+    logits = forward(model, expected["tokens"])
     np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
 
 
