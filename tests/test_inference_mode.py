@@ -58,11 +58,11 @@ _BUILDERS = {
     "Block": lambda: (Block(16, 2, 32, key=jax.random.key(0), dropout=0.5), (jnp.ones((2, 5, 16)),)),
     "MultiHeadAttention": lambda: (
         MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5),
-        (normal(3, (5, 16)),),
+        (normal(3, (2, 5, 16)),),  # test_modules' batch: its two programs of this module are shared
     ),
     "Transformer": lambda: (
         Transformer(T_CFG, key=jax.random.key(0)),
-        (jnp.asarray([[3, 4, 5, 0]]), jnp.asarray([[1, 2, 3]])),
+        (np.asarray([[3, 4, 5, 0]], np.int32), np.asarray([[1, 2, 3]], np.int32)),
     ),
 }
 
@@ -150,9 +150,9 @@ def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
     tokens = TOKENS
     np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), forward(model, tokens), atol=1e-6)
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
-    x = jnp.ones((5, 16))
+    x = jnp.ones((6, 16))  # test_modules' attention length: the eager call's operations are compiled
     np.testing.assert_allclose(
-        jax.jit(lambda m: m(x, mask=causal_mask(5)))(attn), attn(x, mask=causal_mask(5))
+        jax.jit(lambda m: m(x, mask=causal_mask(6)))(attn), attn(x, mask=causal_mask(6))
     )
 
 
