@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt, token_ids
+from compiled import forward, gpt, token_ids, transformer
 from jaxtyping import TypeCheckError
-from model_family import SMALL_GPT, decode, in_family, vmapped
+from model_family import SMALL_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
@@ -303,3 +303,43 @@ def test_config_defaults_and_round_trip():
         GPTConfig.from_dict({**CFG.to_dict(), "bogus": 1})
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.d_model = 64  # type: ignore[misc]
+
+
+def _traces_during(call) -> int:
+    """How many functions JAX traces while `call()` runs: none when every program it needs is
+    compiled already (a program is traced before it is compiled, and not when its cache hits)."""
+    traces = []
+
+    def listen(event: str, duration: float, **_) -> None:
+        if event.endswith("/jaxpr_trace_duration"):
+            traces.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        jax.block_until_ready(call())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return len(traces)
+
+
+def test_a_model_called_outside_jit_compiles_its_layer_scan_on_the_first_call_only():
+    """Eagerly, every call of a GPT or Transformer traced and compiled its layer scan again (the
+    scan's step was a new closure each call): half a second a call for a model of two layers."""
+    model, t = gpt(SMALL_GPT), transformer(TINY_TRANSFORMER)
+    tokens = token_ids(0, (SMALL_GPT.context_length,), SMALL_GPT.vocab_size)
+    src, tgt = token_ids(1, (1, 6), 9), token_ids(2, (1, 5), 9)
+    cache, t_cache = model.init_cache(), t.init_cache(1, TINY_TRANSFORMER.max_len)
+    memory_kv = t.memory_kv(t.encode(src))
+    calls = {
+        "GPT forward": lambda: model(tokens),
+        "GPT attention weights": lambda: model.attention_weights(tokens),
+        "GPT decode at 0": lambda: model.decode(tokens[:1], cache, 0),
+        "GPT decode at 3": lambda: model.decode(tokens[:1], cache, 3),  # any position: one program
+        "Transformer forward": lambda: t(src, tgt),
+        "Transformer decode at 0": lambda: t.decode(tgt[:, :1], t_cache, 0, memory_kv, src),
+        "Transformer decode at 2": lambda: t.decode(tgt[:, :1], t_cache, 2, memory_kv, src),
+        "cross-attention weights": lambda: t.cross_attention_weights(src[0], tgt[0]),
+    }
+    for call in calls.values():
+        jax.block_until_ready(call())  # compiles what the call needs
+    assert {name: _traces_during(call) for name, call in calls.items()} == dict.fromkeys(calls, 0)

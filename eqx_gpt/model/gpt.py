@@ -19,6 +19,21 @@ from eqx_gpt.model.positions import sinusoidal_positions
 from eqx_gpt.model.stack import LayerStack
 from eqx_gpt.streams import keys_per_sequence, split_key
 
+# The blocks' steps for `LayerStack.run`, at module level so that a layer scan compiles once per
+# structure and shapes even when the model is called outside `jax.jit` (see eqx_gpt/model/stack.py).
+
+
+def _block_forward(block: Block, x, key, *, mask, inference):
+    return block(x, mask=mask, key=key, inference=inference), None
+
+
+def _block_weights(block: Block, x, _, *, mask):
+    return block(x, mask=mask, inference=True), block.attention_weights(x, mask=mask)
+
+
+def _block_decode(block: Block, x, cache, *, start):
+    return block.decode(x, cache, start)
+
 
 class GPT(eqx.Module):
     """A decoder-only transformer language model acting on one sequence of token ids (or a batch).
@@ -207,11 +222,7 @@ class GPT(eqx.Module):
             k_embed, k_blocks = split_key(keys_per_sequence(key, tokens.shape[:-1]), 2)
             layer_keys = split_key(k_blocks, self.config.n_layers)
         x = dropout(self._embed(tokens, 0, seq), self.config.dropout, k_embed, inference=own)
-        mask = causal_mask(seq)
-
-        def layer(block, x, k):
-            return block(x, mask=mask, key=k, inference=inference), None
-
+        layer = eqx.Partial(_block_forward, mask=causal_mask(seq), inference=inference)
         x, _ = self.blocks.run(layer, x, layer_keys)
         return self._normed(x)
 
@@ -226,12 +237,7 @@ class GPT(eqx.Module):
         seq = tokens.shape[0]
         self._check_length(seq)
         x = self._embed(tokens, 0, seq)
-        mask = causal_mask(seq)
-
-        def layer(block, x, _):
-            return block(x, mask=mask, inference=True), block.attention_weights(x, mask=mask)
-
-        _, weights = self.blocks.run(layer, x)
+        _, weights = self.blocks.run(eqx.Partial(_block_weights, mask=causal_mask(seq)), x)
         return self.blocks.as_array(weights)
 
     def unstack(self) -> "GPT":
@@ -291,5 +297,7 @@ class GPT(eqx.Module):
             )
         self._check_ids(tokens)
         x = self._embed(tokens, start, capacity)
-        x, cache = self.blocks.run(lambda block, x, cache_i: block.decode(x, cache_i, start), x, cache)
+        # An array, not a Python int: the layers' scan then compiles once for every position.
+        layer = eqx.Partial(_block_decode, start=jnp.asarray(start))
+        x, cache = self.blocks.run(layer, x, cache)
         return self._logits(x), cache

@@ -9,6 +9,12 @@ class the same way.)
 
 Values that travel with the layers (per-layer dropout keys in, KV caches in and out) follow the
 same form: pytrees with a leading `n` axis when stacked, tuples of `n` items when unstacked.
+
+The scan is compiled once per layer function, structure and shapes (`_scan_layers`), so a model
+called outside `jax.jit`, as in a notebook, compiles its layers on the first call only. That needs a
+layer function that is the same object at every call: a function defined at module level, with the
+values it closes over (masks, a start position) passed in as `eqx.Partial(function, mask=mask)`. A
+lambda still works, but is new at every call and so compiles again at every call.
 """
 
 from collections.abc import Callable
@@ -24,6 +30,20 @@ def _per_layer(x) -> bool:
     array is not: it is what a flag such as `inference` becomes when the whole model is an
     argument of `jax.jit` or `jax.make_jaxpr`, and it is shared by every layer."""
     return eqx.is_array(x) and x.ndim > 0
+
+
+@eqx.filter_jit
+def _scan_layers(layer: Callable, x, arrays, static, per_layer, n: int, unroll: int) -> tuple[Any, Any]:
+    """`jax.lax.scan` of `layer` over stacked layers (`arrays` with a leading `n` axis, `static` the
+    rest of their structure). Compiled by itself, so an eager call of a model reuses its program; an
+    `eqx.Partial` `layer`'s arrays are traced arguments, its function and other values the cache key.
+    Within `jax.jit` it is traced into the caller's program as any function is."""
+
+    def step(x, xs):
+        arrays_i, per_layer_i = xs
+        return layer(eqx.combine(arrays_i, static), x, per_layer_i)
+
+    return jax.lax.scan(step, x, (arrays, per_layer), length=n, unroll=unroll)
 
 
 class LayerStack(eqx.Module):
@@ -51,7 +71,9 @@ class LayerStack(eqx.Module):
 
     def run(self, layer: Callable, x, per_layer=None) -> tuple[Any, Any]:
         """`x, out = layer(module, x, per_layer[i])` for each layer in order; returns `x` and the
-        outs (stacked or a tuple, like the storage; see the module docstring)."""
+        outs (stacked or a tuple, like the storage; see the module docstring). Stacked, the scan
+        compiles once per `layer`: give a module-level function, or an `eqx.Partial` of one holding
+        the arrays it needs, rather than a lambda (see the module docstring)."""
         if not self.stacked:
             outs = []
             for i, module in enumerate(self.layers):
@@ -59,12 +81,7 @@ class LayerStack(eqx.Module):
                 outs.append(out)
             return x, tuple(outs)
         dynamic, static = eqx.partition(self.layers, _per_layer)
-
-        def step(x, xs):
-            arrays, xs_i = xs
-            return layer(eqx.combine(arrays, static), x, xs_i)
-
-        return jax.lax.scan(step, x, (dynamic, per_layer), length=self.n, unroll=self.unroll)
+        return _scan_layers(layer, x, dynamic, static, per_layer, self.n, self.unroll)
 
     def unstack(self) -> "LayerStack":
         """The same layers as a tuple of `n` separate modules (a copy; itself if already so)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Key, PRNGKeyArray
 
 from eqx_gpt._checks import is_whole, takes_token_ids, typechecked
@@ -68,6 +69,32 @@ class TransformerConfig(DictConfig):
             raise ConfigError(f"TransformerConfig: norm in {NORM_KINDS}, norm_position in {NORM_POSITIONS}")
         if not 0 <= self.pad_id < min(self.src_vocab_size, self.tgt_vocab_size):
             raise ConfigError(f"TransformerConfig.pad_id={self.pad_id} is not an id of both vocabularies")
+
+
+# The layers' steps for `LayerStack.run`, at module level so that a layer scan compiles once per
+# structure and shapes even when the model is called outside `jax.jit` (see eqx_gpt/model/stack.py).
+
+
+def _encoder_forward(block: Block, x, key, *, mask, inference):
+    return block(x, mask=mask, key=key, inference=inference), None
+
+
+def _decoder_forward(block: Block, x, key, *, memory, mask, context_mask, inference):
+    return block(x, memory, mask=mask, context_mask=context_mask, key=key, inference=inference), None
+
+
+def _cross_kv(block: Block, memory, _):
+    return memory, block.cross_sublayer()[1].project_kv(memory)
+
+
+def _decoder_decode(block: Block, x, per_layer, *, start, context_mask):
+    cache, kv = per_layer
+    return block.decode(x, cache, start, kv, context_mask)
+
+
+def _decoder_cross_weights(block: Block, x, _, *, memory, mask, context_mask):
+    weights = block.cross_attention_weights(x, memory, mask=mask, context_mask=context_mask)
+    return block(x, memory, mask=mask, context_mask=context_mask, inference=True), weights
 
 
 class Transformer(eqx.Module):
@@ -149,10 +176,7 @@ class Transformer(eqx.Module):
         x = self._embed(self.src_embed, src, sinusoidal_positions(seq, c.d_model), k_embed, own)
         mask = padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]  # every query sees the real keys
         layer_keys = None if k_layers is None else split_key(k_layers, c.n_encoder_layers)
-
-        def layer(block, x, k):
-            return block(x, mask=mask, key=k, inference=inference), None
-
+        layer = eqx.Partial(_encoder_forward, mask=mask, inference=inference)
         x, _ = self.encoder.run(layer, x, layer_keys)
         return x if self.encoder_norm is None else self.encoder_norm(x)
 
@@ -173,10 +197,9 @@ class Transformer(eqx.Module):
         x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(seq, c.d_model), k_embed, own)
         mask, context_mask = causal_mask(seq), padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]
         layer_keys = None if k_layers is None else split_key(k_layers, c.n_decoder_layers)
-
-        def layer(block, x, k):
-            return block(x, memory, mask=mask, context_mask=context_mask, key=k, inference=inference), None
-
+        layer = eqx.Partial(
+            _decoder_forward, memory=memory, mask=mask, context_mask=context_mask, inference=inference
+        )
         x, _ = self.decoder.run(layer, x, layer_keys)
         return self.head(x if self.decoder_norm is None else self.decoder_norm(x))
 
@@ -211,9 +234,7 @@ class Transformer(eqx.Module):
     def memory_kv(self, memory: Float[Array, "batch src_seq d_model"]):
         """Each decoder layer's cross-attention keys and values of `memory` (from `encode`): what
         every decoding step attends to, projected once per source."""
-        _, kv = self.decoder.run(
-            lambda block, x, _: (x, block.cross_sublayer()[1].project_kv(memory)), memory
-        )
+        _, kv = self.decoder.run(_cross_kv, memory)
         return kv
 
     def decode(
@@ -237,11 +258,7 @@ class Transformer(eqx.Module):
         positions = jax.lax.dynamic_slice_in_dim(table, start, tgt.shape[-1])
         x = self._embed(self.tgt_embed, tgt, positions, None, True)
         context_mask = padding_mask(tokens=src, pad_id=c.pad_id)[..., None, :]
-
-        def layer(block, x, per_layer):
-            cache_i, kv_i = per_layer
-            return block.decode(x, cache_i, start, kv_i, context_mask)
-
+        layer = eqx.Partial(_decoder_decode, start=jnp.asarray(start), context_mask=context_mask)
         stacked = isinstance(cache, KVCache)  # a stacked decoder's cache, else one per layer
         per_layer = (cache, memory_kv) if stacked else tuple(zip(cache, memory_kv, strict=True))
         x, cache = self.decoder.run(layer, x, per_layer)
@@ -267,11 +284,7 @@ class Transformer(eqx.Module):
         c, memory = self.config, self.encode(src, inference=True)
         x = self._embed(self.tgt_embed, tgt, sinusoidal_positions(tgt.shape[-1], c.d_model), None, True)
         mask, context_mask = causal_mask(tgt.shape[-1]), padding_mask(tokens=src, pad_id=c.pad_id)[None, :]
-
-        def layer(block, x, _):
-            weights = block.cross_attention_weights(x, memory, mask=mask, context_mask=context_mask)
-            return block(x, memory, mask=mask, context_mask=context_mask, inference=True), weights
-
+        layer = eqx.Partial(_decoder_cross_weights, memory=memory, mask=mask, context_mask=context_mask)
         _, weights = self.decoder.run(layer, x)
         return self.decoder.as_array(weights)
 
