@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from compiled import forward, gpt, token_ids, transformer
 from jaxtyping import TypeCheckError
-from model_family import SMALL_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
+from model_family import SMALL_GPT, TINY_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
 
 from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
@@ -325,10 +325,12 @@ def _traces_during(call) -> int:
 def test_a_model_called_outside_jit_compiles_its_layer_scan_on_the_first_call_only():
     """Eagerly, every call of a GPT or Transformer traced and compiled its layer scan again (the
     scan's step was a new closure each call): half a second a call for a model of two layers."""
-    model, t = gpt(SMALL_GPT), transformer(TINY_TRANSFORMER)
-    tokens = token_ids(0, (SMALL_GPT.context_length,), SMALL_GPT.vocab_size)
+    # The tiny model, 3 ids and a cache of 4 (test_bad_input's and test_bad_values' eager calls): the
+    # operations these calls compile first are compiled once for the family.
+    model, t = gpt(TINY_GPT), transformer(TINY_TRANSFORMER)
+    tokens = token_ids(0, (3,), TINY_GPT.vocab_size)
     src, tgt = token_ids(1, (1, 6), 9), token_ids(2, (1, 5), 9)
-    cache, t_cache = model.init_cache(), t.init_cache(1, TINY_TRANSFORMER.max_len)
+    cache, t_cache = model.init_cache(4), t.init_cache(1, TINY_TRANSFORMER.max_len)
     memory_kv = t.memory_kv(t.encode(src))
     calls = {
         "GPT forward": lambda: model(tokens),
