@@ -6,6 +6,8 @@ GPU the same tests compile them with Triton. Each distinct shape compiles the ke
 the cases are few and each covers several things.
 """
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ import pytest
 
 from eqx_gpt.model import attention as attention_module
 from eqx_gpt.model import flash_attention as flash_module
-from eqx_gpt.model.attention import MultiHeadAttention, causal_mask, multi_head_attention
+from eqx_gpt.model.attention import MultiHeadAttention, multi_head_attention
 from eqx_gpt.model.dropout import keep_probability
 from eqx_gpt.model.flash_attention import (
     BlockSizes,
@@ -38,7 +40,7 @@ def _exact_float32_products():
 
 def _normal(rng, shape, dtype=jnp.float32):
     # Drawn by NumPy: jax.random would compile a program for every shape (and dtype) drawn.
-    return jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+    return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))  # bfloat16 too (ml_dtypes)
 
 
 def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
@@ -47,6 +49,15 @@ def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
     k = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
     v = _normal(rng, (batch, kv_seq, heads, d_head), dtype)
     return q, k, v, _normal(rng, (batch, seq, heads, d_head))
+
+
+def _causal(seq: int) -> jax.Array:
+    """`causal_mask(seq)` `(seq, seq)`, built in NumPy (run eagerly, JAX compiles its operations)."""
+    return jnp.asarray(np.tril(np.ones((seq, seq), bool)))
+
+
+# The kernels' seeds of a batch, in one program per batch shape (eagerly: one per operation).
+_sequence_seeds = jax.jit(sequence_seeds, static_argnums=1)
 
 
 def _padded_causal(seq: int, lengths) -> jax.Array:
@@ -103,8 +114,8 @@ LONG = {name: pytest.mark.slow for name in CASES if name.startswith("T256")}
 def test_outputs_and_gradients_equal_the_xla_path_given_the_same_mask(case):
     seq, lengths, rate, block = CASES[case]
     q, k, v, cotangent = _qkv(1, 2, seq, seq, 2, 16)
-    mask = causal_mask(seq) if lengths is None else _padded_causal(seq, lengths)
-    seeds = sequence_seeds(jax.random.key(2), (2,))
+    mask = _causal(seq) if lengths is None else _padded_causal(seq, lengths)
+    seeds = _sequence_seeds(jax.random.key(2), (2,))
     out = _assert_matches(
         q, k, v, cotangent, mask, rate, seeds, 1e-5, blocks=BlockSizes.uniform(block, block)
     )
@@ -120,16 +131,16 @@ def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
     mask = jnp.asarray(
         np.broadcast_to((np.arange(40)[None, :] < np.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
     )
-    seeds = sequence_seeds(jax.random.key(4), (2,))
+    seeds = _sequence_seeds(jax.random.key(4), (2,))
     blocks = BlockSizes(forward=(32, 16), dq=(16, 32), dkv=(16, 16))  # each kernel its own grid
     _assert_matches(q, k, v, cotangent, mask, 0.3, seeds, 1e-5, blocks=blocks)
 
 
 def test_bfloat16_inputs_match_within_bfloat16_rounding():
     q, k, v, cotangent = _qkv(5, 2, 64, 64, 2, 16, jnp.bfloat16)
-    seeds = sequence_seeds(jax.random.key(6), (2,))
+    seeds = _sequence_seeds(jax.random.key(6), (2,))
     blocks = BlockSizes.uniform(32, 32)
-    out = _assert_matches(q, k, v, cotangent, causal_mask(64), 0.2, seeds, 3e-2, blocks=blocks)
+    out = _assert_matches(q, k, v, cotangent, _causal(64), 0.2, seeds, 3e-2, blocks=blocks)
     assert out.dtype == jnp.bfloat16
 
 
@@ -148,25 +159,40 @@ def _kernel_mask(seeds, seq: int, heads: int, rate: float) -> np.ndarray:
 
 
 def test_the_kernel_draws_dropout_keep_s_mask_per_sequence_and_head():
-    seeds = sequence_seeds(jax.random.key(7), (2,))
+    seeds = _sequence_seeds(jax.random.key(7), (2,))
     drawn = _kernel_mask(seeds, 32, 2, 0.25)
     np.testing.assert_allclose(drawn, np.round(drawn), atol=1e-4)  # each weight kept whole or dropped
-    idx = jnp.arange(32)
+    idx = np.arange(32)
     per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], 0.25)
     expected = jax.jit(jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None)))(
-        seeds, jnp.arange(2)
+        seeds, np.arange(2)
     )
     np.testing.assert_array_equal(np.round(drawn).astype(bool), np.asarray(expected))
     assert (drawn[0] != drawn[1]).any() and (drawn[:, 0] != drawn[:, 1]).any()  # sequences, heads differ
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.2, 0.5])
+RATES = (0.1, 0.2, 0.5)
+
+
+@functools.cache
+def _keep_masks() -> dict[float, np.ndarray]:
+    """`dropout_keep`'s mask `(sequence, head, query, key)` of 3 sequences, 4 heads and 128
+    positions at each of `RATES`: one program for the three (the rate is a Python float in it)."""
+    idx = np.arange(128)
+
+    def masks(seeds, heads):
+        per_head = lambda rate: lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], rate)
+        return [
+            jax.vmap(jax.vmap(per_head(r), in_axes=(None, 0)), in_axes=(0, None))(seeds, heads) for r in RATES
+        ]
+
+    drawn = jax.jit(masks)(_sequence_seeds(jax.random.key(8), (3,)), np.arange(4))
+    return {rate: np.asarray(mask) for rate, mask in zip(RATES, drawn, strict=True)}
+
+
+@pytest.mark.parametrize("rate", RATES)
 def test_the_mask_keeps_one_minus_rate_independently_of_its_neighbours(rate):
-    seeds = sequence_seeds(jax.random.key(8), (3,))
-    idx = jnp.arange(128)
-    per_head = lambda seed, h: dropout_keep(seed, h, idx[:, None], idx[None, :], rate)
-    heads = jax.jit(jax.vmap(jax.vmap(per_head, in_axes=(None, 0)), in_axes=(0, None)))
-    keep = np.asarray(heads(seeds, jnp.arange(4)))  # (sequence, head, query, key)
+    keep = _keep_masks()[rate]  # (sequence, head, query, key)
     p = keep_probability(rate)
     assert abs(keep.mean() - p) < 0.01 * p, keep.mean()
     # Pairs of neighbours (the next key, query, head, sequence) are both kept as often as chance says.
@@ -177,11 +203,11 @@ def test_the_mask_keeps_one_minus_rate_independently_of_its_neighbours(rate):
 
 
 def test_another_key_draws_another_mask_and_the_same_key_the_same():
-    idx = jnp.arange(64)
+    idx = np.arange(64)
     draw = jax.jit(
         lambda key: dropout_keep(sequence_seeds(key, ())[None][0], 0, idx[:, None], idx[None, :], 0.2)
     )
-    a, b = draw(jax.random.key(9)), draw(jax.random.key(10))
+    a, b = np.asarray(draw(jax.random.key(9))), np.asarray(draw(jax.random.key(10)))
     p = keep_probability(0.2)
     assert abs(float((a != b).mean()) - 2 * p * (1 - p)) < 0.03
     np.testing.assert_array_equal(a, draw(jax.random.key(9)))
@@ -234,7 +260,7 @@ def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monk
     mha = _attention_with_kernel(monkeypatch)
     x = _normal(np.random.default_rng(15), (2, 32, 32))
     key = jax.random.key(16)
-    mask = causal_mask(32)
+    mask = _causal(32)
     got = eqx.filter_jit(lambda m, x: m(x, mask=mask, key=key))(mha, x)
     np.testing.assert_allclose(got, _expected(mha, x, mask, key), rtol=1e-5, atol=1e-5)
     # One sequence at a time under jax.vmap (one key each): the same as the batch given those keys.

@@ -30,7 +30,8 @@ def decoder(guide):
     # float rounding between the cached and the whole-window paths cannot flip an argmax. Smaller
     # embeddings let the blocks, and so the cache, weigh more against the token's own vector.
     model = guide["decoder"]
-    return eqx.tree_at(lambda m: (m.head, m.embed), model, (model.head * 50, model.embed * 0.3))
+    scaled = jnp.asarray(np.asarray(model.head) * 50), jnp.asarray(np.asarray(model.embed) * 0.3)  # NumPy
+    return eqx.tree_at(lambda m: (m.head, m.embed), model, scaled)
 
 
 @eqx.filter_jit
@@ -56,7 +57,7 @@ def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) 
         padded[: len(window)] = window
         logits = _last_logits(model, jnp.asarray(padded), jnp.int32(len(window)))
         if key is None:
-            token = int(jnp.argmax(logits))
+            token = int(np.argmax(np.asarray(logits)))
         else:
             token_key = jax.random.fold_in(jax.random.fold_in(key, 0), i)
             token = int(_sampled(logits, token_key, jnp.float32(temperature)))

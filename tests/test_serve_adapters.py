@@ -52,12 +52,17 @@ def adapted(base, seed: int, rank: int, alpha: float, targets: str):
     model = apply_lora(base, rank, alpha=alpha, targets=targets, key=jax.random.key(seed))
     is_lora = lambda n: isinstance(n, LoRALinear)
     lora_bs = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=is_lora) if is_lora(n)]
-    keys = jax.random.split(jax.random.key(seed + 100), len(lora_bs(model)))
-    return eqx.tree_at(
-        lora_bs,
-        model,
-        [4.0 * jax.random.normal(k, b.shape) for k, b in zip(keys, lora_bs(model), strict=True)],
-    )
+    rng = np.random.default_rng(seed + 100)  # NumPy: JAX's draws compile a program per shape
+    drawn = [jnp.asarray(4.0 * rng.standard_normal(b.shape, np.float32)) for b in lora_bs(model)]
+    return eqx.tree_at(lora_bs, model, drawn)
+
+
+def zero_adapted(config: GPTConfig, rank: int, alpha: float, targets: str):
+    """`apply_lora` of a GPT of `config`, its arrays NumPy zeros, made from its shapes alone: for a
+    test of what an adapter's shapes are refused for (nothing compiled to make it)."""
+    lora = lambda: apply_lora(zero_gpt(config), rank, alpha=alpha, targets=targets, key=jax.random.key(0))
+    zeros = lambda s: np.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+    return jax.tree.map(zeros, eqx.filter_eval_shape(lora))
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +172,7 @@ def test_an_adapter_stacked_computes_its_model_alone_and_merged_within_rounding(
     arithmetic), and those of its merged model within float32 rounding."""
     names = list(ADAPTERS)
     stacked = eqx.nn.inference_mode(stack_adapters(models["tiny"], [models[n] for n in names], names))
-    tokens = jnp.asarray(TOKENIZER.encode("To be, or not to be"))[None]
+    tokens = jnp.asarray(np.asarray(TOKENIZER.encode("To be, or not to be"), np.int32)[None])
     run = lambda m, i: _adapter_logits(m, tokens, i)
     for i, name in enumerate(["tiny", *names]):
         own = eqx.nn.inference_mode(models[name])
@@ -231,7 +236,7 @@ def test_the_command_refuses_bad_adapters_in_one_line(folders, tmp_path, capsys)
     # Adapters of a wider model, and of a deeper one: for another base.
     wider, deeper = dataclasses.replace(CONFIG, d_model=64), dataclasses.replace(CONFIG, n_layers=3)
     for other, phrase in ((wider, "another model"), (deeper, "layer 2")):
-        model = adapted(zero_gpt(other), 5, 4, 16.0, "c_attn")
+        model = zero_adapted(other, 4, 16.0, "c_attn")
         save_adapters(model, tmp_path / "other", base="other")
         refused([*base, "--adapter", f"other={tmp_path / 'other'}"], capsys, "--adapter other=", phrase)
 

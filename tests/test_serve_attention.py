@@ -18,14 +18,27 @@ from eqx_gpt import load_model  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("serve")
 LOCAL = "http://localhost"  # a name of this machine: the app answers no other Host by default
-ASK = {"layers": [1, 0], "heads": [3, 0, 2]}  # any order: the reply keeps it
-OTHERS = [dict(prompt="KING:", max_tokens=50, temperature=0.9, seed=4),
-          dict(prompt="First Citizen:", max_tokens=45, temperature=1.0, top_k=20, seed=8)]  # fmt: skip
+# Any order: the reply keeps it. Every test asks these 6 rows: the programs that record attention
+# are compiled per number of rows asked (rounded up to a power of two), so one number compiles once.
+ASK = {"layers": [1, 0], "heads": [3, 0, 2]}
+# The second filters its tokens, so the asking request decodes in steps compiled with the filters
+# (its own slot keeping every token); both filters, as test_serve.py's seeded request: its programs.
+OTHERS = [
+    dict(prompt="KING:", max_tokens=50, temperature=0.9, seed=4),
+    dict(prompt="First Citizen:", max_tokens=45, temperature=1.0, top_k=20, top_p=0.95, seed=8),
+]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     return make_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def client(run):
+    """One server for the tests of refused requests (a server's start traces its model's checks)."""
+    with TestClient(app_for(run, slots=4), base_url=LOCAL) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +121,7 @@ def test_attention_in_company_equals_a_full_forward_pass_and_the_others_keep_the
 
 
 def test_streamed_attention_comes_one_token_per_chunk_and_equals_the_whole_reply(run):
-    ask = {"layers": [0], "heads": [1]}
-    body = dict(prompt="To be", max_tokens=12, temperature=1.0, seed=2, attention=ask)
+    body = dict(prompt="To be", max_tokens=12, temperature=1.0, seed=2, attention=ASK)
     with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
         whole = post(client, body)["choices"][0]["attention"]
         chunks = streamed(client, body)
@@ -117,7 +129,7 @@ def test_streamed_attention_comes_one_token_per_chunk_and_equals_the_whole_reply
     assert all(len(a["weights"]) == len(a["start"]) == 1 for a in per_token)
     assert [a["weights"][0] for a in per_token] == whole["weights"]
     assert [a["start"][0] for a in per_token] == whole["start"] == [0] * 12
-    assert all(a["layers"] == [0] and a["heads"] == [1] for a in per_token)
+    assert all(a["layers"] == ASK["layers"] and a["heads"] == ASK["heads"] for a in per_token)
 
 
 def test_past_the_context_each_row_covers_the_window_the_model_saw(run, model_and_tokenizer):
@@ -143,7 +155,7 @@ def test_no_request_asking_runs_the_decode_step_without_attention(run):
         answer = post(client, dict(prompt="ROMEO:", max_tokens=10, seed=1))
         assert "attention" not in answer["choices"][0]
         assert calls.calls and not any(asked for asked, _ in calls.calls)
-        post(client, dict(prompt="ROMEO:", max_tokens=10, seed=1, attention={"layers": [0], "heads": [0]}))
+        post(client, dict(prompt="ROMEO:", max_tokens=10, seed=1, attention=ASK))
         assert any(asked for asked, _ in calls.calls)
 
 
@@ -160,37 +172,34 @@ def test_no_request_asking_runs_the_decode_step_without_attention(run):
         ("all", "attention", "object"),
     ],
 )
-def test_a_bad_attention_is_a_400_naming_the_field(run, attention, param, says):
-    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
-        body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "attention": attention}
-        response = client.post("/v1/completions", json=body)
-        assert response.status_code == 400
-        error = response.json()["error"]
-        assert error["param"] == param and says in error["message"], error
-        assert post(client, dict(prompt="x", max_tokens=2))["choices"][0]["text"]  # still serving
+def test_a_bad_attention_is_a_400_naming_the_field(client, attention, param, says):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "attention": attention}
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+    assert post(client, dict(prompt="x", max_tokens=2))["choices"][0]["text"]  # still serving
 
 
-def test_what_a_request_may_ask_is_bounded_before_any_work(run, monkeypatch):
+def test_what_a_request_may_ask_is_bounded_before_any_work(client, monkeypatch):
     from eqx_gpt.serve import requests
 
-    with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
-        body = {"model": "tiny", "prompt": "x", "attention": {"layers": [0, 1], "heads": [0, 1, 2]}}
-        many = client.post("/v1/completions", json={**body, "n": 16, "max_tokens": 4096}).json()["error"]
-        assert many["param"] == "attention" and f"at most {requests.ATTENTION_MAX_WEIGHTS}" in many["message"]
-        monkeypatch.setattr(requests, "ATTENTION_MAX_PAIRS", 4)
-        wide = client.post("/v1/completions", json={**body, "max_tokens": 2}).json()["error"]
-        assert wide["param"] == "attention" and "2 layers x 3 heads = 6 rows" in wide["message"]
+    body = {"model": "tiny", "prompt": "x", "attention": {"layers": [0, 1], "heads": [0, 1, 2]}}
+    many = client.post("/v1/completions", json={**body, "n": 16, "max_tokens": 4096}).json()["error"]
+    assert many["param"] == "attention" and f"at most {requests.ATTENTION_MAX_WEIGHTS}" in many["message"]
+    monkeypatch.setattr(requests, "ATTENTION_MAX_PAIRS", 4)
+    wide = client.post("/v1/completions", json={**body, "max_tokens": 2}).json()["error"]
+    assert wide["param"] == "attention" and "2 layers x 3 heads = 6 rows" in wide["message"]
 
 
 def test_each_choice_has_its_own_lists_cut_with_its_text_at_a_stop(run):
     """n=2 with echo, logprobs and a stop string: each choice's attention covers its generated
     tokens kept (logprobs' tokens past the echoed prompt), not those after the stop."""
-    ask = {"layers": [1], "heads": [0]}
     body = dict(prompt="KING:", max_tokens=30, temperature=1.0, seed=6, n=2, echo=True, logprobs=0)
     with TestClient(app_for(run, slots=4), base_url=LOCAL) as client:
-        whole = post(client, {**body, "attention": ask})["choices"]
+        whole = post(client, {**body, "attention": ASK})["choices"]
         stop = whole[0]["text"][len("KING:") + 12 :][:2]
-        cut = post(client, {**body, "attention": ask, "stop": [stop]})["choices"]
+        cut = post(client, {**body, "attention": ASK, "stop": [stop]})["choices"]
     assert cut[0]["finish_reason"] == "stop"
     for choice in [*whole, *cut]:
         generated = len(choice["logprobs"]["tokens"]) - len("KING:")

@@ -98,7 +98,8 @@ def test_the_lens_of_a_gpt_is_its_forward_pass_with_the_later_blocks_left_out(se
 
 
 def test_the_lens_of_a_decoder_of_ones_own_finds_its_blocks_by_type():
-    model = OwnDecoder(TOKENIZER.vocab_size, n_layers=3, key=jax.random.key(2))
+    # test_serve_own_decoder.py's structure (2 layers): the server's programs for it serve this too.
+    model = OwnDecoder(TOKENIZER.vocab_size, key=jax.random.key(2))
     text, position = "the lazy dog", 9
     tokens = TOKENIZER.encode(text)
     lens = lens_of(model, TOKENIZER, text, position)
