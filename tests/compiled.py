@@ -27,9 +27,15 @@ def forward(module, *args, **kwargs):
 
 def token_ids(seed: int, shape: tuple[int, ...], vocab_size: int) -> jax.Array:
     """Random token ids `shape` in `[0, vocab_size)` (int32), drawn by NumPy: `jax.random.randint`
-    compiles a program for every shape it draws, and so does `jnp.asarray` converting NumPy's int64
-    (a `convert_element_type`); `jax.device_put` of int32 compiles nothing."""
+    compiles a program for every shape it draws (and so does `jnp.asarray` of a NumPy array, where
+    `jax.device_put` compiles none)."""
     return jax.device_put(np.random.default_rng(seed).integers(0, vocab_size, shape).astype(np.int32))
+
+
+def normal(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Standard normal float32 draws `shape`, by NumPy: `jax.random.normal` compiles a program for
+    every shape it draws."""
+    return jax.device_put(np.random.default_rng(seed).normal(size=shape).astype(np.float32))
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt, token_ids
+from compiled import forward, gpt, normal, token_ids
 from model_family import SMALL_GPT, decode, in_family
 
 from eqx_gpt import GPT, load_model
@@ -26,7 +26,7 @@ from eqx_gpt.training.step import (
 pytestmark = in_family
 FIXTURES = Path(__file__).parent / "fixtures"
 CFG = SMALL_GPT
-TOKENS = jnp.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8])
+TOKENS = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], np.int32)  # NumPy: slicing it compiles nothing
 
 
 def model_with(**options) -> GPT:
@@ -40,7 +40,7 @@ def cached_logits(model: GPT, tokens, start: int = 0):
     for i in range(4, len(tokens)):
         logits, cache = decode(model, tokens[i : i + 1], cache, start + i)
         rows.append(logits)
-    return jnp.concatenate(rows)
+    return np.concatenate(rows)
 
 
 def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
@@ -50,7 +50,7 @@ def test_a_checkpoint_written_before_the_options_loads_and_gives_its_logits():
     assert "positions" not in meta["model_config"]
     assert model.config.positions == "sinusoidal" and not model.config.bias and model.head is not None
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    np.testing.assert_allclose(forward(model, jnp.asarray(expected["tokens"])), expected["logits"], atol=1e-5)
+    np.testing.assert_allclose(forward(model, expected["tokens"]), expected["logits"], atol=1e-5)
 
 
 def test_the_default_model_has_no_parameter_of_the_options():
@@ -69,8 +69,9 @@ def test_the_default_model_has_no_parameter_of_the_options():
 )  # fmt: skip
 def test_each_option_keeps_the_model_causal_and_the_cache_exact(options):
     model = model_with(**options)
-    full = forward(model, TOKENS)
-    changed = forward(model, TOKENS.at[7].set(0))
+    changed_tokens = TOKENS.copy()
+    changed_tokens[7] = 0
+    full, changed = np.asarray(forward(model, TOKENS)), np.asarray(forward(model, changed_tokens))
     np.testing.assert_array_equal(full[:7], changed[:7])  # no position sees a later token
     assert not np.allclose(full[7:], changed[7:])
     np.testing.assert_allclose(cached_logits(model, TOKENS), full, atol=1e-5)
@@ -80,12 +81,15 @@ def test_learned_positions_are_a_table_added_to_unscaled_token_vectors():
     model = model_with(positions="learned")
     assert model.pos_embed.shape == (CFG.context_length, CFG.d_model)
     # Moving the table's row 5 changes what position 5 (and, through attention, later ones) sees.
-    moved = eqx.tree_at(lambda m: m.pos_embed, model, model.pos_embed.at[5].add(1.0))
-    logits, moved_logits = forward(model, TOKENS), forward(moved, TOKENS)
+    table = np.array(model.pos_embed)
+    table[5] += 1.0
+    moved = eqx.tree_at(lambda m: m.pos_embed, model, jax.device_put(table))
+    logits, moved_logits = np.asarray(forward(model, TOKENS)), np.asarray(forward(moved, TOKENS))
     np.testing.assert_array_equal(logits[:5], moved_logits[:5])
     assert not np.allclose(logits[5], moved_logits[5])
-    x = model._embed(TOKENS, 0, len(TOKENS))
-    np.testing.assert_allclose(x, model.embed[TOKENS] + model.pos_embed[: len(TOKENS)], rtol=1e-6)
+    x = forward(model._embed, TOKENS, 0, len(TOKENS))  # one program, not one per operation
+    expected = np.asarray(model.embed)[TOKENS] + np.asarray(model.pos_embed)[: len(TOKENS)]
+    np.testing.assert_allclose(x, expected, rtol=1e-6)
 
 
 def test_rope_attention_sees_only_relative_positions():
@@ -94,23 +98,32 @@ def test_rope_attention_sees_only_relative_positions():
     model = model_with(positions="rope")
     assert model.pos_embed is None and model.blocks.layers.attn.rope
     attn = model.unstack().blocks.layers[0].attn
-    x = jax.random.normal(jax.random.key(4), (6, CFG.d_model))
-    scores = lambda start: jnp.einsum("qhd,khd->hqk", *attn._project(x, None, start)[:2])
-    np.testing.assert_allclose(scores(0), scores(9), atol=1e-5)
-    assert not np.allclose(attn._project(x, None, 0)[0], attn._project(x, None, 9)[0], atol=1e-3)
+    x = normal(4, (6, CFG.d_model))
+    # Both starts through one compiled program (a start given as an array is traced).
+    (q0, k0), (q9, k9) = (_queries_and_keys(attn, x, jnp.int32(start)) for start in (0, 9))
+    scores = lambda q, k: np.einsum("qhd,khd->hqk", q, k)
+    np.testing.assert_allclose(scores(q0, k0), scores(q9, k9), atol=1e-5)
+    assert not np.allclose(q0, q9, atol=1e-3)
+
+
+@eqx.filter_jit
+def _queries_and_keys(attn, x, start):
+    """`attn`'s queries and keys of `x` at positions `start, ...`, as NumPy can take them."""
+    return attn._project(x, None, start)[:2]
 
 
 def test_rotary_embedding_turns_positions_into_offsets():
-    q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 8))
-    score = lambda t, s: float(
-        (rotary_embedding(q, jnp.array([t])) * rotary_embedding(k, jnp.array([s]))).sum()
-    )
+    q, k = normal(1, (2, 1, 1, 8))
+    rotated = lambda x, t: np.asarray(_rotary_embedding(x, jnp.array([t])))  # one program for all
+    score = lambda t, s: float((rotated(q, t) * rotated(k, s)).sum())
     assert score(7, 4) == pytest.approx(score(3, 0), abs=1e-5)
     assert score(7, 4) != pytest.approx(score(7, 3), abs=1e-3)
     # Position 0 is the identity, and rotations keep each vector's length.
-    np.testing.assert_allclose(rotary_embedding(q, jnp.array([0])), q, atol=1e-7)
-    turned = rotary_embedding(q, jnp.array([5]))
-    np.testing.assert_allclose(jnp.linalg.norm(turned), jnp.linalg.norm(q), rtol=1e-6)
+    np.testing.assert_allclose(rotated(q, 0), q, atol=1e-7)
+    np.testing.assert_allclose(np.linalg.norm(rotated(q, 5)), np.linalg.norm(q), rtol=1e-6)
+
+
+_rotary_embedding = jax.jit(rotary_embedding)
 
 
 def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
@@ -121,7 +134,11 @@ def test_bias_adds_zero_biases_that_leave_the_function_as_it_was():
     assert mlp.up.bias.shape == (n, CFG.d_hidden) and mlp.down.bias.shape == (n, CFG.d_model)
     # Biases start at zero and draw no random numbers, so the weights are those of `without`.
     np.testing.assert_allclose(forward(with_bias, TOKENS), forward(without, TOKENS), atol=1e-6)
-    shifted = eqx.tree_at(lambda m: m.blocks.layers.mlp.down.bias, with_bias, mlp.down.bias + 0.5)
+    shifted = eqx.tree_at(
+        lambda m: m.blocks.layers.mlp.down.bias,
+        with_bias,
+        jax.device_put(np.asarray(mlp.down.bias) + np.float32(0.5)),
+    )
     assert not np.allclose(forward(shifted, TOKENS), forward(without, TOKENS), atol=1e-3)
 
 
@@ -137,7 +154,7 @@ def test_biases_and_positions_go_to_adamw_undecayed_under_muon():
 
 
 def test_activation_is_the_named_function():
-    x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
+    x = normal(2, (5, CFG.d_model))
     for name, act in (("relu", jax.nn.relu), ("gelu", lambda h: jax.nn.gelu(h, approximate=False)),
                       ("gelu_tanh", lambda h: jax.nn.gelu(h, approximate=True)),
                       ("relu2", lambda h: jnp.maximum(h, 0) ** 2)):  # fmt: skip
@@ -149,9 +166,10 @@ def test_a_gated_activation_gives_every_block_a_gated_mlp():
     model = model_with(activation="swiglu")
     mlp = model.unstack().blocks.layers[0].mlp
     assert mlp.gated and mlp.up.weight.shape == (CFG.d_model, 2 * CFG.d_hidden)
-    x = jax.random.normal(jax.random.key(2), (5, CFG.d_model))
-    gate, value = jnp.split(x @ mlp.up.weight, 2, axis=-1)
-    np.testing.assert_allclose(mlp(x), (jax.nn.silu(gate) * value) @ mlp.down.weight, atol=1e-6)
+    x = normal(2, (5, CFG.d_model))
+    gate, value = np.split(np.asarray(x) @ np.asarray(mlp.up.weight), 2, axis=-1)
+    silu = gate / (1 + np.exp(-gate))
+    np.testing.assert_allclose(mlp(x), (silu * value) @ np.asarray(mlp.down.weight), atol=1e-6)
     assert forward(model, TOKENS[:-1]).shape == (11, CFG.vocab_size)
 
 
@@ -159,12 +177,13 @@ def test_tied_embeddings_make_the_head_the_embedding():
     model = model_with(tie_embeddings=True, positions="learned")
     assert model.head is None
     x = model.final_norm(jnp.ones((3, CFG.d_model)))
-    np.testing.assert_allclose(model._logits(x), (x @ model.embed.T)[:, : CFG.vocab_size], rtol=1e-5)
+    expected = (np.asarray(x) @ np.asarray(model.embed).T)[:, : CFG.vocab_size]
+    np.testing.assert_allclose(model._logits(x), expected, rtol=1e-5)
     # One matrix gets the gradient of both uses: the input rows and the output logits.
     loss = lambda m: -jax.nn.log_softmax(m(TOKENS[:-1]))[jnp.arange(11), TOKENS[1:]].sum()
     grads = eqx.filter_jit(eqx.filter_grad(loss))(model)  # one program, not one per operation
-    unused = np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(TOKENS))
-    assert np.abs(grads.embed[unused]).sum() > 0  # reached only through the head
+    unused = np.setdiff1d(np.arange(CFG.vocab_size), TOKENS)
+    assert np.abs(np.asarray(grads.embed)[unused]).sum() > 0  # reached only through the head
 
 
 def test_a_gpt2_shaped_model_trains():
@@ -199,7 +218,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_the_logits_uniform():
     config = TrainConfig(batch_size=2, lr=1e-2, warmup_steps=0, optimizer="muon")
     optimizer = make_optimizer(config)
     step = make_train_step(optimizer, config, dropout=False)
-    batch, state = jnp.stack([TOKENS[:9], TOKENS[3:]]), init_optimizer_state(optimizer, model)
+    batch, state = jax.device_put(np.stack([TOKENS[:9], TOKENS[3:]])), init_optimizer_state(optimizer, model)
     for i in range(2):
         model, state, _ = step(model, state, batch, jnp.int32(i), jnp.float32(1e-2))
     assert np.any(np.asarray(model.blocks.layers.mlp.down.weight)) and np.any(np.asarray(model.head.weight))

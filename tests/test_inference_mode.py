@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt
+from compiled import forward, gpt, normal
 from model_family import TINY_GPT, decode, in_family
 
 from eqx_gpt import (
@@ -45,21 +45,24 @@ def _flags(tree) -> list[bool]:
     return [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, bool)]
 
 
+TOKENS = jax.device_put(np.arange(8, dtype=np.int32) % 9)  # NumPy's: `%` of a JAX array compiles
+
+
 def _gpt():
-    return gpt(CFG), jnp.arange(8) % 9
+    return gpt(CFG), TOKENS
 
 
 # Each module with dropout, built with rate 0.5: (module, its inputs).
 _BUILDERS = {
-    "GPT": lambda: (gpt(CFG), (jnp.arange(8) % 9,)),
+    "GPT": lambda: (gpt(CFG), (TOKENS,)),
     "Block": lambda: (Block(16, 2, 32, key=jax.random.key(0), dropout=0.5), (jnp.ones((2, 5, 16)),)),
     "MultiHeadAttention": lambda: (
         MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5),
-        (jax.random.normal(jax.random.key(3), (5, 16)),),
+        (normal(3, (2, 5, 16)),),  # test_modules' batch: its two programs of this module are shared
     ),
     "Transformer": lambda: (
         Transformer(T_CFG, key=jax.random.key(0)),
-        (jnp.asarray([[3, 4, 5, 0]]), jnp.asarray([[1, 2, 3]])),
+        (np.asarray([[3, 4, 5, 0]], np.int32), np.asarray([[1, 2, 3]], np.int32)),
     ),
 }
 
@@ -109,7 +112,7 @@ def test_the_per_call_override_beats_the_mode(name):
 
 def test_a_model_without_dropout_needs_no_key():
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
-    tokens = jnp.arange(8) % 9
+    tokens = TOKENS
     np.testing.assert_array_equal(forward(model, tokens), forward(model, tokens, key=K1))
     block = Block(16, 2, 32, key=jax.random.key(0))
     x = jnp.ones((5, 16))
@@ -144,12 +147,12 @@ def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
     # `jax.jit` and `jax.make_jaxpr` turn every leaf into a tracer, the flags too; the layer scan
     # must still run (a model without dropout never branches on them).
     model = gpt(dataclasses.replace(CFG, dropout=0.0))
-    tokens = jnp.arange(8) % 9
+    tokens = TOKENS
     np.testing.assert_allclose(jax.jit(lambda m, t: m(t))(model, tokens), forward(model, tokens), atol=1e-6)
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
-    x = jnp.ones((5, 16))
+    x = jnp.ones((6, 16))  # test_modules' attention length: the eager call's operations are compiled
     np.testing.assert_allclose(
-        jax.jit(lambda m: m(x, mask=causal_mask(5)))(attn), attn(x, mask=causal_mask(5))
+        jax.jit(lambda m: m(x, mask=causal_mask(6)))(attn), attn(x, mask=causal_mask(6))
     )
 
 
@@ -191,7 +194,8 @@ def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
     model, tokenizer, meta = load_model(folder)
     assert isinstance(model, GPT) and _flags(model) and not any(_flags(model))
     expected = np.load(FIXTURES / "checkpoint-v1" / "expected.npz")
-    logits = forward(eqx.nn.inference_mode(model), jnp.asarray(expected["tokens"]), key=K1)
+    # Its dropout is 0: the logits of either mode, computed by the program test_gpt_options compiles.
+    logits = forward(model, expected["tokens"])
     np.testing.assert_allclose(logits, expected["logits"], rtol=1e-5, atol=1e-5)
 
 

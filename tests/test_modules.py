@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward
+from compiled import forward, normal
 from model_family import in_family
 
 from eqx_gpt import MLP, Block, MultiHeadAttention, RMSNorm, causal_mask, pad_vocab, sinusoidal_positions
@@ -74,9 +74,9 @@ def test_rmsnorm_matches_reference_and_learns_a_scale():
     assert norm.scale.shape == (12,)
     x = np.random.default_rng(0).normal(size=(5, 12)).astype(np.float32) * 3
     scale = np.linspace(0.5, 2.0, 12).astype(np.float32)
-    norm = jax.tree_util.tree_map(lambda _: jnp.asarray(scale), norm)
+    norm = jax.tree_util.tree_map(lambda _: jax.device_put(scale), norm)
     ref = x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-6) * scale
-    np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(norm(jax.device_put(x))), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_mlp_matches_reference():
@@ -84,7 +84,7 @@ def test_mlp_matches_reference():
     x = np.random.default_rng(1).normal(size=(6, 8)).astype(np.float32)
     w_in, w_out = np.asarray(mlp.up.weight), np.asarray(mlp.down.weight)
     ref = np_gelu_tanh(x @ w_in) @ w_out
-    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mlp(jax.device_put(x))), ref, rtol=1e-4, atol=1e-6)
 
 
 def np_silu(x):
@@ -109,7 +109,7 @@ def test_gated_mlp_is_llamas_with_gate_and_value_side_by_side_in_up(make, act):
     w_up = np.asarray(mlp.up.weight)
     gate_proj, up_proj = w_up[:, :12], w_up[:, 12:]  # Llama's two matrices, concatenated in this order
     ref = (act(x @ gate_proj) * (x @ up_proj)) @ np.asarray(mlp.down.weight)
-    np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), ref, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(mlp(jax.device_put(x))), ref, rtol=1e-4, atol=1e-6)
 
 
 def test_swiglu_is_gated_silu_and_an_ungated_mlp_is_not_gated():
@@ -131,28 +131,30 @@ def test_causal_mask_is_lower_triangular():
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_multi_head_attention_matches_reference(masked):
-    d_model, n_heads, seq = 16, 4, 7
+    d_model, n_heads, seq = 16, 4, 6  # seq: the attention tests' length, whose programs repeat
     attn = MultiHeadAttention(d_model, n_heads, key=jax.random.key(2), init_std=0.3)
     x = np.random.default_rng(3).normal(size=(seq, d_model)).astype(np.float32)
     mask = np.asarray(causal_mask(seq)) if masked else None
-    out = attn(jnp.asarray(x), mask=None if mask is None else jnp.asarray(mask))
+    out = attn(jax.device_put(x), mask=None if mask is None else jax.device_put(mask))
     ref = np_multi_head_attention(x, np.asarray(attn.qkv.weight), np.asarray(attn.out.weight), n_heads, mask)
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_without_mask_sees_the_future_and_with_causal_mask_does_not():
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0), init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (5, 16))
-    x2 = x.at[4].set(x[4] + 1.0)
-    full, full2 = attn(x), attn(x2)
-    causal, causal2 = attn(x, mask=causal_mask(5)), attn(x2, mask=causal_mask(5))
-    assert not np.allclose(full[:4], full2[:4])
-    np.testing.assert_allclose(causal[:4], causal2[:4], atol=1e-6)
+    x = normal(1, (6, 16))
+    x2 = jax.device_put(
+        np.asarray(x) + (np.arange(6) == 5)[:, None].astype(np.float32)
+    )  # the last row moved by 1.0
+    full, full2 = np.asarray(attn(x)), np.asarray(attn(x2))
+    causal, causal2 = np.asarray(attn(x, mask=causal_mask(6))), np.asarray(attn(x2, mask=causal_mask(6)))
+    assert not np.allclose(full[:5], full2[:5])
+    np.testing.assert_allclose(causal[:5], causal2[:5], atol=1e-6)
 
 
 def test_attention_weights_are_distributions_and_respect_the_mask():
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0), init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (6, 16))
+    x = normal(1, (6, 16))
     w = np.asarray(attn.weights(x, mask=causal_mask(6)))
     assert w.shape == (2, 6, 6)
     np.testing.assert_allclose(w.sum(-1), 1.0, atol=1e-6)
@@ -161,7 +163,7 @@ def test_attention_weights_are_distributions_and_respect_the_mask():
 
 def test_attention_dropout_in_training_mode_only():
     attn = MultiHeadAttention(16, 2, key=jax.random.key(0), dropout=0.5, init_std=0.5)
-    x = jax.random.normal(jax.random.key(1), (6, 16))
+    x = normal(1, (6, 16))
     deterministic = attn(x, inference=True)
     np.testing.assert_array_equal(eqx.nn.inference_mode(attn)(x, key=jax.random.key(3)), deterministic)
     a, b = attn(x, key=jax.random.key(3)), attn(x, key=jax.random.key(4))
@@ -176,7 +178,7 @@ def test_attention_rejects_heads_that_do_not_divide_d_model():
 
 def test_attention_and_block_take_a_batch_with_one_dropout_key():
     # The family's sizes, each module's call one compiled program (test_inference_mode's too).
-    x = jax.random.normal(jax.random.key(0), (2, 5, 16))
+    x = normal(0, (2, 5, 16))
     attn = MultiHeadAttention(16, 2, key=jax.random.key(1), dropout=0.5)
     block = Block(16, 2, 32, key=jax.random.key(2), dropout=0.5)
     for module in (attn, block):
