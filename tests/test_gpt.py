@@ -11,7 +11,7 @@ from compiled import forward, gpt, token_ids, transformer
 from jaxtyping import TypeCheckError
 from model_family import SMALL_GPT, TINY_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
 
-from eqx_gpt import GPT, MLP, GPTConfig, MultiHeadAttention, RMSNorm, causal_mask
+from eqx_gpt import GPT, MLP, Block, GPTConfig, LayerStack, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
 
 pytestmark = in_family
@@ -345,3 +345,18 @@ def test_a_model_called_outside_jit_compiles_its_layer_scan_on_the_first_call_on
     for call in calls.values():
         jax.block_until_ready(call())  # compiles what the call needs
     assert {name: _traces_during(call) for name, call in calls.items()} == dict.fromkeys(calls, 0)
+
+
+def _own_layer(block, x, _, *, mask):  # at module level, as the GUIDE's model of one's own has it
+    return block(x, mask=mask), None
+
+
+def test_a_layer_stack_of_ones_own_run_eagerly_through_an_eqx_partial_compiles_once():
+    """The GUIDE's way for a model of one's own: a module-level layer function, its mask in an
+    `eqx.Partial`, gets the scan compiled on the first eager call only, as GPT's does."""
+    stack = LayerStack(lambda k: Block(16, 2, 32, key=k), jax.random.split(jax.random.key(0), 2))
+    x = jax.device_put(np.random.default_rng(0).normal(size=(5, 16)).astype(np.float32))
+    call = lambda: stack.run(eqx.Partial(_own_layer, mask=causal_mask(5)), x)[0]
+    first = call()
+    assert _traces_during(call) == 0
+    np.testing.assert_array_equal(call(), first)
