@@ -49,3 +49,15 @@ def gpt(config: GPTConfig, seed: int = 0) -> GPT:
 def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
     """`Transformer(config, key=jax.random.key(seed))`, built once per process."""
     return Transformer(config, key=jax.random.key(seed))
+
+
+@functools.cache
+def drawn_gpt(config: GPTConfig, seed: int = 0, scale: float = 0.1) -> GPT:
+    """A `GPT` of `config`'s structure whose float arrays are NumPy's normal draws times `scale`, built
+    from its shapes alone, once per process: for a test whose assertion holds for any weights. Building
+    it compiles nothing, where `GPT(config, key=...)` compiles a `jax.random.normal` program per weight
+    shape and number of layers (each about as long to compile as the model's forward pass)."""
+    rng = np.random.default_rng(seed)
+    shapes = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
+    draw = lambda s: jax.device_put((scale * rng.normal(size=s.shape)).astype(s.dtype))
+    return jax.tree.map(lambda s: draw(s) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)

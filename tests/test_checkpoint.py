@@ -25,7 +25,11 @@ def _state(seed):
     model = GPT(CONFIG, key=jax.random.key(seed))
     opt_state = init_optimizer_state(OPTIMIZER, model)
     # Make the optimiser state non-trivial so that a round trip of zeros proves nothing.
-    opt_state = jax.tree.map(lambda x: x + seed if eqx.is_inexact_array(x) else x, opt_state)
+    # (In NumPy: `x + seed` of a JAX array compiles a program per shape.)
+    opt_state = jax.tree.map(
+        lambda x: jax.device_put(np.asarray(x) + x.dtype.type(seed)) if eqx.is_inexact_array(x) else x,
+        opt_state,
+    )
     return model, opt_state
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import gpt, token_ids
+from compiled import drawn_gpt, token_ids
 from model_family import SMALL_GPT, in_family
 
 from eqx_gpt.model.embedding import embedding_lookup, exact_bf16_parts, one_hot_scatter_add
@@ -74,7 +74,7 @@ def test_the_lookup_gradient_matches_the_plain_one():
 def test_a_gpt_gradient_is_the_same_either_way(monkeypatch, positions, compute_dtype):
     # One layer: a scan of one step differentiates into a much smaller program than one of two.
     config = dataclasses.replace(SMALL_GPT, n_layers=1, positions=positions, compute_dtype=compute_dtype)
-    model = gpt(config, seed=6)
+    model = drawn_gpt(config, seed=6)  # NumPy's weights: GPT's own init would compile a draw per shape
     tokens = token_ids(7, (3, config.context_length), config.vocab_size)
     loss = lambda m, tokens: jnp.mean(m(tokens).astype(jnp.float32) ** 2)
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward, gpt, token_ids, transformer
+from compiled import drawn_gpt, forward, gpt, token_ids, transformer
 from jaxtyping import TypeCheckError
 from model_family import SMALL_GPT, TINY_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
 
@@ -204,7 +204,9 @@ def test_unrolling_the_layer_scan_changes_neither_loss_nor_gradients(unroll):
     keys = jax.random.split(jax.random.key(8), 2)
 
     def loss_and_grads_of(scan_unroll):
-        return loss_and_grads(gpt(dataclasses.replace(config, scan_unroll=scan_unroll)), batch, keys)
+        # NumPy's weights (any weights will do): GPT's own init would compile a draw per weight shape
+        # of a 3-layer stack, which no other test builds.
+        return loss_and_grads(drawn_gpt(dataclasses.replace(config, scan_unroll=scan_unroll)), batch, keys)
 
     (loss, grads), (loss_unrolled, grads_unrolled) = loss_and_grads_of(1), loss_and_grads_of(unroll)
     np.testing.assert_allclose(loss_unrolled, loss, rtol=1e-6)
@@ -354,7 +356,8 @@ def _own_layer(block, x, _, *, mask):  # at module level, as the GUIDE's model o
 def test_a_layer_stack_of_ones_own_run_eagerly_through_an_eqx_partial_compiles_once():
     """The GUIDE's way for a model of one's own: a module-level layer function, its mask in an
     `eqx.Partial`, gets the scan compiled on the first eager call only, as GPT's does."""
-    stack = LayerStack(lambda k: Block(16, 2, 32, key=k), jax.random.split(jax.random.key(0), 2))
+    # TINY_GPT's block sizes: the draws of its stacked weights are compiled once for the family.
+    stack = LayerStack(lambda k: Block(16, 2, 64, key=k), jax.random.split(jax.random.key(0), 2))
     x = jax.device_put(np.random.default_rng(0).normal(size=(5, 16)).astype(np.float32))
     call = lambda: stack.run(eqx.Partial(_own_layer, mask=causal_mask(5)), x)[0]
     first = call()

@@ -62,19 +62,20 @@ def test_every_projection_of_a_transformer_is_a_linear():
 
 
 def test_linear_is_x_at_weight_plus_bias_over_any_leading_axes():
-    layer = Linear(8, 6, key=jax.random.key(0), use_bias=True)
-    layer = eqx.tree_at(lambda m: m.bias, layer, jnp.arange(6.0))
+    # 8 x 12: test_modules' MLP's first projection, whose weights' draw is compiled once.
+    layer = Linear(8, 12, key=jax.random.key(0), use_bias=True)
+    layer = eqx.tree_at(lambda m: m.bias, layer, jnp.arange(12.0))
     x = normal(1, (3, 5, 8))
-    expected = np.asarray(x) @ np.asarray(layer.weight) + np.arange(6.0)
+    expected = np.asarray(x) @ np.asarray(layer.weight) + np.arange(12.0)
     np.testing.assert_allclose(layer(x), expected, rtol=1e-5, atol=1e-5)
-    assert layer.in_features == 8 and layer.out_features == 6 and layer.weight.shape == (8, 6)
+    assert layer.in_features == 8 and layer.out_features == 12 and layer.weight.shape == (8, 12)
     np.testing.assert_allclose(layer.columns(2, 5)(x), expected[..., 2:5], rtol=1e-5, atol=1e-5)
     assert layer(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16  # float32 weights serve bf16 inputs
 
 
 def test_linear_refuses_a_mismatched_input_in_one_line():
     with pytest.raises(ValueError, match="in_features=8"):
-        Linear(8, 6, key=jax.random.key(0))(jnp.ones((3, 7)))
+        Linear(8, 12, key=jax.random.key(0))(jnp.ones((3, 7)))
     with pytest.raises(ValueError, match="in_features must be an integer"):
         Linear(0, 6, key=jax.random.key(0))
 
@@ -85,7 +86,10 @@ def test_tree_at_by_type_replaces_every_projection():
     doubled = eqx.tree_at(
         lambda m: linears(m),
         model,
-        replace_fn=lambda lin: eqx.tree_at(lambda m: m.weight, lin, 2 * lin.weight),
+        # Doubled in NumPy: `2 * weight` of a JAX array compiles a program per shape.
+        replace_fn=lambda lin: eqx.tree_at(
+            lambda m: m.weight, lin, jax.device_put(2 * np.asarray(lin.weight))
+        ),
     )
     for before, after in zip(linears(model), linears(doubled), strict=True):
         np.testing.assert_array_equal(after.weight, 2 * np.asarray(before.weight))
@@ -93,11 +97,12 @@ def test_tree_at_by_type_replaces_every_projection():
 
 
 def test_partition_by_type_splits_projections_from_the_rest():
-    model = MLP(8, 32, key=jax.random.key(0))
+    # test_modules' MLP and input sizes: its draws and its eager call's operations are compiled once.
+    model = MLP(8, 12, key=jax.random.key(0))
     projections, rest = eqx.partition(model, is_linear, is_leaf=is_linear)
-    assert [lin.weight.shape for lin in linears(projections)] == [(8, 32), (32, 8)]
+    assert [lin.weight.shape for lin in linears(projections)] == [(8, 12), (12, 8)]
     assert linears(rest) == [] and rest.up is None  # what is left holds no projection
-    x = jnp.ones((4, 8))
+    x = jax.device_put(np.ones((6, 8), np.float32))
     np.testing.assert_array_equal(eqx.combine(projections, rest, is_leaf=is_linear)(x), model(x))
 
 
