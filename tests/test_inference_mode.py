@@ -163,8 +163,7 @@ def test_generation_and_translation_run_in_inference_mode():
         generate(model, tokens[:3], 6, **greedy),
         generate(eqx.nn.inference_mode(model), tokens[:3], 6, **greedy),
     )
-    transformer = Transformer(T_CFG, key=jax.random.key(0))
-    src = np.asarray([[3, 4, 5, 0]])
+    transformer, (src, _) = MODULES["Transformer"]()
     kw = dict(bos_id=1, eos_id=2, temperature=0)
     np.testing.assert_array_equal(
         translate(transformer, src, 5, **kw), translate(eqx.nn.inference_mode(transformer), src, 5, **kw)
