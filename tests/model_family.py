@@ -39,3 +39,23 @@ def vmapped(model, tokens, keys=None):
     if keys is None:
         return jax.vmap(model)(tokens)
     return jax.vmap(lambda t, k: model(t, key=k))(tokens, keys)
+
+
+@eqx.filter_jit
+def outputs_by_mode(module, inputs: tuple, key) -> dict:
+    """`module(*inputs)` in each mode and per-call override, by name, the keyed calls with `key`: one
+    compiled program per module structure and shapes. As separate programs, each mode and override
+    compiles the whole module again; in one, XLA compiles the calls that compute the same thing (the
+    deterministic ones; the dropping ones with the same key) once. Calls that differ stay apart, so
+    a mode that changed what a call computes still shows in its values."""
+    inference = eqx.nn.inference_mode(module)
+    training = eqx.nn.inference_mode(inference, False)  # switched back: the same flags as built?
+    return {
+        "inference": inference(*inputs),
+        "inference, key": inference(*inputs, key=key),
+        "training, key": training(*inputs, key=key),
+        "as built, key": module(*inputs, key=key),
+        "as built, key, inference=True": module(*inputs, key=key, inference=True),
+        "as built, inference=True": module(*inputs, inference=True),
+        "inference, key, inference=False": inference(*inputs, key=key, inference=False),
+    }

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import forward, gpt, normal
-from model_family import TINY_GPT, decode, in_family
+from model_family import TINY_GPT, decode, in_family, outputs_by_mode
 
 from eqx_gpt import (
     GPT,
@@ -67,29 +67,35 @@ _BUILDERS = {
 }
 
 
-# Each built once; the tests call them through `call`, one compiled program per module and mode,
-# shared between the tests.
+# Each built once; the three tests below read its outputs in every mode from one compiled program per
+# module (model_family.outputs_by_mode), called with each key once.
 MODULES = {name: functools.cache(build) for name, build in _BUILDERS.items()}
+
+
+@functools.cache
+def _outputs(name: str, key_seed: int) -> dict:
+    module, inputs = MODULES[name]()
+    return jax.tree.map(np.asarray, outputs_by_mode(module, inputs, jax.random.key(key_seed)))
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_inference_mode_is_deterministic_with_any_key(name):
-    module, inputs = MODULES[name]()
+    module, _ = MODULES[name]()
     assert _flags(module) and not any(_flags(module))  # built in training mode
-    inference = eqx.nn.inference_mode(module)
-    assert all(_flags(inference))
-    out = forward(inference, *inputs)
-    np.testing.assert_array_equal(forward(inference, *inputs, key=K1), out)
-    np.testing.assert_array_equal(forward(inference, *inputs, key=K2), out)
+    assert all(_flags(eqx.nn.inference_mode(module)))
+    with_k1, with_k2 = _outputs(name, 1), _outputs(name, 2)
+    out = with_k1["inference"]
+    np.testing.assert_array_equal(with_k1["inference, key"], out)
+    np.testing.assert_array_equal(with_k2["inference, key"], out)
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name):
     module, inputs = MODULES[name]()
     training = eqx.nn.inference_mode(eqx.nn.inference_mode(module), False)
-    a, b = forward(training, *inputs, key=K1), forward(training, *inputs, key=K2)
+    a, b = _outputs(name, 1)["training, key"], _outputs(name, 2)["training, key"]
     assert not np.allclose(a, b)
-    np.testing.assert_array_equal(a, forward(module, *inputs, key=K1))  # the same masks as built
+    np.testing.assert_array_equal(a, _outputs(name, 1)["as built, key"])  # the same masks as built
     with pytest.raises(
         ValueError, match=f"^{name} has dropout 0.5 and is in training mode, so it needs key="
     ):
@@ -99,15 +105,13 @@ def test_training_mode_drops_out_with_a_key_and_refuses_to_run_without_one(name)
 @pytest.mark.parametrize("name", MODULES)
 def test_the_per_call_override_beats_the_mode(name):
     module, inputs = MODULES[name]()
-    inference = eqx.nn.inference_mode(module)
-    out = forward(inference, *inputs)
-    np.testing.assert_array_equal(forward(module, *inputs, key=K1, inference=True), out)
-    np.testing.assert_array_equal(forward(module, *inputs, inference=True), out)
-    np.testing.assert_array_equal(
-        forward(inference, *inputs, key=K1, inference=False), forward(module, *inputs, key=K1)
-    )
+    outputs = _outputs(name, 1)
+    out = outputs["inference"]
+    np.testing.assert_array_equal(outputs["as built, key, inference=True"], out)
+    np.testing.assert_array_equal(outputs["as built, inference=True"], out)
+    np.testing.assert_array_equal(outputs["inference, key, inference=False"], outputs["as built, key"])
     with pytest.raises(ValueError, match="needs key="):
-        inference(*inputs, inference=False)
+        eqx.nn.inference_mode(module)(*inputs, inference=False)
 
 
 def test_a_model_without_dropout_needs_no_key():
@@ -134,13 +138,12 @@ def test_stacked_and_unstacked_models_switch_every_flag_and_agree():
     unstacked = inference.unstack()
     assert len(_flags(unstacked)) == 1 + CFG.n_layers * 2  # the model, then each block and its attention
     assert all(_flags(unstacked))
-    np.testing.assert_allclose(forward(unstacked, tokens, key=K1), forward(inference, tokens), atol=1e-6)
+    stacked = _outputs("GPT", 1)  # the stacked model's, computed for the tests above
+    np.testing.assert_allclose(forward(unstacked, tokens, key=K1), stacked["inference"], atol=1e-6)
     logits, _ = decode(inference, tokens, inference.init_cache(), 0)
-    np.testing.assert_allclose(logits, forward(inference, tokens), atol=1e-5)
+    np.testing.assert_allclose(logits, stacked["inference"], atol=1e-5)
     # Training mode, unstacked: the same masks as the stacked model.
-    np.testing.assert_allclose(
-        forward(model.unstack(), tokens, key=K1), forward(model, tokens, key=K1), atol=1e-6
-    )
+    np.testing.assert_allclose(forward(model.unstack(), tokens, key=K1), stacked["as built, key"], atol=1e-6)
 
 
 def test_a_flag_is_static_under_plain_jit_of_the_whole_model():
@@ -183,7 +186,10 @@ def test_checkpoints_hold_arrays_only_and_load_in_training_mode(tmp_path):
     assert weights[0] == weights[1]  # the mode is not stored
     loaded, _, meta = load_model(paths[1])
     assert meta["version"] == VERSION and not any(_flags(loaded))
-    np.testing.assert_array_equal(forward(loaded, tokens, key=K1), forward(model, tokens, key=K1))
+    # Both through the program the tests above compiled for this model's structure.
+    np.testing.assert_array_equal(
+        outputs_by_mode(loaded, (tokens,), K1)["as built, key"], _outputs("GPT", 1)["as built, key"]
+    )
 
 
 def test_an_old_checkpoint_loads_in_training_mode(tmp_path):
