@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from compiled import drawn_gpt, forward, gpt, token_ids, transformer
 from jaxtyping import TypeCheckError
-from model_family import SMALL_GPT, TINY_GPT, TINY_TRANSFORMER, decode, in_family, vmapped
+from model_family import SMALL_GPT, TINY_GPT, TINY_TRANSFORMER, decode, in_family, outputs_by_mode, vmapped
 
 from eqx_gpt import GPT, MLP, Block, GPTConfig, LayerStack, MultiHeadAttention, RMSNorm, causal_mask
 from eqx_gpt.training.step import loss_fn
@@ -74,11 +74,10 @@ def test_dropout_needs_a_key_in_training_mode():
     tokens = jnp.arange(SEQ)
     with pytest.raises(ValueError, match="needs key="):
         logits_of(m, tokens)
-    deterministic = logits_of(eqx.nn.inference_mode(m), tokens)
-    np.testing.assert_array_equal(
-        deterministic, logits_of(eqx.nn.inference_mode(m), tokens, key=jax.random.key(1))
-    )
-    assert not np.allclose(logits_of(m, tokens, key=jax.random.key(1)), deterministic)
+    outputs = outputs_by_mode(m, (tokens,), jax.random.key(1))  # one program for every mode
+    deterministic = outputs["inference"]
+    np.testing.assert_array_equal(deterministic, outputs["inference, key"])
+    assert not np.allclose(outputs["as built, key"], deterministic)
 
 
 def test_batched_and_jitted_call(model):
@@ -129,9 +128,8 @@ def test_an_unstacked_model_is_the_same_function(model):
     )
     dropping = gpt(DROPPING)
     key = jax.random.key(6)
-    np.testing.assert_allclose(
-        logits_of(dropping.unstack(), tokens, key=key), logits_of(dropping, tokens, key=key), atol=1e-6
-    )
+    stacked = outputs_by_mode(dropping, (tokens,), key)["as built, key"]  # test_dropout_needs_a_key's program
+    np.testing.assert_allclose(logits_of(dropping.unstack(), tokens, key=key), stacked, atol=1e-6)
     # Its cache is a tuple of per-layer caches, and decoding through it gives the same logits.
     cache = unstacked.init_cache()
     assert len(cache) == CFG.n_layers
@@ -227,12 +225,13 @@ def test_a_batch_gives_what_vmap_over_its_sequences_gives():
     tokens = token_ids(1, (3, 8), CFG.vocab_size)
     keys = jax.random.split(jax.random.key(2), 3)
     inference = eqx.nn.inference_mode(dropout_model)
-    np.testing.assert_allclose(logits_of(inference, tokens), vmapped(inference, tokens), rtol=0, atol=1e-5)
+    outputs = outputs_by_mode(dropout_model, (tokens,), keys)  # the batch's, in one program
+    np.testing.assert_allclose(outputs["inference"], vmapped(inference, tokens), rtol=0, atol=1e-5)
     # Dropout: each sequence of the batch gets the masks its own key gives it alone.
-    batched = logits_of(dropout_model, tokens, key=keys)
+    batched = outputs["as built, key"]
     one_by_one = vmapped(dropout_model, tokens, keys)
     np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
-    assert not np.allclose(batched, logits_of(inference, tokens))
+    assert not np.allclose(batched, outputs["inference"])
 
 
 def test_gpt_rejects_float_tokens_under_jit(model):
