@@ -127,12 +127,15 @@ def test_a_post_norm_block_is_its_sub_modules_composed_by_hand():
 
 def test_wrong_context_width_and_mask_shape_are_one_line_errors():
     attn = MultiHeadAttention(32, 4, key=jax.random.key(0))
-    x = jnp.ones((7, 32))
+    # The checks are of shapes, made as the call is traced: traced abstractly here, since run eagerly
+    # each operation before them compiles a program of its own.
+    call = lambda *args, **kwargs: eqx.filter_eval_shape(attn, *args, **kwargs)
+    x = np.ones((7, 32), np.float32)
     with pytest.raises(ValueError, match="context expects a last axis of size d_model=32") as e:
-        attn(x, jnp.ones((11, 16)))
+        call(x, np.ones((11, 16), np.float32))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"mask has shape \(7, 7\).*shape \(7, 11\)") as e:
-        attn(x, jnp.ones((11, 32)), mask=jnp.ones((7, 7), bool))
+        call(x, np.ones((11, 32), np.float32), mask=np.ones((7, 7), bool))
     assert "\n" not in str(e.value)
 
 
@@ -183,10 +186,11 @@ def model():
 
 def test_the_decoder_is_causal_on_the_target_and_ignores_source_padding(model):
     # NumPy inputs and outputs: JAX's eager indexing and arithmetic compile a program each.
-    src = np.asarray([[5, 6, 7, 0], [4, 4, 0, 0]], np.int32)  # the shapes of the test below
-    tgt = np.asarray([[1, 3, 4, 5, 6], [1, 2, 2, 2, 2]], np.int32)
+    # The shapes of the tests below: a pair's is the translation reference's (6 and 9 tokens).
+    src = np.asarray([[5, 6, 7, 0, 0, 0], [4, 4, 0, 0, 0, 0]], np.int32)
+    tgt = np.asarray([[1, 3, 4, 5, 6, 7, 8, 2, 5], [1, 2, 2, 2, 2, 2, 2, 2, 2]], np.int32)
     logits = np.asarray(forward(model, src, tgt))
-    assert logits.shape == (2, 5, 9)
+    assert logits.shape == (2, 9, 9)
     changed = tgt.copy()
     changed[:, 2] = 7
     np.testing.assert_allclose(np.asarray(forward(model, src, changed))[:, :2], logits[:, :2], atol=1e-6)
@@ -221,13 +225,13 @@ def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_
 
 def test_the_encoder_decoders_cached_decode_is_its_whole_pass_one_position_at_a_time():
     model = transformer(2)
-    src = jax.device_put(np.asarray([[5, 6, 7, 0], [4, 9, 12, 3]], np.int32))  # the shapes of the test above
-    tgt = np.asarray([[1, 7, 8, 2, 5], [1, 3, 4, 5, 6]], np.int32)  # ids < tgt_vocab_size=9
+    src = jax.device_put(np.asarray([[5, 6, 7, 0, 0, 0], [4, 9, 12, 3, 8, 1]], np.int32))  # the shapes above
+    tgt = np.asarray([[1, 7, 8, 2, 5, 3, 4, 6, 1], [1, 3, 4, 5, 6, 7, 8, 2, 2]], np.int32)  # ids < 9
     whole = np.asarray(forward(model, src, tgt))
     memory = eqx.filter_jit(lambda model, src: model.memory_kv(model.encode(src)))
-    memory_kv, cache = memory(model, src), model.init_cache(2, 5)
+    memory_kv, cache = memory(model, src), model.init_cache(2, 9)
     step = eqx.filter_jit(Transformer.decode)
-    for i in range(5):
+    for i in range(9):
         logits, cache = step(model, tgt[:, i : i + 1], cache, jnp.int32(i), memory_kv, src)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], whole[:, i], atol=1e-5)
     with pytest.raises(ValueError, match="capacity in \\[1, max_len"):
