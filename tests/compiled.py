@@ -49,3 +49,17 @@ def gpt(config: GPTConfig, seed: int = 0) -> GPT:
 def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
     """`Transformer(config, key=jax.random.key(seed))`, built once per process."""
     return Transformer(config, key=jax.random.key(seed))
+
+
+@functools.cache
+def drawn(cls: type, config, seed: int = 0):
+    """`cls(config, key=jax.random.key(seed))` (a GPT, Transformer, ...) with its weights drawn in
+    one compiled program, built once per process: built eagerly, a model compiles a program per
+    weight shape and operation (about 10 to 30), which pays only where other tests of the process
+    build models of the same shapes eagerly (a run's `set_up` does)."""
+    return _drawn(cls, config, seed)
+
+
+@eqx.filter_jit
+def _drawn(cls: type, config, seed: int):
+    return cls(config, key=jax.random.key(seed))
