@@ -52,14 +52,13 @@ def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
 
 
 @functools.cache
-def drawn(cls: type, config, seed: int = 0):
-    """`cls(config, key=jax.random.key(seed))` (a GPT, Transformer, ...) with its weights drawn in
-    one compiled program, built once per process: built eagerly, a model compiles a program per
-    weight shape and operation (about 10 to 30), which pays only where other tests of the process
-    build models of the same shapes eagerly (a run's `set_up` does)."""
-    return _drawn(cls, config, seed)
-
-
-@eqx.filter_jit
-def _drawn(cls: type, config, seed: int):
-    return cls(config, key=jax.random.key(seed))
+def zero_weights(cls: type, config):
+    """A `cls(config, key=...)` (a GPT, Transformer, ...) whose every array is zeros, built without
+    compiling anything (its shapes traced, its arrays NumPy's): for a test that needs a model's
+    structure, not its values (a refusal, a checkpoint's files). Drawing weights compiles a program
+    per weight shape, `jax.random.normal`'s taking about 0.5 s each."""
+    shapes = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))
+    as_zeros = lambda leaf: (
+        jax.device_put(np.zeros(leaf.shape, leaf.dtype)) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    )
+    return jax.tree.map(as_zeros, shapes)
