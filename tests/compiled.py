@@ -49,3 +49,16 @@ def gpt(config: GPTConfig, seed: int = 0) -> GPT:
 def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
     """`Transformer(config, key=jax.random.key(seed))`, built once per process."""
     return Transformer(config, key=jax.random.key(seed))
+
+
+@functools.cache
+def zero_weights(cls: type, config):
+    """A `cls(config, key=...)` (a GPT, Transformer, ...) whose every array is zeros, built without
+    compiling anything (its shapes traced, its arrays NumPy's): for a test that needs a model's
+    structure, not its values (a refusal, a checkpoint's files). Drawing weights compiles a program
+    per weight shape, `jax.random.normal`'s taking about 0.5 s each."""
+    shapes = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))
+    as_zeros = lambda leaf: (
+        jax.device_put(np.zeros(leaf.shape, leaf.dtype)) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    )
+    return jax.tree.map(as_zeros, shapes)
