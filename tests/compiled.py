@@ -56,8 +56,20 @@ def drawn_gpt(config: GPTConfig, seed: int = 0, scale: float = 0.1) -> GPT:
     """A `GPT` of `config`'s structure whose float arrays are NumPy's normal draws times `scale`, built
     from its shapes alone, once per process: for a test whose assertion holds for any weights. Building
     it compiles nothing, where `GPT(config, key=...)` compiles a `jax.random.normal` program per weight
-    shape and number of layers (each about as long to compile as the model's forward pass)."""
+    shape and number of layers."""
     rng = np.random.default_rng(seed)
     shapes = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
     draw = lambda s: jax.device_put((scale * rng.normal(size=s.shape)).astype(s.dtype))
     return jax.tree.map(lambda s: draw(s) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)
+
+
+def zero_weights(cls: type, config):
+    """A `cls(config, key=...)` (a GPT, Transformer, ...) whose every array is zeros, built without
+    compiling anything (its shapes traced, its arrays NumPy's): for a test that needs a model's
+    structure, not its values (a refusal, a checkpoint's files). Drawing weights compiles a program
+    per weight shape, `jax.random.normal`'s taking about 0.5 s each."""
+    shapes = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))
+    as_zeros = lambda leaf: (
+        jax.device_put(np.zeros(leaf.shape, leaf.dtype)) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    )
+    return jax.tree.map(as_zeros, shapes)
