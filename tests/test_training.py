@@ -6,14 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import token_ids
-from train_family import CONFIG, FAMILY, MUON, optimizer_of, train_step, update
+from train_family import CONFIG, FAMILY, MUON, loss_logits_and_grads, optimizer_of, train_step, update
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import (
     decay_mask,
     init_optimizer_state,
-    loss_fn,
     make_optimizer,
     make_train_step,
     make_train_steps,
@@ -50,8 +49,15 @@ def _step(config: TrainConfig, model_config=CONFIG):
 DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
 # NumPy (drawn by `token_ids`): indexing and stacking it compile nothing.
 BATCH = np.asarray(token_ids(1, (8, 17), CONFIG.vocab_size))
-# One compiled program for the loss and its gradient at BATCH's shape, shared by the tests below.
-loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
+
+
+def loss_and_grads(model, batch):
+    """`(loss, grads)` of `model` on `batch`: one compiled program at BATCH's shape, shared by the
+    tests below and test_mixed_precision.py (`loss_logits_and_grads`)."""
+    (loss, _), grads = loss_logits_and_grads(model, jax.device_put(batch))
+    return loss, grads
+
+
 # Clipped to 0.01, far below the gradient's norm (AdamW's update hardly changes: it divides the
 # clipped gradient's scale out again): the steps without dropout that the tests below share.
 CLIPPED = TrainConfig(batch_size=8, grad_clip=0.01)

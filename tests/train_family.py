@@ -9,6 +9,7 @@ and input shape compiles once for the whole family.
 import functools
 
 import equinox as eqx
+import jax
 import optax
 import pytest
 
@@ -48,3 +49,17 @@ def update(optimizer: optax.GradientTransformation, grads, state, params):
     """`optimizer.update(grads, state, params)` compiled whole (one program per optimiser and
     tree): run op by op, Muon's Newton-Schulz loops compile afresh on every call."""
     return optimizer.update(grads, state, params)
+
+
+@eqx.filter_jit
+def loss_logits_and_grads(model, tokens):
+    """`((loss, logits), grads)` of `model` on `tokens` `(batch, seq + 1)`: the mean next-token
+    cross-entropy (optax's, of the logits), the logits `(batch, seq, vocab)` and the loss's gradient
+    in the model, as one program per model structure and shape (test_training.py's and
+    test_mixed_precision.py's float32 GPT on `(8, 17)` tokens share one)."""
+
+    def loss(model):
+        logits = jax.vmap(model)(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
+
+    return eqx.filter_value_and_grad(loss, has_aux=True)(model)
