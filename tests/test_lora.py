@@ -136,13 +136,15 @@ def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
 
 
 def test_lora_dropout_drops_out_the_adapters_input_alone_in_training():
-    base = Linear(8, 6, key=jax.random.key(0), use_bias=True)
+    # 16 by 16 at rank 2: test_compose.py's and test_lora_targets.py's weight shapes, whose
+    # initialising programs the family compiles anyway.
+    base = Linear(16, 16, key=jax.random.key(0), use_bias=True)
     lora = LoRALinear(base, 2, alpha=4.0, dropout=0.5, key=jax.random.key(1))
     # Drawn, and the expected outputs computed, in NumPy: no program of their own. The module runs
     # eagerly: its operations' programs are shared by its calls (all of one shape).
     rng = np.random.default_rng(2)
-    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.device_put(rng.standard_normal((2, 6), np.float32)))
-    x, key = jax.device_put(rng.standard_normal((3, 5, 8), np.float32)), jax.random.key(4)
+    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.device_put(rng.standard_normal((2, 16), np.float32)))
+    x, key = jax.device_put(rng.standard_normal((3, 5, 16), np.float32)), jax.random.key(4)
     with pytest.raises(ValueError, match="LoRALinear has dropout 0.5 and is in training mode, so it needs"):
         lora(x)
     dropped = np.asarray(dropout(x, 0.5, key))

@@ -73,8 +73,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def test_fused_attention_matches_the_per_head_vmap_path():
     # On CPU this is XLA's path of jax.nn.dot_product_attention, the call that GPUs send to cuDNN.
-    attn = MultiHeadAttention(64, 4, key=jax.random.key(0))
-    x = jax.device_put(np.random.default_rng(1).standard_normal((12, 64), np.float32))
+    # Width 16 and 2 heads, as test_compose.py's attention: its weights' initialising programs serve.
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
+    x = jax.device_put(np.random.default_rng(1).standard_normal((12, 16), np.float32))
     mask = causal_mask(12)
     # Each path compiled whole: op by op, each of their operations is a program of its own.
     fused = forward(_fused_path, attn, x, mask)
