@@ -217,7 +217,8 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
         4 * 256, 50_304, 768, gradient=True, limits=cpu
     )
     assert chunks_pay(4 * 1024, 50_304, 768, gradient=True, limits=cpu)
-    config = dataclasses.replace(BASE, vocab_size=20_000)
+    # Tied, as GPT-2 is: one (20,032 x 32) weight to draw, not two (a program per shape).
+    config = dataclasses.replace(BASE, vocab_size=20_000, tie_embeddings=True)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE
     assert chunks_pay(256, config.padded_vocab_size, limits=cpu)
