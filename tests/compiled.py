@@ -49,3 +49,20 @@ def gpt(config: GPTConfig, seed: int = 0) -> GPT:
 def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
     """`Transformer(config, key=jax.random.key(seed))`, built once per process."""
     return Transformer(config, key=jax.random.key(seed))
+
+
+def drawn(skeleton, seed: int = 0, scale: float = 0.1):
+    """`skeleton` (a module from `eqx.filter_eval_shape`, which holds its arrays' shapes alone) with
+    every array drawn standard normal times `scale` by NumPy: a module to compute with whose
+    initialiser compiled nothing (run, `jax.random.normal` compiles a program for every weight
+    shape, and a stack of layers a dozen more). For tests whose assertions hold for any weights."""
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf  # what is not an array (a flag) is the module's as it was built
+        if not np.issubdtype(leaf.dtype, np.floating):
+            raise TypeError(f"drawn() draws floating arrays; the skeleton holds a {leaf.dtype} one")
+        return jax.device_put((scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype))
+
+    return jax.tree.map(draw, skeleton)
