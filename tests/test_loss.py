@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compiled import token_ids
+from compiled import drawn, token_ids
 from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
@@ -32,6 +32,13 @@ CASES = {
     "tied": dataclasses.replace(BASE, tie_embeddings=True, positions="learned", bias=True, norm="layer"),
     "softcap": dataclasses.replace(BASE, logit_softcap=3.0),
 }
+
+
+def _gpt(config: GPTConfig, seed: int, scale: float = 0.1) -> GPT:
+    """A GPT of `config` with weights drawn by NumPy, standard normal times `scale`
+    (`compiled.drawn`): the losses compared below agree for any weights, and GPT's initialiser
+    compiles a random draw per weight shape."""
+    return drawn(eqx.filter_eval_shape(GPT, config, key=jax.random.key(seed)), seed, scale)
 
 
 def _batch(seed, n=3, config=BASE):
@@ -67,9 +74,9 @@ def _close(a, b, rtol):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
-    model = GPT(CASES[name], key=jax.random.key(1))
-    # A perturbed head, so that the softmax is far from uniform and the softcap bites.
-    model = eqx.tree_at(lambda m: m.embed, model, model.embed * 8.0)
+    # Weights of scale 1 (the head's too: `embed * 8` once left an untied head as it was), so that
+    # the softmax is far from uniform and the softcap bites.
+    model = _gpt(CASES[name], 1, scale=1.0)
     batch = _batch(2, config=CASES[name])
     (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
@@ -118,7 +125,7 @@ def test_weighted_sum_and_blocks_of_any_width():
 
 
 def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
-    model = GPT(dataclasses.replace(BASE, compute_dtype="bfloat16"), key=jax.random.key(6))
+    model = _gpt(dataclasses.replace(BASE, compute_dtype="bfloat16"), 6)
     batch = _batch(7)
     (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-2 * float(plain)
@@ -217,7 +224,8 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
         4 * 256, 50_304, 768, gradient=True, limits=cpu
     )
     assert chunks_pay(4 * 1024, 50_304, 768, gradient=True, limits=cpu)
-    # Tied, as GPT-2 is: one (20,032 x 32) weight to draw, not two (a program per shape).
+    # Tied, as GPT-2 is (one 20,032 x 32 weight to draw), and built by GPT's initialiser: drawn
+    # weights (`_gpt`) give logits so small that a wrong chunked logit would hide in the rounding.
     config = dataclasses.replace(BASE, vocab_size=20_000, tie_embeddings=True)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE
@@ -227,7 +235,7 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
 
 
 def test_features_then_logits_is_the_call():
-    model = GPT(CASES["tied"], key=jax.random.key(14))
+    model = _gpt(CASES["tied"], 14)
     inputs = np.asarray(_batch(15, config=model.config))[:, :-1]
     # Both in one program (run op by op, each op would compile on its own): the same computation
     # gives the same bits; another (a call that is not features then logits) would not.
