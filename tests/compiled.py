@@ -51,18 +51,32 @@ def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
     return Transformer(config, key=jax.random.key(seed))
 
 
-def drawn(skeleton, seed: int = 0, scale: float = 0.1):
+@functools.cache
+def zero_weights(cls: type, config):
+    """A `cls(config, key=...)` (a GPT, Transformer, ...) whose every array is zeros, built without
+    compiling anything (its shapes traced, its arrays NumPy's): for a test that needs a model's
+    structure, not its values (a refusal, a checkpoint's files). Drawing weights compiles a program
+    per weight shape, `jax.random.normal`'s taking about 0.5 s each."""
+    shapes = eqx.filter_eval_shape(lambda: cls(config, key=jax.random.key(0)))
+    as_zeros = lambda leaf: (
+        jax.device_put(np.zeros(leaf.shape, leaf.dtype)) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
+    )
+    return jax.tree.map(as_zeros, shapes)
+
+
+def normal_weights(skeleton, seed: int = 0, scale: float = 0.1):
     """`skeleton` (a module from `eqx.filter_eval_shape`, which holds its arrays' shapes alone) with
-    every array drawn standard normal times `scale` by NumPy: a module to compute with whose
+    every array drawn standard normal times `scale` by NumPy, eagerly: a module to compute with whose
     initialiser compiled nothing (run, `jax.random.normal` compiles a program for every weight
-    shape, and a stack of layers a dozen more). For tests whose assertions hold for any weights."""
+    shape, and a stack of layers a dozen more). For tests that compute with the model and whose
+    assertions hold for any weights; `zero_weights` for those that need its structure alone."""
     rng = np.random.default_rng(seed)
 
     def draw(leaf):
         if not isinstance(leaf, jax.ShapeDtypeStruct):
             return leaf  # what is not an array (a flag) is the module's as it was built
         if not np.issubdtype(leaf.dtype, np.floating):
-            raise TypeError(f"drawn() draws floating arrays; the skeleton holds a {leaf.dtype} one")
+            raise TypeError(f"normal_weights() draws floating arrays; the skeleton holds a {leaf.dtype} one")
         return jax.device_put((scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype))
 
     return jax.tree.map(draw, skeleton)

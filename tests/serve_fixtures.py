@@ -8,7 +8,6 @@ from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from eqx_gpt import GPT, CharTokenizer, GPTConfig, load_model, save_checkpoint
@@ -56,7 +55,7 @@ def query_rows(model, tokens: list[int], start: int, query: int) -> np.ndarray:
     padded to the model's context with token 0, which a causal model's earlier rows never see: one
     compiled program for every window, where each window's own length would compile its own."""
     window = tokens[start : query + 1]
-    padded = jnp.asarray(window + [0] * (model.context_length - len(window)))
+    padded = jax.device_put(np.asarray(window + [0] * (model.context_length - len(window)), np.int32))
     return np.asarray(_attention_weights(model, padded))[:, :, len(window) - 1, : len(window)]
 
 

@@ -61,7 +61,8 @@ def _mean_loss_by_hand_of(model, ids, contexts):
         windows[i, : len(c)] = c
         lengths[i] = len(c)
     targets[:n] = ids[1:]
-    return float(np.mean(_losses_at(eqx.nn.inference_mode(model), windows, lengths, targets)[:n]))
+    losses = np.asarray(_losses_at(eqx.nn.inference_mode(model), windows, lengths, targets))
+    return float(np.mean(losses[:n]))  # NumPy's slice: JAX's, eager, compiles a program for every n
 
 
 def _window_start(t, n, stride):

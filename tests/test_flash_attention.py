@@ -39,8 +39,9 @@ def _exact_float32_products():
 
 
 def _normal(rng, shape, dtype=jnp.float32):
-    # Drawn by NumPy: jax.random would compile a program for every shape (and dtype) drawn.
-    return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))  # bfloat16 too (ml_dtypes)
+    # Drawn by NumPy: jax.random would compile a program for every shape (and dtype) drawn, and so
+    # would `jnp.asarray` (`jax.device_put` compiles none).
+    return jax.device_put(rng.standard_normal(shape, np.float32).astype(dtype))  # bfloat16 too (ml_dtypes)
 
 
 def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
@@ -53,7 +54,7 @@ def _qkv(seed, batch, seq, kv_seq, heads, d_head, dtype=jnp.float32):
 
 def _causal(seq: int) -> jax.Array:
     """`causal_mask(seq)` `(seq, seq)`, built in NumPy (run eagerly, JAX compiles its operations)."""
-    return jnp.asarray(np.tril(np.ones((seq, seq), bool)))
+    return jax.device_put(np.tril(np.ones((seq, seq), bool)))
 
 
 # The kernels' seeds of a batch, in one program per batch shape (eagerly: one per operation).
@@ -64,29 +65,32 @@ def _padded_causal(seq: int, lengths) -> jax.Array:
     """Causal self-attention over sequences padded at the end to `seq`: `(batch, seq, seq)`. (Built
     in NumPy, as the test's inputs are: JAX run op by op compiles a program per operation and shape.)"""
     keys = np.arange(seq)[None, :] < np.asarray(lengths)[:, None]
-    return jnp.asarray(np.tril(np.ones((seq, seq), bool))[None] & keys[:, None, :])
+    return jax.device_put(np.tril(np.ones((seq, seq), bool))[None] & keys[:, None, :])
 
 
 # The XLA path without dropout, compiled whole (one program per shape, not one per operation).
 _reference = jax.jit(reference_attention)
 
 
-def _value_and_grads(attend, q, k, v, cotangent):
-    """`attend`'s output and the gradients of `sum(out * cotangent)` for q, k and v, jitted."""
+def _values_and_grads(attends, q, k, v, cotangent):
+    """Each of `attends`' output and its gradients of `sum(out * cotangent)` for q, k and v, all in
+    one compiled program (a program apiece would pay the compiler's fixed costs twice)."""
 
-    def loss(q, k, v):
-        out = attend(q, k, v)
-        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+    def value_and_grads(attend, q, k, v):
+        def loss(q, k, v):
+            out = attend(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-    return out, grads
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out, grads
+
+    return jax.jit(lambda q, k, v: [value_and_grads(attend, q, k, v) for attend in attends])(q, k, v)
 
 
 def _assert_matches(q, k, v, cotangent, mask, rate, seeds, tolerance, **blocks):
     flash = lambda q, k, v: flash_attention(q, k, v, mask, rate=rate, seeds=seeds, **blocks)
     reference = lambda q, k, v: reference_attention(q, k, v, mask, rate=rate, seeds=seeds)
-    out, grads = _value_and_grads(flash, q, k, v, cotangent)
-    want_out, want_grads = _value_and_grads(reference, q, k, v, cotangent)
+    (out, grads), (want_out, want_grads) = _values_and_grads((flash, reference), q, k, v, cotangent)
     names = ("out", "dq", "dk", "dv")
     for name, got, want in zip(names, (out, *grads), (want_out, *want_grads), strict=True):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -128,7 +132,7 @@ def test_odd_sizes_cross_attention_and_a_sequence_that_sees_nothing():
     # and to 16 features within. The second sequence has no key at all (length 0): its rows
     # attend uniformly, as the XLA path's do.
     q, k, v, cotangent = _qkv(3, 2, 50, 40, 2, 8)
-    mask = jnp.asarray(
+    mask = jax.device_put(
         np.broadcast_to((np.arange(40)[None, :] < np.array([23, 0])[:, None])[:, None, :], (2, 50, 40))
     )
     seeds = _sequence_seeds(jax.random.key(4), (2,))
@@ -214,18 +218,24 @@ def test_another_key_draws_another_mask_and_the_same_key_the_same():
 
 
 def test_sequence_seeds_of_one_key_are_those_of_its_split_keys():
-    key = jax.random.key(11)
-    split = jax.random.split(key, 6).reshape(2, 3)
-    np.testing.assert_array_equal(sequence_seeds(key, (2, 3)), sequence_seeds(split, (2, 3)))
-    assert sequence_seeds(key, (2, 3)).shape == (2, 3, 2)
+    # Both in one program (run op by op, the split, reshape and draws compile one program each).
+    of_key_and_split = lambda key: (
+        sequence_seeds(key, (2, 3)),
+        sequence_seeds(jax.random.split(key, 6).reshape(2, 3), (2, 3)),
+    )
+    of_key, of_split = jax.jit(of_key_and_split)(jax.random.key(11))
+    np.testing.assert_array_equal(of_key, of_split)
+    assert of_key.shape == (2, 3, 2)
 
 
 def test_the_reference_is_the_per_head_xla_path_of_attention():
     q, k, v, _ = _qkv(12, 2, 24, 24, 3, 8)
     mask = _padded_causal(24, [24, 10])
-    got = _reference(q, k, v, mask).reshape(2, 24, 24)
-    per_head = jax.jit(lambda q, k, v, mask: multi_head_attention(q, k, v, mask)[0])
-    np.testing.assert_allclose(got, per_head(q, k, v, mask), rtol=1e-6, atol=1e-6)
+    both = jax.jit(  # one program for the two
+        lambda q, k, v, mask: (reference_attention(q, k, v, mask), multi_head_attention(q, k, v, mask)[0])
+    )
+    got, per_head = both(q, k, v, mask)
+    np.testing.assert_allclose(got.reshape(2, 24, 24), per_head, rtol=1e-6, atol=1e-6)
 
 
 def test_bad_calls_are_refused_in_one_line():
@@ -235,17 +245,17 @@ def test_bad_calls_are_refused_in_one_line():
     with pytest.raises(ValueError, match="power of two"):
         flash_attention(q, k, v, blocks=BlockSizes.uniform(48, 64))
     with pytest.raises(ValueError, match="rate must be in"):
-        flash_attention(q, k, v, rate=1.0, seeds=jnp.zeros((2, 2), jnp.uint32))
+        flash_attention(q, k, v, rate=1.0, seeds=jax.device_put(np.zeros((2, 2), np.uint32)))
 
 
 def _attention_with_kernel(monkeypatch):
-    """`MultiHeadAttention` taking the kernels (as on a GPU; here in interpret mode)."""
+    """`MultiHeadAttention` taking the kernels (as on a GPU; here in interpret mode), its weights
+    drawn in one program (built op by op, one program per weight shape and operation)."""
     if not ON_GPU:
         monkeypatch.setattr(attention_module, "flash_attention_available", lambda dtype, d_head: True)
-    return MultiHeadAttention(32, 2, dropout=0.2, key=jax.random.key(14))
+    return eqx.filter_jit(lambda key: MultiHeadAttention(32, 2, dropout=0.2, key=key))(jax.random.key(14))
 
 
-@eqx.filter_jit  # one program (run op by op: one per operation)
 def _expected(mha, x, mask, key):
     """What attention computes with the kernel's mask, on the XLA path."""
     batch = x.shape[:-2]
@@ -261,14 +271,17 @@ def test_attention_with_dropout_takes_the_kernel_for_a_batch_and_under_vmap(monk
     x = _normal(np.random.default_rng(15), (2, 32, 32))
     key = jax.random.key(16)
     mask = _causal(32)
-    got = eqx.filter_jit(lambda m, x: m(x, mask=mask, key=key))(mha, x)
-    np.testing.assert_allclose(got, _expected(mha, x, mask, key), rtol=1e-5, atol=1e-5)
-    # One sequence at a time under jax.vmap (one key each): the same as the batch given those keys.
-    keys = jax.random.split(key, 2)
-    one = lambda x, k: mha(x, mask=mask, key=k)
-    np.testing.assert_allclose(
-        eqx.filter_jit(jax.vmap(one))(x, keys), _expected(mha, x, mask, keys), rtol=1e-5, atol=1e-5
-    )
+
+    @eqx.filter_jit  # the four in one program (each apart: four programs, two of them the kernels')
+    def batch_and_vmap(mha, x, key):
+        # One sequence at a time under jax.vmap (one key each): the same as the batch given those keys.
+        keys = jax.random.split(key, 2)
+        one = lambda x, k: mha(x, mask=mask, key=k)
+        batch = (mha(x, mask=mask, key=key), _expected(mha, x, mask, key))
+        return batch, (jax.vmap(one)(x, keys), _expected(mha, x, mask, keys))
+
+    for got, expected in batch_and_vmap(mha, x, key):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def _dot_precisions(jaxpr) -> set[str]:
@@ -287,7 +300,7 @@ def _dot_precisions(jaxpr) -> set[str]:
 def test_the_kernels_products_follow_jax_s_default_matmul_precision():
     # As XLA's own products do: TF32 on a GPU by default (IEEE float32 in Triton is 30 times slower
     # there), exact where a caller asks for "highest", as this file's fixture does.
-    q = jnp.ones((1, 32, 1, 16))
+    q = np.ones((1, 32, 1, 16), np.float32)  # traced only: NumPy's (jnp.ones compiles a program)
     attend = lambda q: flash_attention(q, q, q, blocks=BlockSizes.uniform(16, 16))
     assert _dot_precisions(jax.make_jaxpr(attend)(q).jaxpr) == {"(Precision.HIGHEST, Precision.HIGHEST)"}
     with jax.default_matmul_precision("default"):
@@ -297,9 +310,9 @@ def test_the_kernels_products_follow_jax_s_default_matmul_precision():
 def test_the_kernels_lower_to_triton_without_a_gpu():
     # Lowering for CUDA on any machine runs Pallas's Triton lowering, which refuses a primitive it
     # has no rule for: what interpret mode cannot tell. (Triton's own compiler runs on a GPU only.)
-    q = jnp.ones((2, 100, 2, 8), jnp.bfloat16)
+    q = np.ones((2, 100, 2, 8), jnp.bfloat16)  # traced only: NumPy's (jnp.ones compiles a program)
     mask = _padded_causal(100, [100, 41])
-    seeds = jnp.ones((2, 2), jnp.uint32)
+    seeds = jax.device_put(np.ones((2, 2), np.uint32))
     attend = lambda q, k, v: flash_attention(q, k, v, mask, rate=0.2, seeds=seeds, interpret=False)
     grads = jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     try:
@@ -325,7 +338,7 @@ def test_the_gpu_s_trial_of_the_kernels_runs_while_a_model_is_traced_and_a_failu
         passed.append(trial("float32", 16, True))
         return carry, x
 
-    jax.jit(lambda xs: jax.lax.scan(layer, 0.0, xs))(jnp.ones(2))
+    jax.jit(lambda xs: jax.lax.scan(layer, 0.0, xs))(np.ones(2, np.float32))
     assert passed == [True]
 
     def broken(*args, **kwargs):

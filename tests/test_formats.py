@@ -341,19 +341,20 @@ def test_a_compressed_file_goes_to_the_cache_by_the_text_it_holds_not_its_size(t
     import eqx_gpt.data.prepare as prepare_module
 
     line = "All the world's a stage, and all the men and women merely players.\n"
-    (tmp_path / "big.txt.gz").write_bytes(gzip.compress((line * 8000).encode(), 9))  # 536 KB of text
+    # 134 KB of text, twice the limit set below (the text's size, not its cost, is what matters)
+    (tmp_path / "big.txt.gz").write_bytes(gzip.compress((line * 2000).encode(), 9))
     assert (tmp_path / "big.txt.gz").stat().st_size * 4 < 16_000  # what the old rule took for its text
     monkeypatch.setattr(prepare_module, "IN_MEMORY_BYTES", 64_000)
     read_in_memory = []
     tokens = prepare_module.tokens
     monkeypatch.setattr(prepare_module, "tokens", lambda c, *a: read_in_memory.append(c) or tokens(c, *a))
     first = _prepare(tmp_path / "big.txt.gz", tmp_path)
-    assert first.folder is not None and first.prepared and _text(first) == line * 8000
+    assert first.folder is not None and first.prepared and _text(first) == line * 2000
     assert sum(eqx_gpt.data.chunks.chunk_bytes(c) for c in read_in_memory) <= 64_000 + 1000  # then it stopped
     monkeypatch.setattr(eqx_gpt.data.prepare, "write_shard", None)  # a second start tokenizes nothing
     monkeypatch.setattr(eqx_gpt.data.prepare, "plan_chunks", None)
     again = _prepare(tmp_path / "big.txt.gz", tmp_path)
-    assert not again.prepared and again.folder == first.folder and _text(again) == line * 8000
+    assert not again.prepared and again.folder == first.folder and _text(again) == line * 2000
 
 
 def test_a_null_text_is_no_document_in_every_format(tmp_path):

@@ -31,7 +31,7 @@ def make_model(seed):
     model = gpt(seed)
     # Random init gives near-uniform logits; a larger head makes choices clear-cut (and argmax
     # ties from float rounding implausible) so the comparison tests something.
-    return eqx.tree_at(lambda m: m.head.weight, model, jnp.asarray(np.asarray(model.head.weight) * 50))
+    return eqx.tree_at(lambda m: m.head.weight, model, jax.device_put(np.asarray(model.head.weight) * 50))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +175,7 @@ def test_padded_vocabulary_ids_are_never_produced(model):
     assert CFG.padded_vocab_size > CFG.vocab_size
     head = np.array(model.head.weight)  # NumPy: an eager `.at[].set` compiles a program
     head[:, CFG.vocab_size :] = 1e4
-    rigged = eqx.tree_at(lambda m: m.head.weight, model, jnp.asarray(head))
+    rigged = eqx.tree_at(lambda m: m.head.weight, model, jax.device_put(head))
     out = generate(
         rigged, random_prompt(2, 4), 40, key=jax.random.key(0), options=SamplingOptions(temperature=5.0)
     )
@@ -307,7 +307,7 @@ def _logits_plus(index, value):
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logits_with_no_distribution_are_refused_not_sampled_as_token_0(added, word, temperature):
-    model = _broken(_unchanged, added=jnp.asarray(added))
+    model = _broken(_unchanged, added=jax.device_put(added))
     for n in (1, 20):  # the prefill's token, and the decode loop's
         with pytest.raises(ValueError, match=f"_Scaled's logits for new token 0 of row 0 .*{word}"):
             generate(model, [1, 2], n, key=jax.random.key(0), temperature=temperature, top_k=5)
@@ -323,7 +323,7 @@ def test_logits_going_bad_mid_stream_are_refused_at_the_token_they_reach():
     assert poison not in (1, 2)
     embed = np.array(model.embed)
     embed[poison] = np.nan
-    bad = eqx.tree_at(lambda m: m.embed, model, jnp.asarray(embed))
+    bad = eqx.tree_at(lambda m: m.embed, model, jax.device_put(embed))
     handed = []
     with pytest.raises(ValueError, match=f"new token {first + 1} of row 0"):
         for chunk in stream_batch(bad, np.asarray([[1, 2]]), 30, key=jax.random.key(0), temperature=0):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compiled import drawn, token_ids
+from compiled import normal_weights, token_ids
 from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
@@ -36,9 +36,9 @@ CASES = {
 
 def _gpt(config: GPTConfig, seed: int, scale: float = 0.1) -> GPT:
     """A GPT of `config` with weights drawn by NumPy, standard normal times `scale`
-    (`compiled.drawn`): the losses compared below agree for any weights, and GPT's initialiser
+    (`compiled.normal_weights`): the losses compared below agree for any weights, and GPT's initialiser
     compiles a random draw per weight shape."""
-    return drawn(eqx.filter_eval_shape(GPT, config, key=jax.random.key(seed)), seed, scale)
+    return normal_weights(eqx.filter_eval_shape(GPT, config, key=jax.random.key(seed)), seed, scale)
 
 
 def _batch(seed, n=3, config=BASE):

@@ -30,7 +30,8 @@ def decoder(guide):
     # float rounding between the cached and the whole-window paths cannot flip an argmax. Smaller
     # embeddings let the blocks, and so the cache, weigh more against the token's own vector.
     model = guide["decoder"]
-    scaled = jnp.asarray(np.asarray(model.head) * 50), jnp.asarray(np.asarray(model.embed) * 0.3)  # NumPy
+    head, embed = np.asarray(model.head) * 50, np.asarray(model.embed) * 0.3  # NumPy
+    scaled = jax.device_put(head), jax.device_put(embed)
     return eqx.tree_at(lambda m: (m.head, m.embed), model, scaled)
 
 
@@ -55,7 +56,7 @@ def rerun(model, prompt, n: int, keep: int, key=None, temperature: float = 0.0) 
     for i in range(n):
         padded = np.zeros(model.context_length, np.int32)
         padded[: len(window)] = window
-        logits = _last_logits(model, jnp.asarray(padded), jnp.int32(len(window)))
+        logits = _last_logits(model, jax.device_put(padded), jnp.int32(len(window)))
         if key is None:
             token = int(np.argmax(np.asarray(logits)))
         else:
@@ -112,7 +113,7 @@ def test_the_transformers_decoder_bound_to_sources_is_a_decoder_translate_sample
     # The family's encoder-decoder and source shape: test_toolkit.py translates the same shapes.
     config, model = TRANSFORMER_CONFIG, transformer(4)
     src = np.asarray([[5, 6, 7, 0, 0, 0], [4, 9, 11, 3, 0, 0], [12, 1, 2, 3, 4, 5]], np.int32)
-    bound: Decoder = bind(model, jnp.asarray(src))  # pyright checks the protocol
+    bound: Decoder = bind(model, jax.device_put(src))  # pyright checks the protocol
     assert (bound.context_length, bound.vocab_size) == (config.max_len, config.tgt_vocab_size)
     key, options = jax.random.key(2), SamplingOptions(temperature=1.5, top_k=6)
     drawn = generate_batch(bound, np.ones((3, 1), np.int32), 9, key=key, options=options)
@@ -121,8 +122,10 @@ def test_the_transformers_decoder_bound_to_sources_is_a_decoder_translate_sample
         end = list(row).index(2) + 1 if 2 in row else len(row)
         np.testing.assert_array_equal(out[:end], row[:end])
         assert np.all(out[end:] == config.pad_id)
-    one = generate(bind(model, jnp.asarray(src[1:2])), [1], 9, key=jax.random.fold_in(key, 0), temperature=0)
-    alone = translate(model, src[1:2], 9, bos_id=1, eos_id=2, temperature=0)[0]
+    one_bound = bind(model, jax.device_put(src[1:2]))
+    one = generate(one_bound, [1], 9, key=jax.random.fold_in(key, 0), temperature=0)
+    # Row 1 of the greedy translation of all three: test_toolkit.py translates that batch greedily.
+    alone = translate(model, src, 9, bos_id=1, eos_id=2, temperature=0)[1]
     end = list(one).index(2) + 1 if 2 in one else len(one)
     np.testing.assert_array_equal(alone[:end], one[:end])
     with pytest.raises(ValueError, match="bound to 3 source"):

@@ -81,7 +81,7 @@ def test_the_decoder_follows_both_protocols(mydec):
     model = mydec.make_decoder(65, key=jax.random.key(0))
     language_model: LanguageModel = model  # what pyright checks statically
     decoder: Decoder = model
-    tokens = jnp.arange(12).reshape(2, 6) % 65
+    tokens = np.arange(12, dtype=np.int32).reshape(2, 6)  # NumPy: each `jnp` operation compiles a program
     assert forward(language_model, tokens).shape == (2, 6, 65)
     assert decoder.context_length == 64
     gpt_model: LanguageModel = gpt()
@@ -222,11 +222,16 @@ def test_the_optimisers_groups_are_found_by_type(mydec):
         layers: tuple
         head: eqx.nn.Linear
 
-    k = jax.random.split(jax.random.key(0), 3)
-    torch_style = TorchStyle(
-        (eqx.nn.Linear(8, 16, key=k[0]), eqx.nn.LayerNorm(16)), eqx.nn.Linear(16, 4, key=k[1])
-    )
-    params = eqx.filter(torch_style, eqx.is_inexact_array)
+    def torch_style():
+        k = jax.random.split(jax.random.key(0), 3)
+        return TorchStyle(
+            (eqx.nn.Linear(8, 16, key=k[0]), eqx.nn.LayerNorm(16)), eqx.nn.Linear(16, 4, key=k[1])
+        )
+
+    # Built from its shapes alone, its arrays NumPy zeros: the groups are found by type and shape, and
+    # its initialisation, run eagerly, compiled a program per operation and shape.
+    zeros = lambda s: np.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+    params = eqx.filter(jax.tree.map(zeros, eqx.filter_eval_shape(torch_style)), eqx.is_inexact_array)
     labels = muon_labels(params)
     assert (labels.layers[0].weight, labels.layers[0].bias, labels.layers[1].weight) == (
         "muon",
@@ -281,7 +286,8 @@ def test_adapters_of_ones_own_model_save_and_load_in_eqx_gpts_format(mydec, tmp_
     adapted = apply_lora(base, 2, alpha=4.0, targets="qkv,head", key=jax.random.key(1))
     bs = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=lambda n: isinstance(n, LoRALinear))
                     if isinstance(n, LoRALinear)]  # fmt: skip
-    adapted = eqx.tree_at(bs, adapted, [jnp.full(b.shape, 0.5) for b in bs(adapted)])  # B is zero at first
+    halves = [jax.device_put(np.full(b.shape, 0.5, np.float32)) for b in bs(adapted)]  # B is zero at first
+    adapted = eqx.tree_at(bs, adapted, halves)
     save_adapters(adapted, tmp_path / "adapters", base="mydec:make_decoder")
     config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
     assert config["format"] == "eqx_gpt-lora" and config["model"] == "MyDecoder" and config["r"] == 2

@@ -9,8 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import compiled
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from runs_family import BATCH_SIZE, GROUP, MODEL, corpus, quick_runs
@@ -79,7 +79,7 @@ def _char_checkpoint(folder: Path, *, gpt2_shape: bool, n_chars: int = 40) -> Pa
     shape = dict(positions="learned", bias=True, norm="layer", tie_embeddings=True) if gpt2_shape else {}
     config = GPTConfig(vocab_size=tokenizer.vocab_size, **MODEL, **shape)  # the family's block shapes
     folder.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(folder, LATEST, GPT(config, key=jax.random.key(0)), None, step=1, tokenizer=tokenizer,
+    save_checkpoint(folder, LATEST, compiled.zero_weights(GPT, config), None, step=1, tokenizer=tokenizer,
                     train_config={})  # fmt: skip
     return folder
 
@@ -129,7 +129,7 @@ def test_export_of_an_encoder_decoder_and_a_bad_shard_index_are_one_line(tmp_pat
     config = TransformerConfig(src_vocab_size=8, tgt_vocab_size=8, max_len=8, d_model=16, n_heads=2,
                                n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
     (tmp_path / "tr").mkdir()
-    save_checkpoint(tmp_path / "tr", LATEST, Transformer(config, key=jax.random.key(0)), None, step=1,
+    save_checkpoint(tmp_path / "tr", LATEST, compiled.zero_weights(Transformer, config), None, step=1,
                     tokenizer=CharTokenizer.from_text("abcde"), train_config={})  # fmt: skip
     assert export_cli.main(["--checkpoint", str(tmp_path / "tr"), "--out-dir", str(tmp_path / "x")]) == 2
     _one_line(capsys, "encoder-decoder")
@@ -220,7 +220,7 @@ def test_sample_py_range_checks_its_integers(argv, words, capsys):
 
 
 def test_integers_past_what_jax_holds_are_refused_by_the_library_and_train_py(tmp_path, capsys):
-    model = GPT(GPTConfig(vocab_size=5, **MODEL), key=jax.random.key(0))
+    model = compiled.zero_weights(GPT, GPTConfig(vocab_size=5, **MODEL))
     with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 2147483647\]"):
         generate(model, [1], 2, key=jax.random.key(0), top_k=2**40)
     with pytest.raises(ValueError, match="max_new_tokens must be an integer in"):
@@ -284,7 +284,7 @@ def test_paths_compare_resolved_and_a_presets_values_are_blamed_on_the_preset(mo
 def test_translate_refuses_empty_sources_and_ids_outside_the_vocabulary():
     config = TransformerConfig(src_vocab_size=8, tgt_vocab_size=8, max_len=8, d_model=16, n_heads=2,
                                n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
-    model = Transformer(config, key=jax.random.key(0))
+    model = compiled.zero_weights(Transformer, config)  # the export test's
     for src in (np.zeros((1, 0), np.int32), np.zeros((0, 3), np.int32)):
         with pytest.raises(ValueError, match="neither 0"):
             translate(model, src, 4, bos_id=1, eos_id=2, temperature=0)
@@ -314,8 +314,9 @@ def test_translate_py_refuses_bad_settings_before_work_and_text_it_cannot_read(t
 def test_padding_mask_refuses_lengths_that_are_not_whole_numbers_within_the_keys():
     for lengths, kv_seq in (([-1], 4), ([2.5], 4), ([5], 4), ([1], -2)):
         with pytest.raises(ValueError, match="padding_mask"):
-            padding_mask(jnp.asarray(lengths), kv_seq=kv_seq)
-    np.testing.assert_array_equal(padding_mask(jnp.asarray([0, 4]), kv_seq=4)[:, -1], [False, True])
+            padding_mask(jax.device_put(np.asarray(lengths)), kv_seq=kv_seq)  # jnp.asarray compiles
+    mask = padding_mask(jax.device_put(np.asarray([0, 4])), kv_seq=4)
+    np.testing.assert_array_equal(np.asarray(mask)[:, -1], [False, True])
 
 
 # -- training refusals: one line, exit 2, before any work ---------------------------------------

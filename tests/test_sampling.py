@@ -32,11 +32,11 @@ def draws(logits, n, temperature=1.0, top_k=None, top_p=None):
     if vocab < VOCAB:
         logits = np.concatenate([logits, np.full(VOCAB - vocab, -np.inf, np.float32)])
     words = np.random.default_rng(0).integers(0, 2**32, (max(n, DRAWN), 2), dtype=np.uint32)
-    keys = jax.random.wrap_key_data(jnp.asarray(words))
+    keys = jax.random.wrap_key_data(jax.device_put(words))
     top_k = vocab if top_k is None else top_k  # keeping every id = no filter
     top_p = 1.0 if top_p is None else top_p
     drawn = np.asarray(
-        _draws(jnp.asarray(logits), keys, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+        _draws(jax.device_put(logits), keys, jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
     )[:n]
     assert drawn.max() < vocab  # never a padding id
     return drawn
@@ -44,7 +44,7 @@ def draws(logits, n, temperature=1.0, top_k=None, top_p=None):
 
 def random_logits(seed, scale=2.0):
     # NumPy's generator: JAX's, run eagerly, compiles a program of its own.
-    return jnp.asarray(scale * np.random.default_rng(seed).standard_normal(VOCAB, np.float32))
+    return jax.device_put(scale * np.random.default_rng(seed).standard_normal(VOCAB, np.float32))
 
 
 def np_softmax(logits):
@@ -96,7 +96,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     # VOCAB ids, which the tests below compile anyway, serves these 4 too.
     logits = np.full(VOCAB, -np.inf, np.float32)
     logits[:4] = np.log(np.array([0.05, 0.5, 0.15, 0.3], np.float32))
-    logits = jnp.asarray(logits)
+    logits = jax.device_put(logits)
     kept = lambda p: set(np.flatnonzero(np.isfinite(np.asarray(top_p_filter(logits, p)))).tolist())
     assert kept(0.01) == {1}  # the top token always survives
     assert kept(0.49) == {1}
@@ -199,7 +199,7 @@ def test_top_k_keeps_the_first_k_of_the_ranking_with_ties_and_minus_inf(vocab):
             expected = np.full(vocab, -np.inf, np.float32)
             first = rank_order(logits)[:k]
             expected[first] = logits[first]
-            x = jnp.asarray(logits)
+            x = jax.device_put(logits)
             for got in (top_k_filter(x, k), filter_jit(x, jnp.int32(k))):
                 np.testing.assert_array_equal(np.asarray(got), expected, err_msg=f"seed {seed}, k {k}")
 
@@ -270,7 +270,7 @@ def _draw_of_top_2(logits, key, temperature):
 def test_logits_with_no_distribution_are_refused_where_concrete_and_unusable_under_jit(logits, kind):
     from eqx_gpt.generation.sampling import UNUSABLE
 
-    key, logits = jax.random.key(0), jnp.asarray(logits)
+    key, logits = jax.random.key(0), jax.device_put(logits)
     for temperature in (0.0, 1.0):
         with pytest.raises(ValueError, match=f"sample_next_token got logits holding {kind}"):
             sample_next_token(logits, key, temperature=temperature)
@@ -301,7 +301,7 @@ def test_sample_rows_marks_each_row_without_a_distribution_and_draws_the_others(
 def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
     logits = np.array([2.0, -1.0, -np.nan, 0.5], np.float32)  # a NaN a filter could drop
     assert np.signbit(logits[2])  # a negative NaN, ranked below every number by its bits
-    logits = jnp.asarray(logits)
+    logits = jax.device_put(logits)
     for name, f in (
         ("top_k_filter", lambda lg: top_k_filter(lg, 2)),
         ("top_p_filter", lambda lg: top_p_filter(lg, 0.5)),
@@ -309,7 +309,8 @@ def test_the_filters_refuse_nan_where_concrete_and_never_hide_it_under_jit():
         with pytest.raises(ValueError, match=f"{name} got logits holding NaN"):
             f(logits)
         assert np.isnan(np.asarray(jax.jit(f)(logits))).all()
-        clean = jnp.asarray([2.0, -1.0, -np.inf, 0.5])  # the same shape: the same program
+        clean = np.asarray([2.0, -1.0, -np.inf, 0.5], np.float32)  # the same shape: the same program
+        clean = jax.device_put(clean)
         assert not np.isnan(np.asarray(jax.jit(f)(clean))).any()
 
 

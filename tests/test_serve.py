@@ -116,16 +116,22 @@ def test_stop_cuts_the_text_before_the_stop_string(client):
 
 
 def test_echo_and_logprobs_in_openai_shape(client):
-    choice = complete(client, prompt="Ay", max_tokens=5, seed=1, echo=True, logprobs=3)["choices"][0]
+    # Past 16 tokens, within the context: the prompt's log-probabilities are computed in the prefill
+    # of 32 positions, which test_serve_security.py's echoed prompt compiles too.
+    prompt = "Ay me! sad hours seem long."
+    choice = complete(client, prompt=prompt, max_tokens=5, seed=1, echo=True, logprobs=3)["choices"][0]
     lp = choice["logprobs"]
-    assert choice["text"].startswith("Ay") and len(choice["text"]) == 7
-    assert lp["tokens"] == list(choice["text"]) and lp["text_offset"] == list(range(7))
+    n = len(prompt) + 5
+    assert choice["text"].startswith(prompt) and len(choice["text"]) == n
+    assert lp["tokens"] == list(choice["text"]) and lp["text_offset"] == list(range(n))
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(v <= 0 for v in lp["token_logprobs"][1:])
     assert all(len(top) == 3 and max(top.values()) >= lp["token_logprobs"][i + 1] - 1e-5
                for i, top in enumerate(lp["top_logprobs"][1:]))  # fmt: skip
-    scored = complete(client, prompt="Ay me", max_tokens=0, echo=True, logprobs=1)
-    assert scored["choices"][0]["text"] == "Ay me" and len(scored["choices"][0]["logprobs"]["tokens"]) == 5
+    scored = complete(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert scored["choices"][0]["text"] == prompt and len(scored["choices"][0]["logprobs"]["tokens"]) == len(
+        prompt
+    )
     assert scored["usage"]["completion_tokens"] == 0
 
 

@@ -53,7 +53,7 @@ def adapted(base, seed: int, rank: int, alpha: float, targets: str):
     is_lora = lambda n: isinstance(n, LoRALinear)
     lora_bs = lambda m: [n.lora_b for n in jax.tree.leaves(m, is_leaf=is_lora) if is_lora(n)]
     rng = np.random.default_rng(seed + 100)  # NumPy: JAX's draws compile a program per shape
-    drawn = [jnp.asarray(4.0 * rng.standard_normal(b.shape, np.float32)) for b in lora_bs(model)]
+    drawn = [jax.device_put(4.0 * rng.standard_normal(b.shape, np.float32)) for b in lora_bs(model)]
     return eqx.tree_at(lora_bs, model, drawn)
 
 
@@ -94,7 +94,7 @@ def client(models):
 
 def alone(model, prompt: str, tokens: int, seed: int, temperature: float) -> str:
     """What `generate` draws for sample 0 of a seeded request, on `model` alone (adapters unmerged)."""
-    key = jax.random.wrap_key_data(jnp.asarray(sample_key_data(seed, 0)))
+    key = jax.random.wrap_key_data(jax.device_put(sample_key_data(seed, 0)))
     ids = generate(model, TOKENIZER.encode(prompt), tokens, key=key, temperature=temperature)
     return TOKENIZER.decode([int(t) for t in ids])
 
@@ -172,7 +172,7 @@ def test_an_adapter_stacked_computes_its_model_alone_and_merged_within_rounding(
     arithmetic), and those of its merged model within float32 rounding."""
     names = list(ADAPTERS)
     stacked = eqx.nn.inference_mode(stack_adapters(models["tiny"], [models[n] for n in names], names))
-    tokens = jnp.asarray(np.asarray(TOKENIZER.encode("To be, or not to be"), np.int32)[None])
+    tokens = jax.device_put(np.asarray(TOKENIZER.encode("To be, or not to be"), np.int32)[None])
     run = lambda m, i: _adapter_logits(m, tokens, i)
     for i, name in enumerate(["tiny", *names]):
         own = eqx.nn.inference_mode(models[name])
@@ -264,7 +264,7 @@ def test_a_lora_run_and_a_peft_folder_served_on_their_gpt2_and_the_run_alone_as_
     }
     merged, _, _ = load_model(tmp_path / "run", kind="GPT")  # what `--checkpoint RUN` serves
     body = {"prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0.9, "seed": 5}
-    key = jax.random.wrap_key_data(jnp.asarray(sample_key_data(5, 0)))
+    key = jax.random.wrap_key_data(jax.device_put(sample_key_data(5, 0)))
     drawn = lambda m: tokenizer.decode([int(t) for t in generate(m, [5, 6, 7], 12, key=key, temperature=0.9)])
     app = create_app(base, tokenizer, name="tiny-gpt2", slots=4, adapters=adapters)
     with TestClient(app, base_url=LOCAL) as client:
@@ -286,7 +286,7 @@ def test_adapters_of_a_model_of_ones_own_in_eqx_gpts_format_batch_too(tmp_path):
     save_adapters(adapted(own, 3, 4, 16.0, "attn.qkv,up"), tmp_path / "own-lora", base="tests:OwnDecoder")
     adapters = serve_command.load_served_adapters(own, "own", [("mine", tmp_path / "own-lora")])
     app = create_app(own, OWN_TOKENIZER, name="own", slots=4, adapters=adapters)
-    key = jax.random.wrap_key_data(jnp.asarray(sample_key_data(2, 0)))
+    key = jax.random.wrap_key_data(jax.device_put(sample_key_data(2, 0)))
     with TestClient(app, base_url=LOCAL) as client:
         texts = {}
         for name, model in (("own", own), ("mine", adapters["mine"])):

@@ -60,6 +60,11 @@ def own_through(model: OwnDecoder, tokens: Int[Array, " n"]) -> Float[Array, "la
 _attention_weights = eqx.filter_jit(lambda model, tokens: model.attention_weights(tokens))
 
 
+def on_device(tokens: list[int]) -> jax.Array:
+    """`tokens` as an int32 array, put on the device by NumPy (`jnp.asarray` compiles a program)."""
+    return jax.device_put(np.asarray(tokens, np.int32))
+
+
 def lens_of(model, tokenizer, text: str, position: int) -> list[dict]:
     seen = inspect_text(
         model, tokenizer, tokenizer.encode(text), layer=0, head=0, position=position,
@@ -92,7 +97,7 @@ def test_the_lens_of_a_gpt_is_its_forward_pass_with_the_later_blocks_left_out(se
     model = GPT(GPTConfig(**SHAPE, **settings), key=jax.random.key(1))
     tokens, position = CHARS.encode(TEXT), 17
     lens = lens_of(model, CHARS, TEXT, position)
-    assert_lens_is(lens, list(np.asarray(gpt_through(model, jnp.asarray(tokens)))[:, position]))
+    assert_lens_is(lens, list(np.asarray(gpt_through(model, on_device(tokens)))[:, position]))
     # The last layer's lens is the model's own next-token distribution, the "before filters" bars.
     assert lens_layout(model).n_layers == 3
 
@@ -103,7 +108,7 @@ def test_the_lens_of_a_decoder_of_ones_own_finds_its_blocks_by_type():
     text, position = "the lazy dog", 9
     tokens = TOKENIZER.encode(text)
     lens = lens_of(model, TOKENIZER, text, position)
-    assert_lens_is(lens, list(np.asarray(own_through(model, jnp.asarray(tokens)))[:, position]))
+    assert_lens_is(lens, list(np.asarray(own_through(model, on_device(tokens)))[:, position]))
 
 
 def test_a_model_without_blocks_gets_no_lens_and_the_reason():
@@ -164,7 +169,7 @@ def test_every_head_of_a_layer_over_the_window_and_the_last_layer_lens_is_the_be
     )  # fmt: skip
     heads = np.array(seen["heads"])
     assert heads.shape == (4, 10, 10) and seen["window_start"] == n - 10
-    whole = np.asarray(_attention_weights(model, jnp.asarray(tokens)))[1]  # (heads, n, n)
+    whole = np.asarray(_attention_weights(model, on_device(tokens)))[1]  # (heads, n, n)
     assert np.allclose(heads, whole[:, n - 10 :, n - 10 :], atol=1e-3)
     assert np.allclose(seen["attention"], heads[2])
     at = inspect_text(

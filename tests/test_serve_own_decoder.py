@@ -174,8 +174,9 @@ def test_the_page_finds_its_attention_by_type(client, decoder):
     np.testing.assert_allclose(attention.sum(axis=1), 1.0, atol=1e-3)
     assert np.all(np.triu(attention, 1) == 0)  # causal
     # The weights are layer 1's, head 3's: those of its attention on its own input.
-    expected = layer_1_weights(decoder, jnp.asarray(TOKENIZER.encode("lazy dog")))[3]
-    np.testing.assert_allclose(attention, np.asarray(expected), atol=2e-4)
+    tokens = jax.device_put(np.asarray(TOKENIZER.encode("lazy dog"), np.int32))
+    expected = np.asarray(layer_1_weights(decoder, tokens))[3]  # NumPy's indexing: JAX's compiles
+    np.testing.assert_allclose(attention, expected, atol=2e-4)
     for field, value in (("layer", 2), ("position", 8)):  # 2 layers; 8 tokens, positions 0..7
         bad = client.post("/v1/inspect", json={"prompt": "lazy dog", field: value})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field
@@ -226,7 +227,7 @@ def test_a_decoder_without_eqx_gpts_attention_gets_the_next_token_view_and_the_r
 def test_a_request_whose_logits_hold_nan_fails_alone_in_openais_json(decoder):
     head = np.array(decoder.head.weight)  # NumPy: an eager `.at[].set` compiles a program
     head[0, 0] = np.nan
-    broken = eqx.tree_at(lambda m: m.head.weight, decoder, jnp.asarray(head))
+    broken = eqx.tree_at(lambda m: m.head.weight, decoder, jax.device_put(head))
     with TestClient(create_app(broken, TOKENIZER, slots=3), base_url=LOCAL) as c:
         response = c.post(
             "/v1/completions", json={"model": "eqx_gpt", "prompt": "dog", "max_tokens": 5, "temperature": 0}

@@ -26,7 +26,7 @@ from eqx_gpt import (
     translate,
 )
 from eqx_gpt.training.config import TrainConfig
-from eqx_gpt.training.step import init_optimizer_state, loss_fn, make_optimizer, make_train_step
+from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_train_step
 
 pytestmark = pytest.mark.xdist_group(GROUP)
 
@@ -58,24 +58,24 @@ def test_cross_attention_matches_numpy_with_other_lengths_and_padding():
     x = np.random.default_rng(0).normal(size=(7, 32)).astype(np.float32)
     context = np.random.default_rng(1).normal(size=(11, 32)).astype(np.float32)
     w_qkv, w_out = np.asarray(attn.qkv.weight), np.asarray(attn.out.weight)
-    out = forward(attn, jnp.asarray(x), jnp.asarray(context))
+    out = forward(attn, x, context)
     assert out.shape == (7, 32)
     np.testing.assert_allclose(out, np_cross_attention(x, context, w_qkv, w_out, 4), atol=2e-5)
     mask = np.asarray(padding_mask(lengths=jnp.asarray(8), kv_seq=11))[None, :].repeat(7, 0)  # (7, 11)
-    out = forward(attn, jnp.asarray(x), jnp.asarray(context), mask=jnp.asarray(mask))
+    out = forward(attn, x, context, mask=mask)
     np.testing.assert_allclose(out, np_cross_attention(x, context, w_qkv, w_out, 4, mask), atol=2e-5)
 
 
 def test_padding_changes_no_output_and_a_per_sequence_mask_on_a_batch_is_vmap():
     attn = MultiHeadAttention(32, 4, key=jax.random.key(0), init_std=0.3)  # the family's width (d_model 32)
     rng = np.random.default_rng(1)  # NumPy: JAX's random and arithmetic, eager, compile programs
-    x = jnp.asarray(rng.standard_normal((3, 5, 32), np.float32))
+    x = jax.device_put(rng.standard_normal((3, 5, 32), np.float32))
     context = rng.standard_normal((3, 9, 32), np.float32)
-    lengths = jnp.asarray([9, 4, 6])
+    lengths = jax.device_put(np.asarray([9, 4, 6], np.int32))
     keys = np.asarray(padding_mask(lengths=lengths, kv_seq=9))  # (3, 9)
-    mask = jnp.asarray(keys[:, None, :])  # (3, 1, 9): broadcast over queries
-    junk = jnp.asarray(np.where(keys[..., None], context, 1e3).astype(np.float32))
-    context = jnp.asarray(context)
+    mask = jax.device_put(keys[:, None, :])  # (3, 1, 9): broadcast over queries
+    junk = jax.device_put(np.where(keys[..., None], context, 1e3).astype(np.float32))
+    context = jax.device_put(context)
     out = forward(attn, x, context, mask=mask)
     # The padding's content is invisible.
     np.testing.assert_allclose(forward(attn, x, junk, mask=mask), out, atol=1e-5)
@@ -84,15 +84,15 @@ def test_padding_changes_no_output_and_a_per_sequence_mask_on_a_batch_is_vmap():
     )
     np.testing.assert_allclose(out, per_row, atol=1e-6)
     # The token-id form of the mask is the same mask.
-    tokens = jnp.asarray(np.where(keys, 7, 0).astype(np.int32))
+    tokens = jax.device_put(np.where(keys, 7, 0).astype(np.int32))
     np.testing.assert_array_equal(padding_mask(tokens=tokens, pad_id=0), keys)
 
 
 def test_a_fully_masked_row_stays_finite():
     attn = MultiHeadAttention(32, 4, key=jax.random.key(0))
-    ones = lambda *shape: jnp.asarray(np.ones(shape, np.float32))
+    ones = lambda *shape: np.ones(shape, np.float32)
     # The shapes of the masked cross-attention above: its compiled program serves this too.
-    out = forward(attn, ones(7, 32), ones(11, 32), mask=jnp.asarray(np.zeros((7, 11), bool)))
+    out = forward(attn, ones(7, 32), ones(11, 32), mask=np.zeros((7, 11), bool))
     assert np.isfinite(np.asarray(out)).all()
 
 
@@ -100,18 +100,19 @@ def test_layer_norm_matches_numpy():
     norm = LayerNorm(12, eps=1e-5)
     x = np.random.default_rng(0).normal(size=(2, 5, 12)).astype(np.float32) * 3 + 1
     scale, bias = np.linspace(0.5, 2, 12, dtype=np.float32), np.linspace(-1, 1, 12, dtype=np.float32)
-    norm = eqx.tree_at(lambda n: (n.scale, n.bias), norm, (jnp.asarray(scale), jnp.asarray(bias)))
+    norm = eqx.tree_at(lambda n: (n.scale, n.bias), norm, (jax.device_put(scale), jax.device_put(bias)))
     ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * scale + bias
-    np.testing.assert_allclose(forward(norm, jnp.asarray(x)), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(forward(norm, x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_a_post_norm_block_is_its_sub_modules_composed_by_hand():
     block = Block(32, 4, 128, key=jax.random.key(0), norm="layer", norm_position="post", cross_attention=True)
     rng = np.random.default_rng(1)
-    x, context = (jnp.asarray(rng.standard_normal(shape, np.float32)) for shape in ((5, 32), (7, 32)))
+    x, context = (rng.standard_normal(shape, np.float32) for shape in ((5, 32), (7, 32)))
     context_mask = np.ones((5, 7), bool)
     context_mask[:, 6] = False
-    mask, context_mask = jnp.asarray(np.tril(np.ones((5, 5), bool))), jnp.asarray(context_mask)  # causal
+    causal = np.tril(np.ones((5, 5), bool))
+    mask, context_mask = jax.device_put(causal), jax.device_put(context_mask)
 
     @eqx.filter_jit  # as the block's own call below: one program each, not one per primitive
     def by_hand(block, x, context):
@@ -126,12 +127,15 @@ def test_a_post_norm_block_is_its_sub_modules_composed_by_hand():
 
 def test_wrong_context_width_and_mask_shape_are_one_line_errors():
     attn = MultiHeadAttention(32, 4, key=jax.random.key(0))
-    x = jnp.ones((7, 32))
+    # The checks are of shapes, made as the call is traced: traced abstractly here, since run eagerly
+    # each operation before them compiles a program of its own.
+    call = lambda *args, **kwargs: eqx.filter_eval_shape(attn, *args, **kwargs)
+    x = np.ones((7, 32), np.float32)
     with pytest.raises(ValueError, match="context expects a last axis of size d_model=32") as e:
-        attn(x, jnp.ones((11, 16)))
+        call(x, np.ones((11, 16), np.float32))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"mask has shape \(7, 7\).*shape \(7, 11\)") as e:
-        attn(x, jnp.ones((11, 32)), mask=jnp.ones((7, 7), bool))
+        call(x, np.ones((11, 32), np.float32), mask=np.ones((7, 7), bool))
     assert "\n" not in str(e.value)
 
 
@@ -150,18 +154,18 @@ def test_a_post_norm_layer_norm_gpt_is_causal_and_trains():
     tokens = np.arange(10, dtype=np.int32)
     changed = tokens.copy()
     changed[6] = 3
-    changed = np.asarray(forward(model, jnp.asarray(changed)))
-    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens)))[:6], changed[:6], atol=1e-6)
+    changed = np.asarray(forward(model, changed))
+    np.testing.assert_allclose(np.asarray(forward(model, tokens))[:6], changed[:6], atol=1e-6)
     train_config = TrainConfig(batch_size=4, lr=3e-3, weight_decay=0.0)
     optimizer = make_optimizer(train_config)
     step = make_train_step(optimizer, train_config, dropout=False)
-    batch = jnp.asarray(np.random.default_rng(1).integers(0, 11, (4, 17)), jnp.int32)
-    loss = eqx.filter_jit(loss_fn)  # one program for both calls
-    first = float(loss(model, batch))
+    batch = jax.device_put(np.random.default_rng(1).integers(0, 11, (4, 17)).astype(np.int32))
     opt_state = init_optimizer_state(optimizer, model)
-    for i in range(40):
-        model, opt_state, _ = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
-    assert float(loss(model, batch)) < 0.5 * first
+    losses = []  # each step's loss is the batch's before its update: the 41st's is after 40 updates
+    for i in range(41):
+        model, opt_state, loss = step(model, opt_state, batch, np.int32(i), np.float32(3e-3))
+        losses.append(float(loss))
+    assert losses[40] < 0.5 * losses[0]
 
 
 def test_an_old_config_without_the_norm_fields_loads_as_before():
@@ -181,12 +185,16 @@ def model():
 
 
 def test_the_decoder_is_causal_on_the_target_and_ignores_source_padding(model):
-    src = jnp.asarray([[5, 6, 7, 0], [4, 4, 0, 0]], jnp.int32)  # the shapes of the test below
-    tgt = jnp.asarray([[1, 3, 4, 5, 6], [1, 2, 2, 2, 2]], jnp.int32)
-    logits = forward(model, src, tgt)
-    assert logits.shape == (2, 5, 9)
-    np.testing.assert_allclose(forward(model, src, tgt.at[:, 2].set(7))[:, :2], logits[:, :2], atol=1e-6)
-    more_padding = jnp.concatenate([src, jnp.zeros((2, 3), jnp.int32)], axis=1)
+    # NumPy inputs and outputs: JAX's eager indexing and arithmetic compile a program each.
+    # The shapes of the tests below: a pair's is the translation reference's (6 and 9 tokens).
+    src = np.asarray([[5, 6, 7, 0, 0, 0], [4, 4, 0, 0, 0, 0]], np.int32)
+    tgt = np.asarray([[1, 3, 4, 5, 6, 7, 8, 2, 5], [1, 2, 2, 2, 2, 2, 2, 2, 2]], np.int32)
+    logits = np.asarray(forward(model, src, tgt))
+    assert logits.shape == (2, 9, 9)
+    changed = tgt.copy()
+    changed[:, 2] = 7
+    np.testing.assert_allclose(np.asarray(forward(model, src, changed))[:, :2], logits[:, :2], atol=1e-6)
+    more_padding = np.concatenate([src, np.zeros((2, 3), np.int32)], axis=1)
     np.testing.assert_allclose(forward(model, more_padding, tgt), logits, atol=1e-5)
     one = forward(model, src[1], tgt[1])  # one pair without a batch axis gives the batch's row
     np.testing.assert_allclose(one, logits[1], atol=1e-6)
@@ -203,7 +211,7 @@ def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_
         target = [1]
         for i in range(8):
             padded = np.pad(np.asarray(target, np.int32), (0, 9 - len(target)))
-            token = int(jnp.argmax(forward(model, src[row], padded)[len(target) - 1]))
+            token = int(np.argmax(np.asarray(forward(model, src[row], padded))[len(target) - 1]))
             assert cached[row, i] == token, (row, i)
             if token == 2:
                 assert np.all(cached[row, i + 1 :] == 0)  # padding after the end
@@ -217,15 +225,15 @@ def test_cached_translate_equals_rerunning_the_model_on_the_growing_target(norm_
 
 def test_the_encoder_decoders_cached_decode_is_its_whole_pass_one_position_at_a_time():
     model = transformer(2)
-    src = jnp.asarray([[5, 6, 7, 0], [4, 9, 12, 3]], jnp.int32)  # the shapes of the test above
-    tgt = jnp.asarray([[1, 7, 8, 2, 5], [1, 3, 4, 5, 6]], jnp.int32)  # ids < tgt_vocab_size=9
-    whole = forward(model, src, tgt)
+    src = jax.device_put(np.asarray([[5, 6, 7, 0, 0, 0], [4, 9, 12, 3, 8, 1]], np.int32))  # the shapes above
+    tgt = np.asarray([[1, 7, 8, 2, 5, 3, 4, 6, 1], [1, 3, 4, 5, 6, 7, 8, 2, 2]], np.int32)  # ids < 9
+    whole = np.asarray(forward(model, src, tgt))
     memory = eqx.filter_jit(lambda model, src: model.memory_kv(model.encode(src)))
-    memory_kv, cache = memory(model, src), model.init_cache(2, 5)
+    memory_kv, cache = memory(model, src), model.init_cache(2, 9)
     step = eqx.filter_jit(Transformer.decode)
-    for i in range(5):
+    for i in range(9):
         logits, cache = step(model, tgt[:, i : i + 1], cache, jnp.int32(i), memory_kv, src)
-        np.testing.assert_allclose(logits[:, 0], whole[:, i], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], whole[:, i], atol=1e-5)
     with pytest.raises(ValueError, match="capacity in \\[1, max_len"):
         model.init_cache(2, CONFIG.max_len + 1)
 

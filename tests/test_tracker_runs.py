@@ -21,7 +21,16 @@ from test_trackers import (
     wandb_records,
     wandb_written,
 )
-from test_train_cli import RESUME_STEPS, TINY, _fails, _records, _snapshot, _start_and_stop, train_cli
+from test_train_cli import (
+    DIVERGING,
+    RESUME_STEPS,
+    TINY,
+    _fails,
+    _records,
+    _snapshot,
+    _start_and_stop,
+    train_cli,
+)
 
 from eqx_gpt.errors import ConfigError
 from eqx_gpt.training.config import TrainConfig
@@ -137,8 +146,8 @@ def test_only_the_first_process_writes_to_the_trackers(tmp_path, corpus, monkeyp
 
 def test_a_run_that_fails_is_closed_as_failed(offline_wandb, corpus, capsys):
     out = offline_wandb
-    argv = [*TINY, "--data", str(corpus), "--out-dir", str(out), "--lr", "1e30", "--min-lr", "1e30"]
-    argv += ["--max-steps", "20", "--eval-interval", "10", "--warmup-steps", "0", "--tracker", "wandb"]
+    argv = [*DIVERGING, "--data", str(corpus), "--out-dir", str(out)]
+    argv += ["--max-steps", "20", "--eval-interval", "10", "--tracker", "wandb"]
     _fails(argv, capsys, "loss became")
     [log] = wandb_written(out, (out / "wandb-run-id").read_text()).glob("run-*.wandb")
     assert [r.exit.exit_code for r in wandb_records(log) if r.WhichOneof("record_type") == "exit"] == [1]
