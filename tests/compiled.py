@@ -73,3 +73,21 @@ def zero_weights(cls: type, config):
         jax.device_put(np.zeros(leaf.shape, leaf.dtype)) if isinstance(leaf, jax.ShapeDtypeStruct) else leaf
     )
     return jax.tree.map(as_zeros, shapes)
+
+
+def normal_weights(skeleton, seed: int = 0, scale: float = 0.1):
+    """`skeleton` (a module from `eqx.filter_eval_shape`, which holds its arrays' shapes alone) with
+    every array drawn standard normal times `scale` by NumPy, eagerly: a module to compute with whose
+    initialiser compiled nothing (run, `jax.random.normal` compiles a program for every weight
+    shape, and a stack of layers a dozen more). For tests that compute with the model and whose
+    assertions hold for any weights; `zero_weights` for those that need its structure alone."""
+    rng = np.random.default_rng(seed)
+
+    def draw(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf  # what is not an array (a flag) is the module's as it was built
+        if not np.issubdtype(leaf.dtype, np.floating):
+            raise TypeError(f"normal_weights() draws floating arrays; the skeleton holds a {leaf.dtype} one")
+        return jax.device_put((scale * rng.standard_normal(leaf.shape)).astype(leaf.dtype))
+
+    return jax.tree.map(draw, skeleton)

@@ -23,12 +23,15 @@ class TinyEncoderClassifier(eqx.Module):
     readout: jax.Array
 
     def __init__(self, vocab: int, d_model: int, n_classes: int, *, key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        self.embed = jax.random.normal(k1, (vocab, d_model)) * 0.5
+        k_attn, k_mlp = jax.random.split(key)
+        # The model's own arrays drawn by NumPy: `jax.random.normal` and the scaling compile a
+        # program for every shape.
+        rng = np.random.default_rng(0)
+        self.embed = jax.device_put(0.5 * rng.standard_normal((vocab, d_model), np.float32))
         self.norm1, self.norm2 = RMSNorm(d_model), RMSNorm(d_model)
-        self.attn = MultiHeadAttention(d_model, 2, key=k2, init_std=0.2)
-        self.mlp = MLP(d_model, 2 * d_model, key=k3, init_std=0.2)
-        self.readout = jax.random.normal(k4, (d_model, n_classes)) * 0.1
+        self.attn = MultiHeadAttention(d_model, 2, key=k_attn, init_std=0.2)
+        self.mlp = MLP(d_model, 2 * d_model, key=k_mlp, init_std=0.2)
+        self.readout = jax.device_put(0.1 * rng.standard_normal((d_model, n_classes), np.float32))
 
     def __call__(self, tokens):
         x = self.embed[tokens] + sinusoidal_positions(tokens.shape[0], self.embed.shape[1])

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import forward
+from runs_family import quick_runs
 from train_family import FAMILY
 
 from eqx_gpt import (
@@ -35,9 +36,11 @@ from eqx_gpt import (
 from eqx_gpt.checkpoint import LATEST, checkpoint_file, read_metadata
 from eqx_gpt.model.dropout import dropout
 from eqx_gpt.training import run as run_module
-from eqx_gpt.training.step import loss_fn
 
 pytestmark = FAMILY  # one process for the family: programs compiled once
+# The module's runs skip the drawing of `loss.png` at each evaluation (0.3 s a drawing, and no test
+# here looks at it) and `fsync`: tests/runs_family.py's `quick_runs`, autouse.
+__all__ = ["quick_runs"]  # a fixture, used by name
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_GPT2 = ROOT / "tests" / "fixtures" / "tiny-gpt2"
@@ -78,8 +81,6 @@ def lora_run(tmp_path_factory, gpt2_corpus):
     return out
 
 
-_loss = eqx.filter_jit(loss_fn)  # one program per model structure, not a scan per call
-
 # -- the module --------------------------------------------------------------------------------
 
 
@@ -96,42 +97,54 @@ def _random_b(model, seed: int):
     return eqx.tree_at(_adapter_bs, model, draws)
 
 
+def _next_token_loss(logits, tokens) -> float:
+    """The mean cross-entropy of `logits[i]` against `tokens[i + 1]`, in NumPy (float64)."""
+    logits, tokens = np.asarray(logits, np.float64)[:-1], np.asarray(tokens)[1:]
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return float(np.mean(log_z - logits[np.arange(len(tokens)), tokens]))
+
+
 def test_lora_starts_as_the_base_and_merges_to_what_it_computes():
     base = load_gpt2(TINY_GPT2)
-    model = apply_lora(base, 4, alpha=8, targets="c_attn,c_fc,attn.out", key=jax.random.key(0))
+    # PEFT's names, and the PEFT fixture's adapters (so its forward, compiled below, serves
+    # test_the_adapter_peft_saved_gives_the_logits_peft_gave too): c_proj is attn.out and mlp.down.
+    model = apply_lora(base, 4, alpha=8, targets="c_attn,c_proj", key=jax.random.key(0))
     layers = model.blocks.layers
     assert [type(m) for m in (layers.attn.qkv, layers.attn.out, layers.mlp.up, layers.mlp.down)] == [
-        LoRALinear, LoRALinear, LoRALinear, Linear
+        LoRALinear, LoRALinear, Linear, LoRALinear
     ]  # fmt: skip
     assert isinstance(layers.attn.qkv, Linear) and layers.attn.qkv.lora_a.shape == (2, 32, 4)
-    batch = np.arange(2 * 17, dtype=np.int32).reshape(2, 17) % 512
-    # Step 0 is the base model: B is zero.
-    assert float(_loss(model, batch)) == pytest.approx(float(_loss(base, batch)), rel=1e-6)
+    x = jax.device_put(np.arange(12, dtype=np.int32))
+    from_base = forward(eqx.nn.inference_mode(base), x)
+    # Step 0 is the base model: B is zero. (The loss taken in NumPy from the logits of the two
+    # forwards below, each compiled once: a loss of its own would compile two programs more.)
+    at_start = forward(eqx.nn.inference_mode(model), x)
+    assert _next_token_loss(at_start, x) == pytest.approx(_next_token_loss(from_base, x), rel=1e-6)
     adapted = eqx.nn.inference_mode(_random_b(model, 1))
     merged = merge_lora(adapted)
     assert not any(
         isinstance(n, LoRALinear) for n in jax.tree.leaves(merged, is_leaf=lambda n: isinstance(n, Linear))
     )
-    x = jax.device_put(np.arange(12, dtype=np.int32))
     from_merged, from_adapted = forward(merged, x), forward(adapted, x)
-    from_base = forward(eqx.nn.inference_mode(base), x)
     np.testing.assert_allclose(from_merged, from_adapted, atol=2e-5)
     assert np.abs(np.asarray(from_adapted) - np.asarray(from_base)).max() > 1e-2
     # Only the adapters are trainable.
     params = eqx.filter(model, lora_trainable(model))
     assert sum(x.size for x in jax.tree.leaves(params)) == 2 * (
-        32 * 4 + 4 * 96 + 32 * 4 + 4 * 128 + 32 * 4 + 4 * 32
+        32 * 4 + 4 * 96 + 32 * 4 + 4 * 32 + 128 * 4 + 4 * 32
     )
 
 
 def test_lora_dropout_drops_out_the_adapters_input_alone_in_training():
-    base = Linear(8, 6, key=jax.random.key(0), use_bias=True)
+    # 16 by 16 at rank 2: test_compose.py's and test_lora_targets.py's weight shapes, whose
+    # initialising programs the family compiles anyway.
+    base = Linear(16, 16, key=jax.random.key(0), use_bias=True)
     lora = LoRALinear(base, 2, alpha=4.0, dropout=0.5, key=jax.random.key(1))
     # Drawn, and the expected outputs computed, in NumPy: no program of their own. The module runs
     # eagerly: its operations' programs are shared by its calls (all of one shape).
     rng = np.random.default_rng(2)
-    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.device_put(rng.standard_normal((2, 6), np.float32)))
-    x, key = jax.device_put(rng.standard_normal((3, 5, 8), np.float32)), jax.random.key(4)
+    lora = eqx.tree_at(lambda m: m.lora_b, lora, jax.device_put(rng.standard_normal((2, 16), np.float32)))
+    x, key = jax.device_put(rng.standard_normal((3, 5, 16), np.float32)), jax.random.key(4)
     with pytest.raises(ValueError, match="LoRALinear has dropout 0.5 and is in training mode, so it needs"):
         lora(x)
     dropped = np.asarray(dropout(x, 0.5, key))
@@ -148,19 +161,41 @@ def test_lora_dropout_drops_out_the_adapters_input_alone_in_training():
     np.testing.assert_allclose(lora(x, key=keys), alone, rtol=1e-5, atol=1e-6)
 
 
+# The four projections a GPT block holds, by the name `apply_lora` takes and where the adapter sits.
+PROJECTIONS = {
+    "c_attn": lambda m: m.blocks.layers.attn.qkv,
+    "attn.out": lambda m: m.blocks.layers.attn.out,
+    "c_fc": lambda m: m.blocks.layers.mlp.up,
+    "mlp.down": lambda m: m.blocks.layers.mlp.down,
+}
+
+
+def _random_b_at(model, projection, seed: int):
+    """`model` with the adapter at `projection` given a B drawn at random (by NumPy), every other
+    adapter's B left at zero."""
+    b = projection(model).lora_b
+    draw = jax.device_put(0.1 * np.random.default_rng(seed).standard_normal(b.shape, np.float32))
+    return eqx.tree_at(lambda m: projection(m).lora_b, model, draw)
+
+
 def test_a_gpt_passes_its_key_to_lora_dropout_in_attention_and_the_mlp():
     base = load_gpt2(TINY_GPT2)
     tokens = jax.device_put(np.arange(16, dtype=np.int32) % 100)
-    for targets in ("c_attn", "attn.out", "c_fc", "mlp.down"):
-        model = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
-        model = _random_b(model, 1)
-        undropped = _random_b(apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0)), 1)
+    # Every projection adapted (one structure, so three compiled forwards for the four cases), B
+    # drawn at one at a time: an adapter whose B is zero adds nothing, dropped out or not, so each
+    # case's dropout is its projection's alone; and one left without a key would raise.
+    targets = ",".join(PROJECTIONS)
+    dropped = apply_lora(base, 4, alpha=8, targets=targets, dropout=0.5, key=jax.random.key(0))
+    undropped_all = apply_lora(base, 4, alpha=8, targets=targets, key=jax.random.key(0))
+    for name, projection in PROJECTIONS.items():
+        model = _random_b_at(dropped, projection, 1)
+        undropped = _random_b_at(undropped_all, projection, 1)
         plain = forward(model, tokens, inference=True)
         one, two = (
             forward(model, tokens, key=jax.random.key(2)),
             forward(model, tokens, key=jax.random.key(3)),
         )
-        assert not np.allclose(one, plain) and not np.allclose(one, two), targets
+        assert not np.allclose(one, plain) and not np.allclose(one, two), name
         np.testing.assert_array_equal(one, forward(model, tokens, key=jax.random.key(2)))
         # another program than `plain`'s (it traces the unused keys), so equal within rounding
         np.testing.assert_allclose(

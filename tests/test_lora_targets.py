@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import forward
+from compiled import forward, normal_weights
 from jaxtyping import Array, Float, Int
 from train_family import CONFIG, FAMILY
 
@@ -59,7 +59,9 @@ TOKENS = jax.device_put(np.array([3, 1, 4, 1, 5, 9, 2, 6], np.int32))  # jnp.arr
 
 
 def _model() -> SmallDecoder:
-    return SmallDecoder(16, 8, key=jax.random.key(0))
+    # Built by its initialiser only as a skeleton, its weights drawn by NumPy (`normal_weights`): run, the
+    # initialiser compiles a program per weight shape, and what is checked holds for any weights.
+    return normal_weights(eqx.filter_eval_shape(SmallDecoder, 16, 8, key=jax.random.key(0)))
 
 
 def _adapted_paths(model) -> list[str]:
@@ -118,7 +120,9 @@ def test_a_gpt_keeps_pefts_default_and_a_transformer_adapts_every_linear():
     assert _adapted_paths(adapted_gpt) == ["blocks.layers.attn.qkv"]
     t_config = TransformerConfig(src_vocab_size=12, tgt_vocab_size=14, max_len=8, d_model=16, n_heads=2,
                                n_encoder_layers=1, n_decoder_layers=1)  # fmt: skip
-    base = Transformer(t_config, key=jax.random.key(0))
+    # Its weights drawn by NumPy (`normal_weights`): built by its initialiser, a Transformer compiles about
+    # 25 programs (a random draw per weight shape, its layer stacks' slicing), and any weights do.
+    base = normal_weights(eqx.filter_eval_shape(Transformer, t_config, key=jax.random.key(0)))
     model = apply_lora(base, 2, key=jax.random.key(1))
     assert type(model) is Transformer
     adapted = _adapted_paths(model)

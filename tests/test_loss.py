@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compiled import token_ids
+from compiled import normal_weights, token_ids
 from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
@@ -34,6 +34,13 @@ CASES = {
 }
 
 
+def _gpt(config: GPTConfig, seed: int, scale: float = 0.1) -> GPT:
+    """A GPT of `config` with weights drawn by NumPy, standard normal times `scale`
+    (`compiled.normal_weights`): the losses compared below agree for any weights, and GPT's initialiser
+    compiles a random draw per weight shape."""
+    return normal_weights(eqx.filter_eval_shape(GPT, config, key=jax.random.key(seed)), seed, scale)
+
+
 def _batch(seed, n=3, config=BASE):
     return token_ids(seed, (n, config.context_length + 1), config.vocab_size)
 
@@ -52,9 +59,12 @@ def _chunked(model, batch, weight=None, block=7):
     return total / targets.size if weight is None else total
 
 
-# Compiled whole: run op by op, each of their dozens of operations compiles on its own per shape.
-_plain_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_plain))
-_chunked_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_chunked))
+@eqx.filter_jit
+def _plain_and_chunked(model, batch):
+    """`((plain, its gradient), (chunked, its gradient))` in one program: run op by op, each of their
+    dozens of operations compiles on its own per shape; compiled apart, the model's forward pass is
+    traced, lowered and compiled twice (one program cost about 0.7 of the two)."""
+    return eqx.filter_value_and_grad(_plain)(model, batch), eqx.filter_value_and_grad(_chunked)(model, batch)
 
 
 def _close(a, b, rtol):
@@ -64,12 +74,11 @@ def _close(a, b, rtol):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
-    model = GPT(CASES[name], key=jax.random.key(1))
-    # A perturbed head, so that the softmax is far from uniform and the softcap bites.
-    model = eqx.tree_at(lambda m: m.embed, model, model.embed * 8.0)
+    # Weights of scale 1 (the head's too: `embed * 8` once left an untied head as it was), so that
+    # the softmax is far from uniform and the softcap bites.
+    model = _gpt(CASES[name], 1, scale=1.0)
     batch = _batch(2, config=CASES[name])
-    plain, g_plain = _plain_and_grad(model, batch)
-    chunked, g_chunked = _chunked_and_grad(model, batch)
+    (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
     _close(g_chunked, g_plain, 2e-5)
     # Gradients are not all zero (the comparison would be empty).
@@ -87,11 +96,20 @@ def _chunked_summed(features, head, targets, weight, block):
     return chunked_cross_entropy(features, head, targets, weight, vocab_size=BASE.vocab_size, block=block)
 
 
-# Differentiated in the features and the head, the loss's own inputs: a model before them would
-# add its forward and backward pass to every block width's program and check nothing more (the
-# model's features into the loss are the test above's).
-_plain_summed_and_grad = jax.jit(jax.value_and_grad(_plain_summed, argnums=(0, 1)))
-_chunked_summed_and_grad = jax.jit(jax.value_and_grad(_chunked_summed, argnums=(0, 1)), static_argnums=4)
+# One column per block (319 padding-free blocks, then one), uneven blocks, and the whole head.
+BLOCKS = (1, 16, 57, 1000)
+
+
+@jax.jit
+def _plain_and_blocks(features, head, targets, weight):
+    """The plain weighted loss and its gradient, then the chunked one's at each of `BLOCKS`, in one
+    program (five compiled apart). Differentiated in the features and the head, the loss's own
+    inputs: a model before them would add its forward and backward pass and check nothing more
+    (the model's features into the loss are the test above's)."""
+    grad = lambda loss, *static: jax.value_and_grad(loss, argnums=(0, 1))(
+        features, head, targets, weight, *static
+    )
+    return grad(_plain_summed), [grad(_chunked_summed, block) for block in BLOCKS]
 
 
 def test_weighted_sum_and_blocks_of_any_width():
@@ -100,19 +118,16 @@ def test_weighted_sum_and_blocks_of_any_width():
     head = rng.standard_normal((BASE.d_model, BASE.padded_vocab_size), np.float32)  # 300 ids, 320 columns
     targets = np.asarray(_batch(4))[:, 1:]
     weight = rng.uniform(size=targets.shape).astype(np.float32)
-    plain, g_plain = _plain_summed_and_grad(features, head, targets, weight)
-    # One column per block (319 padding-free blocks, then one), uneven blocks, and the whole head.
-    for block in (1, 16, 57, 1000):
-        chunked, g_chunked = _chunked_summed_and_grad(features, head, targets, weight, block)
+    (plain, g_plain), by_block = _plain_and_blocks(features, head, targets, weight)
+    for chunked, g_chunked in by_block:
         assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
         _close(g_chunked, g_plain, 2e-5)
 
 
 def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
-    model = GPT(dataclasses.replace(BASE, compute_dtype="bfloat16"), key=jax.random.key(6))
+    model = _gpt(dataclasses.replace(BASE, compute_dtype="bfloat16"), 6)
     batch = _batch(7)
-    plain, g_plain = _plain_and_grad(model, batch)
-    chunked, g_chunked = _chunked_and_grad(model, batch)
+    (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-2 * float(plain)
     assert g_chunked.embed.dtype == jnp.float32
     chunked_embed, plain_embed = np.asarray(g_chunked.embed), np.asarray(g_plain.embed)
@@ -192,7 +207,9 @@ def test_the_character_presets_keep_the_plain_loss_bit_for_bit():
         preset = PRESETS[name]
         tokens = preset.train["batch_size"] * preset.model["context_length"]
         assert not chunks_pay(tokens, GPTConfig(vocab_size=65).padded_vocab_size), name
-    model = GPT(dataclasses.replace(BASE, vocab_size=65), key=jax.random.key(10))
+    # A character vocabulary of 11 (the training family's GPT's: 64 columns, as its embedding and
+    # head, so their initialising programs serve here too).
+    model = GPT(dataclasses.replace(BASE, vocab_size=11), key=jax.random.key(10))
     batch = _batch(11, config=model.config)
     loss, plain = _loss_and_plain(model, batch)
     assert float(loss) == float(plain)
@@ -207,7 +224,9 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
         4 * 256, 50_304, 768, gradient=True, limits=cpu
     )
     assert chunks_pay(4 * 1024, 50_304, 768, gradient=True, limits=cpu)
-    config = dataclasses.replace(BASE, vocab_size=20_000)
+    # Tied, as GPT-2 is (one 20,032 x 32 weight to draw), and built by GPT's initialiser: drawn
+    # weights (`_gpt`) give logits so small that a wrong chunked logit would hide in the rounding.
+    config = dataclasses.replace(BASE, vocab_size=20_000, tie_embeddings=True)
     model = GPT(config, key=jax.random.key(12))
     batch = _batch(13, n=16, config=config)  # 256 tokens x 20,032 columns: past LOGITS_AT_ONCE
     assert chunks_pay(256, config.padded_vocab_size, limits=cpu)
@@ -216,7 +235,7 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
 
 
 def test_features_then_logits_is_the_call():
-    model = GPT(CASES["tied"], key=jax.random.key(14))
+    model = _gpt(CASES["tied"], 14)
     inputs = np.asarray(_batch(15, config=model.config))[:, :-1]
     # Both in one program (run op by op, each op would compile on its own): the same computation
     # gives the same bits; another (a call that is not features then logits) would not.

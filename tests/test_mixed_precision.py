@@ -6,9 +6,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from compiled import forward, token_ids
-from train_family import CONFIG, FAMILY
+from train_family import CONFIG, FAMILY, loss_logits_and_grads
 
 from eqx_gpt import GPT, MultiHeadAttention, causal_mask
 from eqx_gpt.model.attention import fused_attention
@@ -43,20 +42,11 @@ def test_bf16_compute_trains_with_fp32_parameters_and_optimiser_state():
 
 
 def test_bf16_logits_loss_and_gradients_stay_close_to_fp32():
-    tokens = _tokens(3)
-
-    @eqx.filter_jit
-    def loss_and_grads(model):
-        def loss(model):
-            logits = jax.vmap(model)(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), logits
-
-        return eqx.filter_value_and_grad(loss, has_aux=True)(model)
-
+    tokens = _tokens(3, n=8)  # the shape of test_training.py's batch: its float32 program serves here
     model16 = GPT(BF16, key=jax.random.key(0))  # the same fp32 parameters as model32
     assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(eqx.filter(model16, eqx.is_array)))
-    (l32, logits32), g32 = loss_and_grads(GPT(FP32, key=jax.random.key(0)))
-    (l16, logits16), g16 = loss_and_grads(model16)
+    (l32, logits32), g32 = loss_logits_and_grads(GPT(FP32, key=jax.random.key(0)), tokens)
+    (l16, logits16), g16 = loss_logits_and_grads(model16, tokens)
 
     assert logits16.dtype == jnp.float32 and logits16.shape == logits32.shape
     # Compared in NumPy (float32, as the arrays are): each jnp operation would compile a program.
@@ -83,8 +73,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def test_fused_attention_matches_the_per_head_vmap_path():
     # On CPU this is XLA's path of jax.nn.dot_product_attention, the call that GPUs send to cuDNN.
-    attn = MultiHeadAttention(64, 4, key=jax.random.key(0))
-    x = jax.device_put(np.random.default_rng(1).standard_normal((12, 64), np.float32))
+    # Width 16 and 2 heads, as test_compose.py's attention: its weights' initialising programs serve.
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(0))
+    x = jax.device_put(np.random.default_rng(1).standard_normal((12, 16), np.float32))
     mask = causal_mask(12)
     # Each path compiled whole: op by op, each of their operations is a program of its own.
     fused = forward(_fused_path, attn, x, mask)

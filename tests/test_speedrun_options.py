@@ -9,37 +9,32 @@ import jax
 import numpy as np
 import optax
 from compiled import token_ids
-from train_family import CONFIG, FAMILY, MUON, train_step, update
+from train_family import CONFIG, FAMILY, MUON, loss_logits_and_grads, optimizer_of, update
 
 from eqx_gpt import GPT, MultiHeadAttention
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.setup import optimizer_and_step
 from eqx_gpt.training.step import (
-    init_optimizer_state,
-    make_optimizer,
     matrix_axes,
     split_qkv,
 )
 
 pytestmark = FAMILY  # one process for the family: programs compiled once
 
-CFG = CONFIG  # the family's: its step (Muon, MUON) is test_training's too, compiled once
+CFG = CONFIG  # the family's: its gradient and Muon update (MUON) are test_training's too, compiled once
 
 
 def first_qkv_update(config: TrainConfig) -> np.ndarray:
-    """The first layer's `w_qkv` update of one training step at the peak rate, from init."""
+    """The first layer's `w_qkv` update of a first training step at the peak rate, from init: the
+    peak rate times the optimiser's update of the batch's gradient, as the step applies it. Through
+    the family's compiled gradient and update (a whole step compiled for each option would add its
+    forward and backward pass and check nothing more)."""
     model = GPT(CFG, key=jax.random.key(0))
-    before = np.array(model.blocks.layers.attn.qkv.weight)[0]  # indexed in NumPy: no program
-    step = train_step(config, dropout=False)
     batch = token_ids(1, (config.batch_size, CFG.context_length + 1), CFG.vocab_size)
-    model, _, _ = step(
-        model,
-        init_optimizer_state(make_optimizer(config), model),
-        batch,
-        np.int32(0),
-        np.float32(config.lr),
-    )
-    return np.asarray(model.blocks.layers.attn.qkv.weight)[0] - before
+    _, grads = loss_logits_and_grads(model, batch)
+    params, optimizer = eqx.filter(model, eqx.is_inexact_array), optimizer_of(config)
+    updates, _ = update(optimizer, grads, optimizer.init(params), params)
+    return config.lr * np.asarray(updates.blocks.layers.attn.qkv.weight)[0]  # indexed in NumPy
 
 
 def test_split_qkv_gives_queries_and_keys_updates_as_large_as_the_values():
@@ -70,8 +65,9 @@ def test_the_compiled_step_is_shared_only_by_configs_that_step_alike():
 
 
 def _fused(qkv_weight):
-    """An attention's parameters whose fused `qkv` weight is `qkv_weight` `(layers, 8, 24)`."""
-    attn = MultiHeadAttention(8, 2, key=jax.random.key(1))
+    """An attention's parameters whose fused `qkv` weight is `qkv_weight` `(layers, 16, 48)` (width
+    16: test_compose.py's attention's, whose weights' initialising programs the family compiles)."""
+    attn = MultiHeadAttention(16, 2, key=jax.random.key(1))
     fused = eqx.tree_at(lambda a: a.qkv.weight, attn, jax.device_put(qkv_weight))
     return eqx.filter(fused, eqx.is_inexact_array)
 
@@ -81,10 +77,10 @@ def test_split_qkv_orthogonalises_the_query_key_and_value_projections_each_on_it
     # the three (layers, d, d) thirds as separate matrices.
     # Drawn and cut in NumPy; each update compiled whole (`update`): run op by op, Muon's
     # Newton-Schulz iterations compile dozens of programs.
-    grads = np.random.default_rng(0).standard_normal((2, 8, 24), np.float32)
+    grads = np.random.default_rng(0).standard_normal((2, 16, 48), np.float32)
     split = split_qkv(optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(True)))
     fused_update, _ = update(split, _fused(grads), split.init(_fused(grads)), _fused(grads))
-    thirds = [jax.device_put(grads[..., 8 * i : 8 * (i + 1)]) for i in range(3)]
+    thirds = [jax.device_put(grads[..., 16 * i : 16 * (i + 1)]) for i in range(3)]
     alone = optax.contrib.muon(1.0, muon_weight_dimension_numbers=matrix_axes(False))
     separate, _ = update(alone, thirds, alone.init(thirds), thirds)
     separate = np.concatenate([np.asarray(x) for x in separate], axis=-1)

@@ -6,14 +6,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from compiled import token_ids
-from train_family import CONFIG, FAMILY, MUON, optimizer_of, train_step, update
+from train_family import (
+    CONFIG,
+    FAMILY,
+    MUON,
+    loss_logits_and_grads,
+    optimizer_of,
+    train_step,
+    train_steps,
+    update,
+)
 
 from eqx_gpt import GPT, GPTConfig
 from eqx_gpt.training.config import TrainConfig
 from eqx_gpt.training.step import (
     decay_mask,
     init_optimizer_state,
-    loss_fn,
     make_optimizer,
     make_train_step,
     make_train_steps,
@@ -50,11 +58,13 @@ def _step(config: TrainConfig, model_config=CONFIG):
 DROPOUT_CONFIG = GPTConfig(**{**CONFIG.to_dict(), "dropout": 0.1})
 # NumPy (drawn by `token_ids`): indexing and stacking it compile nothing.
 BATCH = np.asarray(token_ids(1, (8, 17), CONFIG.vocab_size))
-# One compiled program for the loss and its gradient at BATCH's shape, shared by the tests below.
-loss_and_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))
-# Clipped to 0.01, far below the gradient's norm (AdamW's update hardly changes: it divides the
-# clipped gradient's scale out again): the steps without dropout that the tests below share.
-CLIPPED = TrainConfig(batch_size=8, grad_clip=0.01)
+
+
+def loss_and_grads(model, batch):
+    """`(loss, grads)` of `model` on `batch`: one compiled program at BATCH's shape, shared by the
+    tests below and test_mixed_precision.py (`loss_logits_and_grads`)."""
+    (loss, _), grads = loss_logits_and_grads(model, jax.device_put(batch))
+    return loss, grads
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +80,19 @@ def dropout_steps():
     return make_train_steps(make_optimizer(config), config, dropout=True)
 
 
-@pytest.fixture(scope="module")
-def clipped_steps():
-    """Steps without dropout under `CLIPPED`, several per call: one compiled program for the module."""
-    return make_train_steps(make_optimizer(CLIPPED), CLIPPED, dropout=False)
-
-
-def test_loss_falls_when_overfitting_one_batch(clipped_steps):
+def test_loss_falls_when_overfitting_one_batch():
+    # The family's Muon steps, three per call: test_muon_steps_grouped_per_call_match_single_steps_...'s
+    # compiled program.
     model = GPT(CONFIG, key=jax.random.key(0))
-    opt_state = init_optimizer_state(make_optimizer(CLIPPED), model)
+    opt_state = init_optimizer_state(make_optimizer(MUON), model)
     first = float(loss_and_grads(model, BATCH)[0])
     assert first == pytest.approx(np.log(11), abs=0.3)  # starts near uniform
-    batches, lrs = np.stack([BATCH, BATCH]), np.full(2, 3e-3, np.float32)
-    for i in range(30):  # 60 steps, two per call
-        steps = np.arange(2 * i, 2 * i + 2, dtype=np.int32)
-        model, opt_state, _ = clipped_steps(model, opt_state, batches, steps, lrs, np.int32(2))
+    batches, lrs = np.stack([BATCH] * 3), np.full(3, MUON.lr, np.float32)
+    for i in range(20):  # 60 steps, three per call
+        steps = np.arange(3 * i, 3 * i + 3, dtype=np.int32)
+        model, opt_state, _ = train_steps(MUON, dropout=False)(
+            model, opt_state, batches, steps, lrs, np.int32(3)
+        )
     assert float(loss_and_grads(model, BATCH)[0]) < 0.3 * first
 
 
@@ -198,7 +206,7 @@ def _normal_like(params, seed: int):
 
 
 def test_a_muon_update_orthogonalises_each_layers_matrix_in_our_x_at_w_layout():
-    config = TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0})
+    config = MUON  # its update is test_speedrun_options.py's too, compiled once
     model = GPT(CONFIG, key=jax.random.key(0))
     params = eqx.filter(model, eqx.is_inexact_array)
     optimizer = optimizer_of(config)
@@ -229,9 +237,7 @@ def test_muon_steps_grouped_per_call_match_single_steps_and_accumulation_the_ful
     for i in range(3):
         model, opt_state, loss = step(model, opt_state, batches[i], steps[i], lrs[i])
         losses.append(float(loss))
-    grouped, _, figures = make_train_steps(make_optimizer(MUON), MUON, dropout=False)(
-        *fresh(), batches, steps, lrs, np.int32(3)
-    )
+    grouped, _, figures = train_steps(MUON, dropout=False)(*fresh(), batches, steps, lrs, np.int32(3))
     np.testing.assert_allclose(np.asarray(figures["loss"]), losses, rtol=LOSS_RTOL)
     for a, b in zip(_leaves(model), _leaves(grouped), strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=WEIGHT_ATOL)
@@ -281,24 +287,24 @@ def test_muon_momentum_sets_how_much_of_the_last_gradient_the_next_update_keeps(
     memoryless, optimizer = second_update(MEMORYLESS)
     alone = update(optimizer, g2, optimizer.init(params), params)[0].blocks.layers.mlp.up.weight
     np.testing.assert_allclose(memoryless, alone, rtol=1e-5, atol=1e-6)
-    remembering, _ = second_update(TrainConfig(**{**MUON.to_dict(), "grad_clip": 0.0, "muon_momentum": 0.95}))
+    remembering, _ = second_update(TrainConfig(**{**MUON.to_dict(), "muon_momentum": 0.95}))
     assert not np.allclose(remembering, alone, rtol=1e-2, atol=1e-3)
 
 
-def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss(clipped_steps):
-    # Clipped to 0.01, far below the gradient's norm: the figure is the norm before clipping.
-    config, steps_fn = CLIPPED, clipped_steps
+def test_the_steps_report_the_gradient_norm_before_clipping_beside_the_loss():
+    # Clipped to 0.01 (MUON's), far below the gradient's norm: the figure is the norm before clipping.
+    config, steps_fn = MUON, train_steps(MUON, dropout=False)
     model = GPT(CONFIG, key=jax.random.key(0))
     loss, grads = loss_and_grads(model, BATCH)
     expected = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
-    loss, batches = float(loss), np.stack([BATCH, BATCH])
+    loss, batches = float(loss), np.stack([BATCH] * 3)
     _, _, figures = steps_fn(
-        model, init_optimizer_state(make_optimizer(config), model), batches, np.arange(2, dtype=np.int32),
-        np.full(2, 1e-3, np.float32), np.int32(1),
+        model, init_optimizer_state(make_optimizer(config), model), batches, np.arange(3, dtype=np.int32),
+        np.full(3, 1e-3, np.float32), np.int32(1),
     )  # fmt: skip
     assert list(figures) == ["loss", "grad_norm"]
     assert expected > 10 * config.grad_clip  # far above the clip
     norms = np.asarray(figures["grad_norm"])  # indexed in NumPy: no program
     assert float(norms[0]) == pytest.approx(expected, rel=1e-4)
     assert float(np.asarray(figures["loss"])[0]) == pytest.approx(loss, rel=1e-5)
-    assert float(norms[1]) == 0  # a slot past n
+    assert float(norms[1]) == float(norms[2]) == 0  # slots past n
