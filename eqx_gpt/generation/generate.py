@@ -272,7 +272,7 @@ def stream_batch(
     padded = np.zeros((batch, prompt_bucket(length, context)), np.int32)
     padded[:, :length] = prompts
     sampling = sampling_arrays(options)
-    state = _prefill(model, jnp.asarray(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
+    state = _prefill(model, jax.device_put(padded), jnp.int32(length), jnp.int32(0), key, **sampling)
     yield _drawn(np.asarray(state.next_token)[:, None], 0, model)  # at once: the loop compiles after
     looped = loop_model(model) if max_new_tokens > 1 else model
     produced, pending = 1, []

@@ -260,14 +260,14 @@ class Batcher:
         if rows is not None:  # padded to a power of two: few programs compile
             rows = np.pad(rows, (0, attention_width(len(rows)) - len(rows)))
         self._cache, token, chosen, prompt, attention = self.programs.prefill(
-            self._cache, jnp.int32(slot), jnp.asarray(padded), jnp.int32(len(tokens)),
-            jnp.int32(sequence.produced), jnp.asarray(sequence.key_data), jnp.float32(o.temperature),
-            None if greedy or o.top_k is None else jnp.int32(o.top_k),
-            None if greedy or o.top_p is None else jnp.float32(o.top_p),
+            self._cache, np.int32(slot), padded, np.int32(len(tokens)),
+            np.int32(sequence.produced), sequence.key_data, np.float32(o.temperature),
+            None if greedy or o.top_k is None else np.int32(o.top_k),
+            None if greedy or o.top_p is None else np.float32(o.top_p),
             first and sequence.prompt_logprobs,
-            None if sequence.logit_bias is None else jnp.asarray(sequence.logit_bias),
-            jnp.int32(sequence.adapter),
-            None if rows is None else jnp.asarray(rows),
+            sequence.logit_bias,
+            np.int32(sequence.adapter),
+            rows,
         )  # fmt: skip
         sequence.window = list(tokens)
         logprobs = None
@@ -304,16 +304,16 @@ class Batcher:
         live = [s for s in self.slots if s is not None and s.options.temperature > 0]
         rows, bias = [None if s is None else s.logit_bias for s in self.slots], None
         if any(r is not None for r in rows):  # a (slots, vocab) array only when some slot has a bias
-            bias = jnp.asarray(np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows]))
+            bias = np.stack([np.zeros(vocab, np.float32) if r is None else r for r in rows])
         asked = self._attention_rows()
         self._cache, chosen, logprobs, attention = self.programs.decode(
             self._cache,
-            *(jnp.asarray(a) for a in (tokens, starts, produced, key_data, temperature, top_k, top_p)),
+            tokens, starts, produced, key_data, temperature, top_k, top_p,
             use_top_k=any(s.options.top_k is not None for s in live),
             use_top_p=any(s.options.top_p is not None for s in live),
             bias=bias,
-            adapters=jnp.asarray([0 if s is None else s.adapter for s in self.slots], jnp.int32),
-            rows=None if asked is None else jnp.asarray(asked),
+            adapters=np.asarray([0 if s is None else s.adapter for s in self.slots], np.int32),
+            rows=asked,
         )  # fmt: skip
         attention = None if attention is None else np.asarray(attention)
         chosen, lp = np.asarray(chosen), np.asarray(logprobs.chosen)

@@ -150,7 +150,8 @@ def inspect_text(
     padded[:n] = tokens
     with_attention = layout.absent is None
     weights, logits, top = _inspect_pass(
-        model, jnp.asarray(padded), jnp.int32(layer), jnp.int32(position), with_attention, lens.absent is None
+        model, jax.device_put(padded), jnp.int32(layer), jnp.int32(position), with_attention,
+        lens.absent is None,
     )  # fmt: skip
     at = logits[position]
     if not bool(usable(at)):
