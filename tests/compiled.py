@@ -53,14 +53,11 @@ def transformer(config: TransformerConfig, seed: int = 0) -> Transformer:
 
 @functools.cache
 def drawn_gpt(config: GPTConfig, seed: int = 0, scale: float = 0.1) -> GPT:
-    """A `GPT` of `config`'s structure whose float arrays are NumPy's normal draws times `scale`, built
-    from its shapes alone, once per process: for a test whose assertion holds for any weights. Building
-    it compiles nothing, where `GPT(config, key=...)` compiles a `jax.random.normal` program per weight
-    shape and number of layers."""
-    rng = np.random.default_rng(seed)
-    shapes = eqx.filter_eval_shape(GPT, config, key=jax.random.key(0))
-    draw = lambda s: jax.device_put((scale * rng.normal(size=s.shape)).astype(s.dtype))
-    return jax.tree.map(lambda s: draw(s) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)
+    """A `GPT` of `config`'s structure with `normal_weights` (NumPy's draws times `scale`), once per
+    process: for a test whose assertion holds for any weights. Building it compiles nothing, where
+    `GPT(config, key=...)` compiles a `jax.random.normal` program per weight shape and number of
+    layers."""
+    return normal_weights(eqx.filter_eval_shape(GPT, config, key=jax.random.key(0)), seed, scale)
 
 
 def zero_weights(cls: type, config):

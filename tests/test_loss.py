@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from compiled import normal_weights, token_ids
+from compiled import drawn_gpt, token_ids
 from train_family import FAMILY
 
 from eqx_gpt import GPT, GPTConfig
@@ -32,13 +32,6 @@ CASES = {
     "tied": dataclasses.replace(BASE, tie_embeddings=True, positions="learned", bias=True, norm="layer"),
     "softcap": dataclasses.replace(BASE, logit_softcap=3.0),
 }
-
-
-def _gpt(config: GPTConfig, seed: int, scale: float = 0.1) -> GPT:
-    """A GPT of `config` with weights drawn by NumPy, standard normal times `scale`
-    (`compiled.normal_weights`): the losses compared below agree for any weights, and GPT's initialiser
-    compiles a random draw per weight shape."""
-    return normal_weights(eqx.filter_eval_shape(GPT, config, key=jax.random.key(seed)), seed, scale)
 
 
 def _batch(seed, n=3, config=BASE):
@@ -76,7 +69,7 @@ def _close(a, b, rtol):
 def test_chunked_loss_and_gradients_equal_the_plain_ones(name):
     # Weights of scale 1 (the head's too: `embed * 8` once left an untied head as it was), so that
     # the softmax is far from uniform and the softcap bites.
-    model = _gpt(CASES[name], 1, scale=1.0)
+    model = drawn_gpt(CASES[name], 1, scale=1.0)
     batch = _batch(2, config=CASES[name])
     (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-5 * float(plain)
@@ -125,7 +118,7 @@ def test_weighted_sum_and_blocks_of_any_width():
 
 
 def test_bfloat16_compute_stays_close_to_the_plain_bfloat16_loss():
-    model = _gpt(dataclasses.replace(BASE, compute_dtype="bfloat16"), 6)
+    model = drawn_gpt(dataclasses.replace(BASE, compute_dtype="bfloat16"), 6)
     batch = _batch(7)
     (plain, g_plain), (chunked, g_chunked) = _plain_and_chunked(model, batch)
     assert abs(float(plain) - float(chunked)) < 1e-2 * float(plain)
@@ -235,7 +228,7 @@ def test_gpt2_sized_vocabularies_are_chunked_in_the_loss():
 
 
 def test_features_then_logits_is_the_call():
-    model = _gpt(CASES["tied"], 14)
+    model = drawn_gpt(CASES["tied"], 14)
     inputs = np.asarray(_batch(15, config=model.config))[:, :-1]
     # Both in one program (run op by op, each op would compile on its own): the same computation
     # gives the same bits; another (a call that is not features then logits) would not.
