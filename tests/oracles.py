@@ -10,6 +10,13 @@ from eqx_gpt.generation.generate import check_generation_args, prompt_bucket
 from eqx_gpt.generation.sampling import DEFAULT_SAMPLING, sample_rows, sampling_arrays, with_settings
 
 
+def np_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """The softmax of `x` over `axis`, in NumPy, in `x`'s dtype (the largest value subtracted first,
+    so that no exponential overflows)."""
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
 @eqx.filter_jit
 def naive_step(model, window, length, key, index, temperature, top_k, top_p):
     """Token `index`, sampled from the logits of position `length - 1` of the whole `window`."""

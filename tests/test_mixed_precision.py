@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from compiled import forward, token_ids
+from oracles import np_softmax
 from train_family import CONFIG, FAMILY, loss_logits_and_grads
 
 from eqx_gpt import GPT, MultiHeadAttention, causal_mask
@@ -54,7 +55,7 @@ def test_bf16_logits_loss_and_gradients_stay_close_to_fp32():
     # bf16 keeps 8 bits of mantissa: about 0.4% relative error per rounding.
     scale = np.abs(logits32).max()
     assert 0 < np.abs(logits16 - logits32).max() <= 0.03 * scale  # close, and really bf16
-    p32, p16 = _softmax(logits32), _softmax(logits16)
+    p32, p16 = np_softmax(logits32), np_softmax(logits16)
     assert np.abs(p16 - p32).max() <= 2e-3
     assert abs(float(l16) - float(l32)) <= 1e-2
 
@@ -63,12 +64,6 @@ def test_bf16_logits_loss_and_gradients_stay_close_to_fp32():
     flat16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(g16)])
     cosine = np.dot(flat32, flat16) / (np.linalg.norm(flat32) * np.linalg.norm(flat16))
     assert cosine > 0.99
-
-
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    """`jax.nn.softmax` over the last axis, in NumPy."""
-    e = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
 
 
 def test_fused_attention_matches_the_per_head_vmap_path():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gen_models import GROUP
+from oracles import np_softmax
 
 from eqx_gpt.generation.sampling import check_sampling_args, sample_next_token, top_k_filter, top_p_filter
 
@@ -45,12 +46,6 @@ def draws(logits, n, temperature=1.0, top_k=None, top_p=None):
 def random_logits(seed, scale=2.0):
     # NumPy's generator: JAX's, run eagerly, compiles a program of its own.
     return jax.device_put(scale * np.random.default_rng(seed).standard_normal(VOCAB, np.float32))
-
-
-def np_softmax(logits):
-    logits = np.asarray(logits, np.float64)
-    e = np.exp(logits - logits.max())
-    return e / e.sum()
 
 
 def test_temperature_zero_is_argmax_whatever_the_key():
@@ -129,7 +124,7 @@ def test_top_k_then_top_p_measures_mass_after_top_k():
 def test_temperature_scales_the_distribution(temperature):
     logits = np.array([1.0, 0.0, -1.0, 0.5], np.float32)
     samples = draws(logits, 20000, temperature=temperature)
-    expected = np_softmax(logits / temperature)
+    expected = np_softmax(np.asarray(logits, np.float64) / temperature)
     observed = np.bincount(samples, minlength=4) / len(samples)
     np.testing.assert_allclose(observed, expected, atol=0.015)
 
@@ -244,7 +239,7 @@ def test_a_large_vocabulary_draws_from_the_softmax_in_two_stages():
     logits[300:512] = -np.inf  # most of the second block filtered out, as top-k / top-p do
     logits[600] = 4.0
     samples = draws(logits, n)
-    probs = np_softmax(logits)
+    probs = np_softmax(np.asarray(logits, np.float64))
     counts = np.bincount(samples, minlength=vocab)
     assert counts[300:512].sum() == 0
     for ids in [np.arange(0, 256), np.arange(256, 512), np.arange(512, vocab), *rank_order(logits)[:8, None]]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from compiled import forward
 from gen_models import GROUP, TRANSFORMER_CONFIG, transformer
+from oracles import np_softmax
 
 from eqx_gpt import (
     GPT,
@@ -31,11 +32,6 @@ from eqx_gpt.training.step import init_optimizer_state, make_optimizer, make_tra
 pytestmark = pytest.mark.xdist_group(GROUP)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def np_softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return e / e.sum(-1, keepdims=True)
 
 
 def np_cross_attention(x, context, w_qkv, w_out, n_heads, mask=None):
